@@ -1,0 +1,48 @@
+#pragma once
+
+// Per-group communication counters, keyed by the c10d op name the user called
+// ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", ...).
+// `collectives` counts what actually went over the wire (inner collectives or
+// synchronisation rounds), so a fused call over N tensors shows calls=1,
+// collectives=1 while N separate calls show calls=N, collectives=N.
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+namespace hsdp {
+
+struct OpCounters {
+  uint64_t calls = 0;
+  uint64_t collectives = 0;
+  // Bytes this rank contributed as input (for all-gather: its own shard).
+  uint64_t bytes = 0;
+};
+
+class CommStats {
+ public:
+  void record(const std::string& op, uint64_t collectives, uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& c = counters_[op];
+    c.calls += 1;
+    c.collectives += collectives;
+    c.bytes += bytes;
+  }
+
+  std::map<std::string, OpCounters> snapshot() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return counters_;
+  }
+
+  void reset() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    counters_.clear();
+  }
+
+ private:
+  mutable std::mutex mutex_;
+  std::map<std::string, OpCounters> counters_;
+};
+
+} // namespace hsdp

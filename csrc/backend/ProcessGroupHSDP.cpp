@@ -1,0 +1,644 @@
+#include "backend/ProcessGroupHSDP.hpp"
+
+#include <ATen/ATen.h>
+
+#include "backend/WorkHSDP.hpp"
+#include "fusion/FlatPack.hpp"
+#include "fusion/ReducePlan.hpp"
+
+#include <map>
+
+namespace hsdp {
+
+namespace {
+
+using c10d::OpType;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+uint64_t bytesOf(const at::Tensor& t) {
+  return static_cast<uint64_t>(t.numel()) * t.element_size();
+}
+
+uint64_t bytesOf(const std::vector<at::Tensor>& ts) {
+  uint64_t total = 0;
+  for (const auto& t : ts) {
+    total += bytesOf(t);
+  }
+  return total;
+}
+
+void checkOne(const OpContext& ctx, const std::vector<at::Tensor>& ts) {
+  HSDP_CHECK_VALUE(
+      ts.size() == 1,
+      ctx,
+      "expected exactly one tensor per rank, got ",
+      ts.size());
+}
+
+void checkRank(const OpContext& ctx, int64_t r, const char* what) {
+  HSDP_CHECK_VALUE(
+      r >= 0 && r < ctx.size,
+      ctx,
+      "invalid ",
+      what,
+      " rank ",
+      r,
+      "; expected a group rank in [0, ",
+      ctx.size,
+      ")");
+}
+
+void checkSameDtype(
+    const OpContext& ctx,
+    const at::Tensor& expected,
+    const at::Tensor& t,
+    const char* what) {
+  HSDP_CHECK_TYPE(
+      t.scalar_type() == expected.scalar_type(),
+      ctx,
+      what,
+      " has dtype ",
+      t.scalar_type(),
+      " but the input has dtype ",
+      expected.scalar_type());
+}
+
+void checkSameDevice(
+    const OpContext& ctx,
+    const at::Tensor& expected,
+    const at::Tensor& t,
+    const char* what) {
+  HSDP_CHECK_VALUE(
+      t.device() == expected.device(),
+      ctx,
+      what,
+      " is on ",
+      t.device(),
+      " but the input is on ",
+      expected.device());
+}
+
+void checkNumel(
+    const OpContext& ctx,
+    const at::Tensor& t,
+    int64_t expected,
+    const char* what) {
+  HSDP_CHECK_VALUE(
+      t.numel() == expected,
+      ctx,
+      what,
+      " has ",
+      t.numel(),
+      " elements; expected ",
+      expected);
+}
+
+void checkContiguous(const OpContext& ctx, const at::Tensor& t, const char* what) {
+  HSDP_CHECK_VALUE(t.is_contiguous(), ctx, what, " must be contiguous");
+}
+
+// Tensors grouped by dtype, in order of first appearance; one fused
+// collective runs per group.
+std::vector<std::vector<size_t>> groupByDtype(const std::vector<at::Tensor>& ts) {
+  std::vector<std::vector<size_t>> groups;
+  std::vector<at::ScalarType> keys;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    auto it = std::find(keys.begin(), keys.end(), ts[i].scalar_type());
+    if (it == keys.end()) {
+      keys.push_back(ts[i].scalar_type());
+      groups.push_back({i});
+    } else {
+      groups[it - keys.begin()].push_back(i);
+    }
+  }
+  return groups;
+}
+
+} // namespace
+
+ProcessGroupHSDP::ProcessGroupHSDP(
+    int rank,
+    int size,
+    std::chrono::milliseconds timeout,
+    c10::intrusive_ptr<c10d::Backend> cpuBackend,
+    c10::intrusive_ptr<c10d::Backend> cudaBackend)
+    : Backend(rank, size),
+      options_(c10::make_intrusive<Options>("hsdp", timeout)),
+      cpu_(std::move(cpuBackend)),
+      cuda_(std::move(cudaBackend)) {
+  TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
+  init();
+}
+
+c10d::Backend& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
+  if (t.device().is_cpu()) {
+    return *cpu_;
+  }
+  if (t.device().is_cuda()) {
+    HSDP_CHECK(
+        cuda_,
+        ctx,
+        "got a tensor on ",
+        t.device(),
+        " but this process group was created without CUDA (no GPU was "
+        "visible to torch when it was created)");
+    return *cuda_;
+  }
+  HSDP_CHECK(
+      false,
+      ctx,
+      "tensors on ",
+      t.device(),
+      " are not supported; hsdp serves cpu and cuda tensors");
+}
+
+WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
+  std::lock_guard<std::mutex> lock(coalescingMutex_);
+  if (coalescing_) {
+    coalescedWorks_.push_back(work);
+  }
+  return work;
+}
+
+void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
+  options_->timeout = timeout;
+  cpu_->setTimeout(timeout);
+  if (cuda_) {
+    cuda_->setTimeout(timeout);
+  }
+}
+
+uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {
+  return cpu_->getSequenceNumberForGroup();
+}
+
+void ProcessGroupHSDP::abort() {
+  cpu_->abort();
+  if (cuda_) {
+    cuda_->abort();
+  }
+}
+
+void ProcessGroupHSDP::shutdown() {
+  cpu_->shutdown();
+  if (cuda_) {
+    cuda_->shutdown();
+  }
+}
+
+void ProcessGroupHSDP::startCoalescing() {
+  std::lock_guard<std::mutex> lock(coalescingMutex_);
+  TORCH_CHECK(
+      !coalescing_, ctx("start_coalescing").prefix(), "already coalescing");
+  coalescing_ = true;
+  coalescedWorks_.clear();
+}
+
+WorkPtr ProcessGroupHSDP::endCoalescing() {
+  std::vector<WorkPtr> works;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    TORCH_CHECK(
+        coalescing_,
+        ctx("end_coalescing").prefix(),
+        "end_coalescing without start_coalescing");
+    coalescing_ = false;
+    works.swap(coalescedWorks_);
+  }
+  if (works.empty()) {
+    return WorkHSDP::completed(rank_, OpType::COALESCED, {});
+  }
+  return WorkHSDP::chain(rank_, OpType::COALESCED, works, {}, [] {});
+}
+
+WorkPtr ProcessGroupHSDP::broadcast(
+    std::vector<at::Tensor>& tensors,
+    const c10d::BroadcastOptions& opts) {
+  const auto c = ctx("broadcast");
+  checkOne(c, tensors);
+  checkRank(c, opts.rootRank, "root");
+  auto& inner = route(c, tensors[0]);
+  stats_.record(c.op, 1, bytesOf(tensors));
+  return track(inner.broadcast(tensors, opts));
+}
+
+WorkPtr ProcessGroupHSDP::allreduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  const auto c = ctx("all_reduce");
+  checkOne(c, tensors);
+  auto& inner = route(c, tensors[0]);
+  auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_);
+  c10d::AllreduceOptions innerOpts = opts;
+  innerOpts.reduceOp = plan.innerOp;
+  stats_.record(c.op, 1, bytesOf(tensors));
+  auto work = inner.allreduce(tensors, innerOpts);
+  if (plan.post.isNone()) {
+    return track(work);
+  }
+  auto t = tensors[0];
+  return track(WorkHSDP::chain(
+      rank_, OpType::ALLREDUCE, {work}, {t}, [t, post = plan.post] {
+        post.apply(t);
+      }));
+}
+
+WorkPtr ProcessGroupHSDP::allreduceBucketed(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOp& op,
+    int64_t bucketBytes) {
+  const auto c = ctx("all_reduce_coalesced");
+  if (tensors.empty()) {
+    return WorkHSDP::completed(rank_, OpType::ALLREDUCE_COALESCED, {});
+  }
+  auto& inner = route(c, tensors[0]);
+  for (const auto& t : tensors) {
+    checkSameDevice(c, tensors[0], t, "a tensor");
+  }
+  std::vector<WorkPtr> works;
+  struct Pending {
+    Bucket bucket;
+    DeferredScale post;
+  };
+  auto pending = std::make_shared<std::vector<Pending>>();
+  for (const auto& members : groupByDtype(tensors)) {
+    auto plan = planReduce(c, op, tensors[members[0]].scalar_type(), size_);
+    c10d::AllreduceOptions innerOpts;
+    innerOpts.reduceOp = plan.innerOp;
+    for (auto& bucket : packBuckets(tensors, members, bucketBytes)) {
+      std::vector<at::Tensor> flat{bucket.flat};
+      works.push_back(inner.allreduce(flat, innerOpts));
+      pending->push_back({std::move(bucket), plan.post});
+    }
+  }
+  stats_.record(c.op, works.size(), bytesOf(tensors));
+  return track(WorkHSDP::chain(
+      rank_,
+      OpType::ALLREDUCE_COALESCED,
+      works,
+      tensors,
+      [pending, tensors] {
+        for (const auto& p : *pending) {
+          p.post.apply(p.bucket.flat);
+          p.bucket.unpack(tensors);
+        }
+      }));
+}
+
+WorkPtr ProcessGroupHSDP::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  return allreduceBucketed(tensors, opts.reduceOp, /*bucketBytes=*/0);
+}
+
+WorkPtr ProcessGroupHSDP::reduce(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOptions& opts) {
+  const auto c = ctx("reduce");
+  checkOne(c, tensors);
+  checkRank(c, opts.rootRank, "root");
+  auto& inner = route(c, tensors[0]);
+  auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_);
+  c10d::ReduceOptions innerOpts = opts;
+  innerOpts.reduceOp = plan.innerOp;
+  stats_.record(c.op, 1, bytesOf(tensors));
+  auto work = inner.reduce(tensors, innerOpts);
+  if (plan.post.isNone() || rank_ != opts.rootRank) {
+    return track(work);
+  }
+  auto t = tensors[0];
+  return track(WorkHSDP::chain(
+      rank_, OpType::REDUCE, {work}, {t}, [t, post = plan.post] {
+        post.apply(t);
+      }));
+}
+
+WorkPtr ProcessGroupHSDP::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const auto c = ctx("all_gather");
+  checkOne(c, inputs);
+  HSDP_CHECK_VALUE(
+      outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_),
+      c,
+      "expected one output list of ",
+      size_,
+      " tensors (one per rank), got ",
+      outputs.empty() ? 0 : outputs[0].size());
+  for (const auto& out : outputs[0]) {
+    checkSameDtype(c, inputs[0], out, "an output tensor");
+    checkSameDevice(c, inputs[0], out, "an output tensor");
+    checkNumel(c, out, inputs[0].numel(), "an output tensor");
+  }
+  auto& inner = route(c, inputs[0]);
+  stats_.record(c.op, 1, bytesOf(inputs));
+  return track(inner.allgather(outputs, inputs, opts));
+}
+
+WorkPtr ProcessGroupHSDP::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  const auto c = ctx("all_gather_into_tensor");
+  checkSameDtype(c, input, output, "the output");
+  checkSameDevice(c, input, output, "the output");
+  checkNumel(c, output, input.numel() * size_, "the output (world size x input)");
+  checkContiguous(c, output, "the output");
+  auto& inner = route(c, input);
+  stats_.record(c.op, 1, bytesOf(input));
+  return track(inner._allgather_base(output, input, opts));
+}
+
+WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const auto c = ctx("all_gather_into_tensor_coalesced");
+  HSDP_CHECK_VALUE(
+      outputs.size() == inputs.size(),
+      c,
+      "got ",
+      inputs.size(),
+      " inputs but ",
+      outputs.size(),
+      " outputs; expected one output per input");
+  if (inputs.empty()) {
+    return WorkHSDP::completed(rank_, OpType::COALESCED, {});
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameDtype(c, inputs[i], outputs[i], "an output");
+    checkSameDevice(c, inputs[0], inputs[i], "an input");
+    checkSameDevice(c, inputs[0], outputs[i], "an output");
+    checkNumel(c, outputs[i], inputs[i].numel() * size_, "an output (world size x input)");
+    checkContiguous(c, outputs[i], "an output");
+  }
+  auto& inner = route(c, inputs[0]);
+  auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, size_));
+  stats_.record(c.op, 1, bytesOf(inputs));
+  auto work = inner._allgather_base(pack->output, pack->input, opts);
+  return track(WorkHSDP::chain(
+      rank_,
+      OpType::COALESCED,
+      {work},
+      outputs,
+      [pack, outputs, size = size_] { pack->unpack(outputs, size); }));
+}
+
+WorkPtr ProcessGroupHSDP::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  const auto c = ctx("gather");
+  checkOne(c, inputs);
+  checkRank(c, opts.rootRank, "root");
+  if (rank_ == opts.rootRank) {
+    HSDP_CHECK_VALUE(
+        outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_),
+        c,
+        "the root expects one output list of ",
+        size_,
+        " tensors");
+    for (const auto& out : outputs[0]) {
+      checkSameDtype(c, inputs[0], out, "an output tensor");
+      checkNumel(c, out, inputs[0].numel(), "an output tensor");
+    }
+  }
+  auto& inner = route(c, inputs[0]);
+  stats_.record(c.op, 1, bytesOf(inputs));
+  return track(inner.gather(outputs, inputs, opts));
+}
+
+WorkPtr ProcessGroupHSDP::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  const auto c = ctx("scatter");
+  checkOne(c, outputs);
+  checkRank(c, opts.rootRank, "root");
+  if (rank_ == opts.rootRank) {
+    HSDP_CHECK_VALUE(
+        inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
+        c,
+        "the root expects one input list of ",
+        size_,
+        " tensors");
+    for (const auto& in : inputs[0]) {
+      checkSameDtype(c, outputs[0], in, "an input tensor");
+      checkNumel(c, in, outputs[0].numel(), "an input tensor");
+    }
+  }
+  auto& inner = route(c, outputs[0]);
+  stats_.record(c.op, 1, bytesOf(outputs));
+  return track(inner.scatter(outputs, inputs, opts));
+}
+
+WorkPtr ProcessGroupHSDP::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto c = ctx("reduce_scatter");
+  checkOne(c, outputs);
+  HSDP_CHECK_VALUE(
+      inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
+      c,
+      "expected one input list of ",
+      size_,
+      " tensors (one per rank)");
+  for (const auto& in : inputs[0]) {
+    checkSameDtype(c, outputs[0], in, "an input tensor");
+    checkSameDevice(c, outputs[0], in, "an input tensor");
+    checkNumel(c, in, outputs[0].numel(), "an input tensor");
+  }
+  auto& inner = route(c, outputs[0]);
+  auto plan = planReduce(c, opts.reduceOp, outputs[0].scalar_type(), size_);
+  c10d::ReduceScatterOptions innerOpts = opts;
+  innerOpts.reduceOp = plan.innerOp;
+  stats_.record(c.op, 1, bytesOf(inputs[0]));
+  auto work = inner.reduce_scatter(outputs, inputs, innerOpts);
+  if (plan.post.isNone()) {
+    return track(work);
+  }
+  auto t = outputs[0];
+  return track(WorkHSDP::chain(
+      rank_, OpType::REDUCE_SCATTER, {work}, {t}, [t, post = plan.post] {
+        post.apply(t);
+      }));
+}
+
+WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto c = ctx("reduce_scatter_tensor");
+  checkSameDtype(c, input, output, "the output");
+  checkSameDevice(c, input, output, "the output");
+  checkNumel(c, input, output.numel() * size_, "the input (world size x output)");
+  checkContiguous(c, input, "the input");
+  auto& inner = route(c, input);
+  auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_);
+  c10d::ReduceScatterOptions innerOpts = opts;
+  innerOpts.reduceOp = plan.innerOp;
+  stats_.record(c.op, 1, bytesOf(input));
+  auto work = inner._reduce_scatter_base(output, input, innerOpts);
+  if (plan.post.isNone()) {
+    return track(work);
+  }
+  auto t = output;
+  return track(WorkHSDP::chain(
+      rank_, OpType::_REDUCE_SCATTER_BASE, {work}, {t}, [t, post = plan.post] {
+        post.apply(t);
+      }));
+}
+
+WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const auto c = ctx("reduce_scatter_tensor_coalesced");
+  HSDP_CHECK_VALUE(
+      outputs.size() == inputs.size(),
+      c,
+      "got ",
+      inputs.size(),
+      " inputs but ",
+      outputs.size(),
+      " outputs; expected one output per input");
+  if (inputs.empty()) {
+    return WorkHSDP::completed(rank_, OpType::COALESCED, {});
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameDtype(c, inputs[i], outputs[i], "an output");
+    checkSameDevice(c, inputs[0], inputs[i], "an input");
+    checkSameDevice(c, inputs[0], outputs[i], "an output");
+    checkNumel(c, inputs[i], outputs[i].numel() * size_, "an input (world size x output)");
+    checkContiguous(c, outputs[i], "an output");
+  }
+  auto& inner = route(c, inputs[0]);
+  std::vector<WorkPtr> works;
+  struct Pending {
+    ReduceScatterPack pack;
+    std::vector<at::Tensor> outputs;
+    DeferredScale post;
+  };
+  auto pending = std::make_shared<std::vector<Pending>>();
+  for (const auto& members : groupByDtype(inputs)) {
+    auto plan = planReduce(c, opts.reduceOp, inputs[members[0]].scalar_type(), size_);
+    std::vector<at::Tensor> ins, outs;
+    for (size_t i : members) {
+      ins.push_back(inputs[i]);
+      outs.push_back(outputs[i]);
+    }
+    auto pack = packReduceScatter(ins, outs, size_);
+    c10d::ReduceScatterOptions innerOpts = opts;
+    innerOpts.reduceOp = plan.innerOp;
+    works.push_back(inner._reduce_scatter_base(pack.output, pack.input, innerOpts));
+    pending->push_back({std::move(pack), std::move(outs), plan.post});
+  }
+  stats_.record(c.op, works.size(), bytesOf(inputs));
+  return track(WorkHSDP::chain(
+      rank_, OpType::COALESCED, works, outputs, [pending] {
+        for (const auto& p : *pending) {
+          p.post.apply(p.pack.output);
+          p.pack.unpack(p.outputs);
+        }
+      }));
+}
+
+WorkPtr ProcessGroupHSDP::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes,
+    const c10d::AllToAllOptions& opts) {
+  const auto c = ctx("all_to_all_single");
+  checkSameDtype(c, input, output, "the output");
+  checkSameDevice(c, input, output, "the output");
+  for (auto* splits : {&outputSplitSizes, &inputSplitSizes}) {
+    HSDP_CHECK_VALUE(
+        splits->empty() || splits->size() == static_cast<size_t>(size_),
+        c,
+        "split sizes must be empty or have one entry per rank (",
+        size_,
+        "), got ",
+        splits->size());
+  }
+  auto& inner = route(c, input);
+  stats_.record(c.op, 1, bytesOf(input));
+  return track(
+      inner.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts));
+}
+
+WorkPtr ProcessGroupHSDP::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  const auto c = ctx("all_to_all");
+  HSDP_CHECK_VALUE(
+      outputs.size() == static_cast<size_t>(size_) &&
+          inputs.size() == static_cast<size_t>(size_),
+      c,
+      "expected ",
+      size_,
+      " input and output tensors (one per rank), got ",
+      inputs.size(),
+      " and ",
+      outputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameDtype(c, inputs[0], inputs[i], "an input");
+    checkSameDtype(c, inputs[0], outputs[i], "an output");
+  }
+  auto& inner = route(c, inputs[0]);
+  stats_.record(c.op, 1, bytesOf(inputs));
+  return track(inner.alltoall(outputs, inputs, opts));
+}
+
+WorkPtr ProcessGroupHSDP::send(
+    std::vector<at::Tensor>& tensors,
+    int dstRank,
+    int tag) {
+  const auto c = ctx("send");
+  checkOne(c, tensors);
+  checkRank(c, dstRank, "destination");
+  auto& inner = route(c, tensors[0]);
+  stats_.record(c.op, 1, bytesOf(tensors));
+  return track(inner.send(tensors, dstRank, tag));
+}
+
+WorkPtr ProcessGroupHSDP::recv(
+    std::vector<at::Tensor>& tensors,
+    int srcRank,
+    int tag) {
+  const auto c = ctx("recv");
+  checkOne(c, tensors);
+  checkRank(c, srcRank, "source");
+  auto& inner = route(c, tensors[0]);
+  stats_.record(c.op, 1, bytesOf(tensors));
+  return track(inner.recv(tensors, srcRank, tag));
+}
+
+WorkPtr ProcessGroupHSDP::recvAnysource(
+    std::vector<at::Tensor>& tensors,
+    int tag) {
+  const auto c = ctx("recv");
+  checkOne(c, tensors);
+  auto& inner = route(c, tensors[0]);
+  stats_.record(c.op, 1, bytesOf(tensors));
+  return track(inner.recvAnysource(tensors, tag));
+}
+
+WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
+  stats_.record("barrier", 1, 0);
+  // Barriers synchronise processes, not devices: the CPU backend serves them
+  // whatever devices the group also handles.
+  return track(cpu_->barrier(opts));
+}
+
+void ProcessGroupHSDP::monitoredBarrier(
+    const c10d::BarrierOptions& opts,
+    bool waitAllRanks) {
+  stats_.record("monitored_barrier", 1, 0);
+  cpu_->monitoredBarrier(opts, waitAllRanks);
+}
+
+} // namespace hsdp

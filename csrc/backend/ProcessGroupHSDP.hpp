@@ -1,0 +1,156 @@
+#pragma once
+
+// ProcessGroupHSDP: the c10d backend registered as "hsdp".
+//
+// Contract, as for every c10d backend: all ranks of a group make the same
+// collective calls in the same order, with matching sizes and dtypes.
+//
+// Every call is validated here (errors name the rank, the op and what was
+// expected), then routed by the device of its tensors:
+//   CPU  tensors -> the inner CPU backend (ProcessGroupGloo),
+//   CUDA tensors -> the inner CUDA backend (ProcessGroupNCCL), if CUDA exists.
+// On the way, hsdp adds what the inner backends lack or do slowly, with the
+// same device-agnostic code on both routes (csrc/fusion/):
+//   * AVG and PREMUL_SUM as SUM plus one deferred scale (ReducePlan),
+//   * fused coalesced all-gather / reduce-scatter / bucketed all-reduce:
+//     many tensors, one inner collective per dtype (FlatPack).
+// The inner backends are built by the Python creator (torch wheels ship no
+// Gloo or NCCL headers) and reached only through c10d::Backend's virtual API.
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/CommStats.hpp"
+#include "common/Errors.hpp"
+
+#include <mutex>
+
+namespace hsdp {
+
+class ProcessGroupHSDP final : public c10d::Backend {
+ public:
+  ProcessGroupHSDP(
+      int rank,
+      int size,
+      std::chrono::milliseconds timeout,
+      c10::intrusive_ptr<c10d::Backend> cpuBackend,
+      c10::intrusive_ptr<c10d::Backend> cudaBackend);
+
+  ProcessGroupHSDP(const ProcessGroupHSDP&) = delete;
+  ProcessGroupHSDP& operator=(const ProcessGroupHSDP&) = delete;
+
+  const std::string getBackendName() const override {
+    return "hsdp";
+  }
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return options_;
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  uint64_t getSequenceNumberForGroup() override;
+  void abort() override;
+  void shutdown() override;
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(
+      std::vector<at::Tensor>& tensors,
+      const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(
+      std::vector<at::Tensor>& tensors,
+      int dstRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(
+      std::vector<at::Tensor>& tensors,
+      int srcRank,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(
+      std::vector<at::Tensor>& tensors,
+      int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(
+      const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks)
+      override;
+
+  // hsdp's own API (bound in bindings.cpp).
+
+  // Bucketed all-reduce: tensors grouped by dtype, packed into buckets of at
+  // most bucketBytes (<= 0: one bucket per dtype), one collective a bucket.
+  c10::intrusive_ptr<c10d::Work> allreduceBucketed(
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOp& op,
+      int64_t bucketBytes);
+
+  CommStats& stats() {
+    return stats_;
+  }
+
+ private:
+  OpContext ctx(const char* op) const {
+    return OpContext{rank_, size_, op};
+  }
+  // The inner backend that serves tensors on `t`'s device.
+  c10d::Backend& route(const OpContext& ctx, const at::Tensor& t);
+  // Records `work` when called between startCoalescing and endCoalescing.
+  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+
+  c10::intrusive_ptr<Options> options_;
+  c10::intrusive_ptr<c10d::Backend> cpu_;
+  c10::intrusive_ptr<c10d::Backend> cuda_; // null without CUDA
+  CommStats stats_;
+
+  std::mutex coalescingMutex_;
+  bool coalescing_ = false;
+  std::vector<c10::intrusive_ptr<c10d::Work>> coalescedWorks_;
+};
+
+} // namespace hsdp

@@ -1,0 +1,133 @@
+#include "fusion/ReducePlan.hpp"
+
+#include <ATen/ATen.h>
+
+namespace hsdp {
+
+namespace {
+
+bool isBitwiseOp(c10d::ReduceOp::RedOpType op) {
+  return op == c10d::ReduceOp::BAND || op == c10d::ReduceOp::BOR ||
+      op == c10d::ReduceOp::BXOR;
+}
+
+const char* opName(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "UNUSED";
+  }
+}
+
+} // namespace
+
+void DeferredScale::apply(const at::Tensor& t) const {
+  if (kind_ == Kind::None || t.numel() == 0) {
+    return;
+  }
+  const auto dtype = t.scalar_type();
+  if (kind_ == Kind::Divide && !at::isFloatingType(dtype) &&
+      !at::isComplexType(dtype)) {
+    t.div_(value_, "trunc");
+    return;
+  }
+  const bool widen = dtype == at::kBFloat16 || dtype == at::kHalf;
+  at::Tensor work = widen ? t.to(at::kFloat) : t;
+  switch (kind_) {
+    case Kind::Divide:
+      work.div_(value_);
+      break;
+    case Kind::Multiply:
+      work.mul_(value_);
+      break;
+    case Kind::MultiplyTensor:
+      work.mul_(tensor_.to(work.device(), work.scalar_type()));
+      break;
+    case Kind::None:
+      break;
+  }
+  if (widen) {
+    t.copy_(work);
+  }
+}
+
+ReducePlan planReduce(
+    const OpContext& ctx,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype,
+    int groupSize) {
+  const auto type = op.op_;
+  const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
+  const bool isBool = dtype == at::kBool;
+  if (isBitwiseOp(type)) {
+    HSDP_CHECK_VALUE(
+        !isFloat,
+        ctx,
+        "ReduceOp.",
+        opName(type),
+        " needs an integer or bool tensor, got ",
+        dtype);
+    return {op, DeferredScale::none()};
+  }
+  switch (type) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+      return {op, DeferredScale::none()};
+    case c10d::ReduceOp::AVG:
+      HSDP_CHECK_VALUE(
+          !isBool,
+          ctx,
+          "ReduceOp.AVG needs a numeric tensor, got ",
+          dtype);
+      return {
+          c10d::ReduceOp(c10d::ReduceOp::SUM),
+          groupSize == 1 ? DeferredScale::none()
+                         : DeferredScale::divideBy(groupSize)};
+    case c10d::ReduceOp::PREMUL_SUM: {
+      HSDP_CHECK_VALUE(
+          isFloat,
+          ctx,
+          "ReduceOp.PREMUL_SUM needs a floating-point tensor, got ",
+          dtype);
+      auto* supplement =
+          dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      HSDP_CHECK_VALUE(
+          supplement != nullptr,
+          ctx,
+          "ReduceOp.PREMUL_SUM carries no factor; build it with "
+          "torch.distributed._make_nccl_premul_sum(factor)");
+      // Pre-multiplying every input by f and summing equals summing and
+      // multiplying once: the sum is linear, so we defer the multiply.
+      return {
+          c10d::ReduceOp(c10d::ReduceOp::SUM),
+          supplement->tensor_factor.defined()
+              ? DeferredScale::multiplyBy(supplement->tensor_factor)
+              : DeferredScale::multiplyBy(supplement->double_factor)};
+    }
+    default:
+      HSDP_CHECK_VALUE(
+          false, ctx, "unsupported reduce op ", static_cast<int>(type));
+  }
+  return {op, DeferredScale::none()};
+}
+
+} // namespace hsdp

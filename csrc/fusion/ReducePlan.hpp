@@ -1,0 +1,66 @@
+#pragma once
+
+// How a c10d reduction is carried out on a transport that only needs to know
+// SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR.
+//
+// AVG and PREMUL_SUM never reach an inner collective: they run as SUM followed
+// by one scaling step on the result (a "deferred scale"). This
+//  * works on transports that lack the op (Gloo has no PREMUL_SUM, and some
+//    torch versions turned its reduce-scatter AVG into SUM),
+//  * rounds low-precision results once (the scale is applied in fp32), and
+//  * lets a caller chain SUM collectives on several groups and scale once.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "common/Errors.hpp"
+
+namespace hsdp {
+
+class DeferredScale {
+ public:
+  static DeferredScale none() {
+    return DeferredScale(Kind::None, 1.0, {});
+  }
+  static DeferredScale divideBy(double divisor) {
+    return DeferredScale(Kind::Divide, divisor, {});
+  }
+  static DeferredScale multiplyBy(double factor) {
+    return DeferredScale(Kind::Multiply, factor, {});
+  }
+  static DeferredScale multiplyBy(at::Tensor factor) {
+    return DeferredScale(Kind::MultiplyTensor, 1.0, std::move(factor));
+  }
+
+  bool isNone() const {
+    return kind_ == Kind::None;
+  }
+
+  // Scales `t` in place. bf16/fp16 are widened to fp32, scaled and rounded
+  // once; integers divide with truncation toward zero (C semantics, as NCCL).
+  void apply(const at::Tensor& t) const;
+
+ private:
+  enum class Kind { None, Divide, Multiply, MultiplyTensor };
+  DeferredScale(Kind kind, double value, at::Tensor tensor)
+      : kind_(kind), value_(value), tensor_(std::move(tensor)) {}
+
+  Kind kind_;
+  double value_;
+  at::Tensor tensor_;
+};
+
+struct ReducePlan {
+  c10d::ReduceOp innerOp; // what the transport runs
+  DeferredScale post; // what we do to the result afterwards
+};
+
+// Checks that `op` makes sense for `dtype` (ValueError otherwise, naming the
+// rank and op) and returns the plan. `groupSize` is the AVG divisor.
+ReducePlan planReduce(
+    const OpContext& ctx,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype,
+    int groupSize);
+
+} // namespace hsdp

@@ -1,0 +1,72 @@
+"""hsdp's public Python API beyond what torch.distributed already offers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hsdp_backend import _C
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def get_hsdp_backend(group: dist.ProcessGroup | None = None):
+    """Returns the hsdp backend object behind ``group`` (default: WORLD).
+
+    Raises TypeError when the group does not run on hsdp.
+    """
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    backend = group._get_backend(torch.device("cpu"))
+    if not _C.is_hsdp(backend):
+        raise TypeError(
+            f"group {group.group_name!r} runs on backend {backend.name()!r}, not hsdp; "
+            "create it with backend='hsdp'"
+        )
+    return backend
+
+
+def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
+    """Per-op counters of ``group`` since creation or the last reset.
+
+    Returns ``{op_name: {"calls": n, "collectives": n, "bytes": n}}`` where
+    ``op_name`` is the torch.distributed call ("all_reduce",
+    "all_gather_into_tensor", "reduce_scatter_tensor", ...), ``calls`` counts
+    calls into hsdp, ``collectives`` counts what was actually sent (inner
+    collectives or synchronisation rounds; a fused call over many tensors is
+    one) and ``bytes`` counts the input bytes this rank contributed.
+    """
+    return _C.comm_stats(get_hsdp_backend(group))
+
+
+def reset_comm_stats(group: dist.ProcessGroup | None = None) -> None:
+    """Zeroes the counters that :func:`comm_stats` reports for ``group``."""
+    _C.reset_comm_stats(get_hsdp_backend(group))
+
+
+def all_reduce_coalesced(
+    tensors: list[torch.Tensor],
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    async_op: bool = False,
+):
+    """All-reduces ``tensors`` in place, packed into buckets.
+
+    Tensors are grouped by dtype and packed into buckets of at most
+    ``bucket_bytes`` (a larger tensor gets a bucket of its own); each bucket
+    is one collective. Tensors that already are adjacent views of one buffer
+    are reduced in place without a staging copy.
+
+    Args:
+        tensors: tensors on one device; any mix of dtypes.
+        op: the reduction; AVG and PREMUL_SUM run as SUM plus one scale.
+        group: the process group (default: WORLD); must run on hsdp.
+        bucket_bytes: the most bytes one collective carries; <= 0 packs each
+            dtype into a single bucket.
+        async_op: return the Work instead of waiting for it.
+    """
+    work = _C.all_reduce_bucketed(get_hsdp_backend(group), list(tensors), op, int(bucket_bytes))
+    if async_op:
+        return work
+    work.wait()
+    return None
