@@ -6,7 +6,9 @@
 #include "fusion/FlatPack.hpp"
 #include "fusion/ReducePlan.hpp"
 
-#include <map>
+#include <c10/util/Exception.h>
+
+#include <numeric>
 
 namespace hsdp {
 
@@ -584,13 +586,38 @@ WorkPtr ProcessGroupHSDP::alltoall(
       inputs.size(),
       " and ",
       outputs.size());
+  std::vector<int64_t> inSplits, outSplits;
   for (size_t i = 0; i < inputs.size(); ++i) {
     checkSameDtype(c, inputs[0], inputs[i], "an input");
     checkSameDtype(c, inputs[0], outputs[i], "an output");
+    checkSameDevice(c, inputs[0], inputs[i], "an input");
+    checkSameDevice(c, inputs[0], outputs[i], "an output");
+    inSplits.push_back(inputs[i].numel());
+    outSplits.push_back(outputs[i].numel());
   }
   auto& inner = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
-  return track(inner.alltoall(outputs, inputs, opts));
+  // Gloo's list all-to-all needs equal sizes; sending one flat buffer with
+  // per-peer splits serves any sizes with a single inner collective.
+  std::vector<at::Tensor> flatInputs;
+  for (const auto& t : inputs) {
+    flatInputs.push_back(t.reshape({-1}));
+  }
+  auto input = at::cat(flatInputs);
+  auto output = at::empty(
+      {std::accumulate(outSplits.begin(), outSplits.end(), int64_t{0})},
+      input.options());
+  // The inner backend may move from the split vectors it is given.
+  auto innerOutSplits = outSplits;
+  auto work = inner.alltoall_base(output, input, innerOutSplits, inSplits, opts);
+  return track(WorkHSDP::chain(
+      rank_, OpType::ALLTOALL, {work}, outputs, [output, outputs, outSplits] {
+        int64_t off = 0;
+        for (size_t i = 0; i < outputs.size(); ++i) {
+          outputs[i].copy_(output.narrow(0, off, outSplits[i]).view(outputs[i].sizes()));
+          off += outSplits[i];
+        }
+      }));
 }
 
 WorkPtr ProcessGroupHSDP::send(

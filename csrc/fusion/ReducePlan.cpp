@@ -45,7 +45,8 @@ void DeferredScale::apply(const at::Tensor& t) const {
   const auto dtype = t.scalar_type();
   if (kind_ == Kind::Divide && !at::isFloatingType(dtype) &&
       !at::isComplexType(dtype)) {
-    t.div_(value_, "trunc");
+    // The divisor is a group size: integral, so integer division stays exact.
+    t.div_(at::Scalar(static_cast<int64_t>(value_)), "trunc");
     return;
   }
   const bool widen = dtype == at::kBFloat16 || dtype == at::kHalf;

@@ -1,0 +1,500 @@
+"""Every c10d operation through hsdp on CPU, checked against exact references
+and against gloo. Each case runs on every rank: ``case(rank, world, ref)``
+where ``ref`` is a gloo group over the same ranks.
+
+Inputs are small integers (exact in every dtype, also bf16 and uint8), and
+every rank can compute every other rank's input, so most expected results are
+computed locally and compared exactly; AVG and PREMUL_SUM results are compared
+within one rounding of the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hsdp_backend
+
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+INTS = [torch.int64, torch.uint8]
+DTYPES = FLOATS + INTS
+SIZES = [0, 1, 7, 1000]  # empty, single, odd, larger than a cache line
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def data(rank: int, n: int, dtype, kind: str = "sum") -> torch.Tensor:
+    """Rank-dependent, small, exactly representable values."""
+    base = torch.arange(n, dtype=torch.int64) + 3 * rank
+    if kind == "product":  # keep products of <= 4 ranks exact in every dtype
+        return (base % 2 + 1).to(dtype)
+    return (base % 11 + 1).to(dtype)
+
+
+def exact(dtype, tensors_f64: torch.Tensor) -> torch.Tensor:
+    return tensors_f64.to(dtype)
+
+
+def reduce_ref(op, world: int, n: int, dtype) -> torch.Tensor:
+    kind = "product" if op == dist.ReduceOp.PRODUCT else "sum"
+    stack = torch.stack([data(r, n, torch.int64, kind) for r in range(world)])
+    if op == dist.ReduceOp.SUM:
+        out = stack.sum(0)
+    elif op == dist.ReduceOp.PRODUCT:
+        out = stack.prod(0)
+    elif op == dist.ReduceOp.MIN:
+        out = stack.min(0).values
+    elif op == dist.ReduceOp.MAX:
+        out = stack.max(0).values
+    elif op == dist.ReduceOp.BAND:
+        out = stack[0].clone()
+        for row in stack[1:]:
+            out &= row
+    elif op == dist.ReduceOp.BOR:
+        out = stack[0].clone()
+        for row in stack[1:]:
+            out |= row
+    elif op == dist.ReduceOp.BXOR:
+        out = stack[0].clone()
+        for row in stack[1:]:
+            out ^= row
+    elif op == dist.ReduceOp.AVG:
+        if dtype.is_floating_point:
+            return (stack.double().sum(0) / world).to(dtype)
+        return torch.div(stack.sum(0), world, rounding_mode="trunc").to(dtype)
+    else:
+        raise AssertionError(op)
+    return out.to(dtype)
+
+
+def check(actual: torch.Tensor, expected: torch.Tensor, what: str):
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    if actual.dtype.is_floating_point:
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
+    else:
+        assert torch.equal(actual, expected), f"{what}: {actual} != {expected}"
+
+
+def ops_for(dtype):
+    ops = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT,
+           dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+    if not dtype.is_floating_point:
+        ops += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+    return ops
+
+
+# ---------------------------------------------------------------- broadcast
+
+
+@case
+def broadcast(rank, world, ref):
+    for dtype in DTYPES:
+        for n in SIZES:
+            for root in range(world):
+                t = data(rank, n, dtype)
+                dist.broadcast(t, src=root)
+                check(t, data(root, n, dtype), f"broadcast {dtype} n={n} root={root}")
+
+
+# --------------------------------------------------------------- all_reduce
+
+
+@case
+def all_reduce_every_op(rank, world, ref):
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for n in SIZES:
+                kind = "product" if op == dist.ReduceOp.PRODUCT else "sum"
+                t = data(rank, n, dtype, kind)
+                dist.all_reduce(t, op=op)
+                check(t, reduce_ref(op, world, n, dtype), f"all_reduce {op} {dtype} n={n}")
+
+
+@case
+def all_reduce_matches_gloo(rank, world, ref):
+    for dtype in [torch.float32, torch.int64]:
+        for op in [dist.ReduceOp.SUM, dist.ReduceOp.MIN, dist.ReduceOp.MAX]:
+            t = torch.randn(513, generator=torch.Generator().manual_seed(rank)).mul(100).to(dtype)
+            g = t.clone()
+            dist.all_reduce(t, op=op)
+            dist.all_reduce(g, op=op, group=ref)
+            check(t, g, f"all_reduce vs gloo {op} {dtype}")
+
+
+@case
+def all_reduce_premul_sum(rank, world, ref):
+    for dtype in FLOATS + [torch.float64]:
+        for factor in [0.5, torch.tensor(0.25, dtype=torch.float64)]:
+            t = data(rank, 33, dtype)
+            dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
+            f = float(factor)
+            expected = (torch.stack([data(r, 33, torch.float64) for r in range(world)]).sum(0) * f).to(dtype)
+            check(t, expected, f"premul_sum {dtype} factor={f}")
+
+
+@case
+def reduce_to_each_root(rank, world, ref):
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        for op in [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX]:
+            for root in range(world):
+                t = data(rank, 9, dtype)
+                dist.reduce(t, dst=root, op=op)
+                if rank == root:
+                    check(t, reduce_ref(op, world, 9, dtype), f"reduce {op} {dtype} root={root}")
+
+
+# ---------------------------------------------------------------- all-gather
+
+
+@case
+def all_gather_list(rank, world, ref):
+    for dtype in DTYPES:
+        for n in SIZES:
+            outs = [torch.full((n,), 99).to(dtype) for _ in range(world)]
+            dist.all_gather(outs, data(rank, n, dtype))
+            for r in range(world):
+                check(outs[r], data(r, n, dtype), f"all_gather {dtype} n={n} from {r}")
+
+
+@case
+def all_gather_into_tensor(rank, world, ref):
+    for dtype in DTYPES:
+        for n in SIZES:
+            out = torch.empty(world * n, dtype=dtype)
+            dist.all_gather_into_tensor(out, data(rank, n, dtype))
+            expected = torch.cat([data(r, n, dtype) for r in range(world)])
+            check(out, expected, f"all_gather_into_tensor {dtype} n={n}")
+
+
+@case
+def all_gather_into_tensor_in_place(rank, world, ref):
+    # FSDP2's form: the input is this rank's slice of the output.
+    for dtype in DTYPES:
+        for n in SIZES:
+            out = torch.full((world * n,), 7).to(dtype)
+            shard = out.narrow(0, rank * n, n)
+            shard.copy_(data(rank, n, dtype))
+            dist.all_gather_into_tensor(out, shard)
+            expected = torch.cat([data(r, n, dtype) for r in range(world)])
+            check(out, expected, f"in-place all_gather_into_tensor {dtype} n={n}")
+
+
+@case
+def gather_and_scatter(rank, world, ref):
+    for dtype in [torch.float32, torch.bfloat16, torch.uint8]:
+        for root in range(world):
+            outs = [torch.empty(5, dtype=dtype) for _ in range(world)] if rank == root else None
+            dist.gather(data(rank, 5, dtype), outs, dst=root)
+            if rank == root:
+                for r in range(world):
+                    check(outs[r], data(r, 5, dtype), f"gather {dtype} root={root} from {r}")
+            out = torch.empty(5, dtype=dtype)
+            ins = [data(r + 10, 5, dtype) for r in range(world)] if rank == root else None
+            dist.scatter(out, ins, src=root)
+            check(out, data(rank + 10, 5, dtype), f"scatter {dtype} root={root}")
+
+
+# ------------------------------------------------------------ reduce-scatter
+
+
+def rs_input(rank, world, n, dtype):
+    return data(rank, world * n, dtype)
+
+
+def rs_expected(op, world, rank, n, dtype):
+    full = torch.stack([data(r, world * n, torch.float64) for r in range(world)]).sum(0)
+    if op == dist.ReduceOp.AVG:
+        full = full / world
+    chunk = full[rank * n:(rank + 1) * n]
+    if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
+        chunk = torch.div(torch.stack([data(r, world * n, torch.int64) for r in range(world)]).sum(0),
+                          world, rounding_mode="trunc")[rank * n:(rank + 1) * n]
+    return chunk.to(dtype)
+
+
+@case
+def reduce_scatter_tensor_sum_avg(rank, world, ref):
+    for dtype in DTYPES:
+        for op in [dist.ReduceOp.SUM, dist.ReduceOp.AVG]:
+            for n in SIZES:
+                out = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(out, rs_input(rank, world, n, dtype), op=op)
+                check(out, rs_expected(op, world, rank, n, dtype), f"reduce_scatter_tensor {op} {dtype} n={n}")
+
+
+@case
+def reduce_scatter_tensor_premul_sum(rank, world, ref):
+    for dtype in FLOATS:
+        out = torch.empty(6, dtype=dtype)
+        dist.reduce_scatter_tensor(out, rs_input(rank, world, 6, dtype), op=dist._make_nccl_premul_sum(0.125))
+        expected = (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.125).to(dtype)
+        check(out, expected, f"reduce_scatter_tensor premul_sum {dtype}")
+
+
+@case
+def reduce_scatter_tensor_matches_gloo(rank, world, ref):
+    x = torch.randn(world * 257, generator=torch.Generator().manual_seed(rank))
+    out, g = torch.empty(257), torch.empty(257)
+    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM)
+    dist.reduce_scatter_tensor(g, x, op=dist.ReduceOp.SUM, group=ref)
+    check(out, g, "reduce_scatter_tensor vs gloo")
+
+
+@case
+def reduce_scatter_list(rank, world, ref):
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        for op in [dist.ReduceOp.SUM, dist.ReduceOp.AVG]:
+            full = rs_input(rank, world, 4, dtype)
+            out = torch.empty(4, dtype=dtype)
+            dist.reduce_scatter(out, list(full.chunk(world)), op=op)
+            check(out, rs_expected(op, world, rank, 4, dtype), f"reduce_scatter {op} {dtype}")
+
+
+# ---------------------------------------------------------------- all-to-all
+
+
+@case
+def all_to_all_single_even_and_uneven(rank, world, ref):
+    for dtype in [torch.float32, torch.int64, torch.uint8]:
+        # even: rank r sends [r*100 + dst] to each dst
+        inp = torch.tensor([rank * 10 + d for d in range(world)]).to(dtype)
+        out = torch.empty(world, dtype=dtype)
+        dist.all_to_all_single(out, inp)
+        check(out, torch.tensor([s * 10 + rank for s in range(world)]).to(dtype), f"all_to_all_single even {dtype}")
+        # uneven: rank r sends (d + 1) elements to rank d
+        in_splits = [d + 1 for d in range(world)]
+        out_splits = [rank + 1] * world
+        inp = torch.cat([torch.full((d + 1,), rank * 10 + d) for d in range(world)]).to(dtype)
+        out = torch.empty(sum(out_splits), dtype=dtype)
+        dist.all_to_all_single(out, inp, out_splits, in_splits)
+        expected = torch.cat([torch.full((rank + 1,), s * 10 + rank) for s in range(world)]).to(dtype)
+        check(out, expected, f"all_to_all_single uneven {dtype}")
+
+
+@case
+def all_to_all_list(rank, world, ref):
+    ins = [torch.full((d + 2,), float(rank * 10 + d)) for d in range(world)]
+    outs = [torch.empty(rank + 2) for _ in range(world)]
+    dist.all_to_all(outs, ins)
+    for s in range(world):
+        check(outs[s], torch.full((rank + 2,), float(s * 10 + rank)), f"all_to_all from {s}")
+
+
+# ----------------------------------------------------------------- p2p
+
+
+@case
+def send_recv_ring(rank, world, ref):
+    if world == 1:
+        return
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    for dtype in [torch.float32, torch.bfloat16, torch.int64]:
+        got = torch.empty(100, dtype=dtype)
+        if rank % 2 == 0:
+            dist.send(data(rank, 100, dtype), nxt)
+            dist.recv(got, prv)
+        else:
+            dist.recv(got, prv)
+            dist.send(data(rank, 100, dtype), nxt)
+        check(got, data(prv, 100, dtype), f"send/recv {dtype}")
+    # isend/irecv posted in the same order on every rank
+    got = torch.empty(4096)
+    reqs = [dist.isend(data(rank, 4096, torch.float32), nxt), dist.irecv(got, prv)]
+    for req in reqs:
+        req.wait()
+    check(got, data(prv, 4096, torch.float32), "isend/irecv")
+    got = torch.empty(8)
+    ops = [dist.P2POp(dist.isend, data(rank, 8, torch.float32), nxt),
+           dist.P2POp(dist.irecv, got, prv)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+    check(got, data(prv, 8, torch.float32), "batch_isend_irecv")
+
+
+@case
+def barrier_and_objects(rank, world, ref):
+    dist.barrier()
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "payload": list(range(rank))})
+    assert objs == [{"rank": r, "payload": list(range(r))} for r in range(world)], objs
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(("r", rank), gathered, dst=0)
+    if rank == 0:
+        assert gathered == [("r", r) for r in range(world)], gathered
+    lst = [f"root-{i}" for i in range(3)] if rank == world - 1 else [None] * 3
+    dist.broadcast_object_list(lst, src=world - 1)
+    assert lst == [f"root-{i}" for i in range(3)], lst
+    out = [None]
+    dist.scatter_object_list(out, [f"to-{r}" for r in range(world)] if rank == 0 else None, src=0)
+    assert out == [f"to-{rank}"], out
+
+
+# ----------------------------------------------------------- coalesced forms
+
+
+@case
+def coalescing_manager_all_reduce(rank, world, ref):
+    hsdp_backend.reset_comm_stats()
+    ts = [data(rank, n, torch.float32) for n in (3, 0, 17, 1)]
+    with dist._coalescing_manager():
+        for t in ts:
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    for n, t in zip((3, 0, 17, 1), ts):
+        check(t, reduce_ref(dist.ReduceOp.AVG, world, n, torch.float32), f"coalesced all_reduce n={n}")
+    stats = hsdp_backend.comm_stats()["all_reduce_coalesced"]
+    assert stats == {"calls": 1, "collectives": 1, "bytes": 21 * 4}, stats
+
+
+@case
+def coalescing_manager_all_gather_and_reduce_scatter(rank, world, ref):
+    sizes = (5, 1, 0, 12)
+    for dtype in [torch.float32, torch.bfloat16]:
+        hsdp_backend.reset_comm_stats()
+        outs = [torch.empty(world * n, dtype=dtype) for n in sizes]
+        with dist._coalescing_manager():
+            for n, out in zip(sizes, outs):
+                dist.all_gather_into_tensor(out, data(rank, n, dtype))
+        for n, out in zip(sizes, outs):
+            check(out, torch.cat([data(r, n, dtype) for r in range(world)]), f"coalesced all_gather {dtype} n={n}")
+        outs = [torch.empty(n, dtype=dtype) for n in sizes]
+        with dist._coalescing_manager():
+            for n, out in zip(sizes, outs):
+                dist.reduce_scatter_tensor(out, rs_input(rank, world, n, dtype), op=dist.ReduceOp.AVG)
+        for n, out in zip(sizes, outs):
+            check(out, rs_expected(dist.ReduceOp.AVG, world, rank, n, dtype), f"coalesced reduce_scatter {dtype} n={n}")
+        stats = hsdp_backend.comm_stats()
+        assert stats["all_gather_into_tensor_coalesced"]["collectives"] == 1, stats
+        assert stats["reduce_scatter_tensor_coalesced"]["collectives"] == 1, stats
+
+
+@case
+def coalesced_async(rank, world, ref):
+    outs = [torch.empty(world * 3) for _ in range(2)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for out in outs:
+            dist.all_gather_into_tensor(out, data(rank, 3, torch.float32))
+    cm.wait()
+    for out in outs:
+        check(out, torch.cat([data(r, 3, torch.float32) for r in range(world)]), "async coalesced all_gather")
+
+
+@case
+def all_reduce_coalesced(rank, world, ref):
+    # torch.distributed's own API (one dtype per call, checked by torch)
+    hsdp_backend.reset_comm_stats()
+    ts = [data(rank, n, torch.bfloat16) for n in (4, 3, 0, 2)]
+    dist.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG)
+    for t in ts:
+        check(t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), t.dtype), "all_reduce_coalesced")
+    assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 1
+    # hsdp's API takes mixed dtypes: one collective per dtype
+    hsdp_backend.reset_comm_stats()
+    ts = [data(rank, 4, torch.float32), data(rank, 3, torch.int64), data(rank, 2, torch.float32)]
+    hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.SUM)
+    for t in ts:
+        check(t, reduce_ref(dist.ReduceOp.SUM, world, t.numel(), t.dtype), f"mixed {t.dtype}")
+    assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 2
+
+
+@case
+def hsdp_all_reduce_coalesced_buckets(rank, world, ref):
+    hsdp_backend.reset_comm_stats()
+    ts = [data(rank, n, torch.float32) for n in (10, 10, 10, 30, 1)]
+    hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, bucket_bytes=80)
+    for t in ts:
+        check(t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), torch.float32), "bucketed all_reduce")
+    # buckets of <= 80 bytes: [10,10] [10] [30] [1]
+    assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 4
+    # adjacent views of one buffer: reduced in place, no staging copy
+    flat = torch.cat([data(rank, 6, torch.float32), data(rank + 1, 6, torch.float32)])
+    views = [flat[:6], flat[6:]]
+    work = hsdp_backend.all_reduce_coalesced(views, op=dist.ReduceOp.SUM, bucket_bytes=0, async_op=True)
+    work.wait()
+    check(views[0], reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32), "flat view 0")
+
+
+# ------------------------------------------------------------------- async
+
+
+@case
+def async_work_contract(rank, world, ref):
+    for op in [dist.ReduceOp.SUM, dist.ReduceOp.AVG]:  # pass-through and chained Work
+        t = data(rank, 64, torch.float32)
+        work = dist.all_reduce(t, op=op, async_op=True)
+        fut = work.get_future()
+        assert work.wait() is not False
+        assert work.is_completed()
+        check(t, reduce_ref(op, world, 64, torch.float32), f"async all_reduce {op}")
+        value = fut.wait()
+        check(value[0], reduce_ref(op, world, 64, torch.float32), f"future value {op}")
+    out = torch.empty(4, dtype=torch.bfloat16)
+    work = dist.reduce_scatter_tensor(out, rs_input(rank, world, 4, torch.bfloat16), op=dist.ReduceOp.AVG, async_op=True)
+    work.wait()
+    check(out, rs_expected(dist.ReduceOp.AVG, world, rank, 4, torch.bfloat16), "async reduce_scatter AVG")
+
+
+# -------------------------------------------------------- subgroups, meshes
+
+
+@case
+def subgroups(rank, world, ref):
+    members = list(range(0, world, 2))  # even ranks
+    g = dist.new_group(members, backend="hsdp")
+    if rank in members:
+        t = torch.ones(3) * (rank + 1)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG, group=g)
+        check(t, torch.ones(3) * (sum(m + 1 for m in members) / len(members)), "subgroup all_reduce")
+        out = torch.empty(len(members))
+        dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=g)
+        check(out, torch.tensor([float(m) for m in members]), "subgroup all_gather")
+    dist.destroy_process_group(g)
+    # default-backend subgroup (new_group reuses hsdp)
+    g2 = dist.new_group(list(range(world)))
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=g2)
+    check(t, torch.tensor([float(sum(range(world)))]), "default-backend subgroup")
+    assert hsdp_backend.comm_stats(g2)["all_reduce"]["calls"] == 1
+
+
+@case
+def device_mesh_2x2(rank, world, ref):
+    if world != 4:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    for dim in ("replicate", "shard"):
+        g = mesh.get_group(dim)
+        peers = dist.get_process_group_ranks(g)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=g)
+        check(t, torch.tensor([float(sum(peers))]), f"mesh {dim} all_reduce")
+        assert "all_reduce" in hsdp_backend.comm_stats(g)
+
+
+# ------------------------------------------------------------ comm_stats
+
+
+@case
+def comm_stats_counts_and_resets(rank, world, ref):
+    hsdp_backend.reset_comm_stats()
+    assert hsdp_backend.comm_stats() == {}
+    t = torch.zeros(10)
+    for _ in range(3):
+        dist.all_reduce(t)
+    out = torch.empty(world * 10)
+    dist.all_gather_into_tensor(out, t)
+    stats = hsdp_backend.comm_stats()
+    assert stats["all_reduce"] == {"calls": 3, "collectives": 3, "bytes": 120}, stats
+    assert stats["all_gather_into_tensor"] == {"calls": 1, "collectives": 1, "bytes": 40}, stats
+    try:
+        hsdp_backend.comm_stats(ref)
+    except TypeError as exc:
+        assert "not hsdp" in str(exc)
+    else:
+        raise AssertionError("comm_stats on a gloo group must raise TypeError")
