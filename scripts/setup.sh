@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Sets up a fresh clone: .venv with torch 2.14.1 and the test tools, and
+# hsdp_backend built against that torch. Idempotent and quick on a second
+# run: each step is skipped when its result is already in place, and the
+# extension is rebuilt only when its sources changed (build/ keeps the
+# CMake tree for incremental builds).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT=$(pwd)
+
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.14.1
+VENV=.venv
+PY=$VENV/bin/python
+
+if [ ! -x "$PY" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+
+if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  echo "[setup] installing torch==$TORCH_VERSION"
+  "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
+fi
+
+if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, matplotlib" 2>/dev/null; then
+  echo "[setup] installing build and test tools"
+  "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib
+fi
+
+# Rebuild when any input of the build changed since the last install.
+stamp_file=build/.setup-stamp
+stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc hsdp_backend -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' \) | sort) | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || ! (cd /tmp && "$ROOT/$PY" -c "import hsdp_backend._C") 2>/dev/null; then
+  echo "[setup] building hsdp_backend (C++ extension; about a minute on 2 cores)"
+  # --no-build-isolation: build against the torch in $VENV, never a second one.
+  "$PY" -m pip install --quiet --no-build-isolation --no-deps .
+  mkdir -p build
+  echo "$stamp" > "$stamp_file"
+fi
+echo "[setup] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

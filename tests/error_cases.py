@@ -1,0 +1,130 @@
+"""Bad input: a clear error naming the rank, the op and what was expected,
+and the group stays usable. Every rank makes the same mistake, as a user's
+SPMD program would, so the ranks stay in step."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def raises(exc_type, pattern, fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc_type as exc:
+        assert re.search(pattern, str(exc)), f"message {str(exc)!r} does not match {pattern!r}"
+        return exc
+    except Exception as exc:  # noqa: BLE001
+        raise AssertionError(f"expected {exc_type.__name__}, got {type(exc).__name__}: {exc}") from exc
+    raise AssertionError(f"expected {exc_type.__name__}({pattern!r}), nothing was raised")
+
+
+def still_usable(rank, world):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    assert t.item() == world * (world + 1) / 2, t
+
+
+def prefix(rank, world, op):
+    return re.escape(f"[rank {rank}/{world}] {op}: ")
+
+
+def backend():
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+
+
+@case
+def wrong_output_size(rank, world, ref):
+    out = torch.empty(world * 4 + 1)
+    raises(ValueError, prefix(rank, world, "all_gather_into_tensor") + r".*expected " + str(world * 4),
+           dist.all_gather_into_tensor, out, torch.ones(4))
+    still_usable(rank, world)
+    raises(ValueError, prefix(rank, world, "reduce_scatter_tensor") + r"the input .*expected",
+           dist.reduce_scatter_tensor, torch.empty(3), torch.ones(world * 3 + 1))
+    still_usable(rank, world)
+
+
+@case
+def dtype_mismatch(rank, world, ref):
+    raises(TypeError, prefix(rank, world, "all_gather_into_tensor") + r"the output has dtype Float but the input has dtype BFloat16",
+           dist.all_gather_into_tensor, torch.empty(world * 2), torch.ones(2, dtype=torch.bfloat16))
+    still_usable(rank, world)
+    raises(TypeError, prefix(rank, world, "reduce_scatter_tensor") + "the output has dtype Half but the input has dtype Float",
+           dist.reduce_scatter_tensor, torch.empty(2, dtype=torch.float16), torch.ones(world * 2))
+    still_usable(rank, world)
+
+
+@case
+def op_makes_no_sense_for_dtype(rank, world, ref):
+    raises(ValueError, prefix(rank, world, "all_reduce") + r"ReduceOp.BAND needs an integer or bool tensor, got Float",
+           dist.all_reduce, torch.ones(3), op=dist.ReduceOp.BAND)
+    still_usable(rank, world)
+    raises(ValueError, prefix(rank, world, "reduce_scatter_tensor") + r"ReduceOp.PREMUL_SUM needs a floating-point tensor, got Long",
+           dist.reduce_scatter_tensor, torch.empty(1, dtype=torch.int64), torch.ones(world, dtype=torch.int64),
+           op=dist._make_nccl_premul_sum(2.0))
+    still_usable(rank, world)
+
+
+@case
+def invalid_root_and_peer(rank, world, ref):
+    # torch.distributed rejects ranks outside the group before the backend
+    # sees them; a caller of the backend API directly meets hsdp's own check.
+    raises(ValueError, "", dist.broadcast, torch.ones(2), src=world)
+    still_usable(rank, world)
+    opts = dist.BroadcastOptions()
+    opts.rootRank = world + 3
+    raises(ValueError, prefix(rank, world, "broadcast") + rf"invalid root rank {world + 3}; expected a group rank in \[0, {world}\)",
+           backend().broadcast, [torch.ones(2)], opts)
+    still_usable(rank, world)
+    raises(ValueError, prefix(rank, world, "send") + r"invalid destination rank -1",
+           backend().send, [torch.ones(2)], -1, 0)
+    raises(ValueError, prefix(rank, world, "recv") + rf"invalid source rank {world}",
+           backend().recv, [torch.ones(2)], world, 0)
+    still_usable(rank, world)
+
+
+@case
+def unsupported_device(rank, world, ref):
+    # torch.distributed answers meta tensors itself, without a backend; the
+    # backend API shows what hsdp does with a device it does not serve.
+    raises(RuntimeError, prefix(rank, world, "all_reduce") + r"tensors on meta are not supported",
+           backend().allreduce, [torch.ones(2, device="meta")], dist.AllreduceOptions())
+    still_usable(rank, world)
+
+
+@case
+def coalesced_list_length_mismatch(rank, world, ref):
+    raises(ValueError, prefix(rank, world, "all_gather_into_tensor_coalesced") + "got 2 inputs but 1 outputs",
+           backend().all_gather_single_coalesced, [torch.empty(world * 2)], [torch.ones(2), torch.ones(2)],
+           dist.distributed_c10d.AllgatherOptions())
+    still_usable(rank, world)
+
+
+@case
+def async_failure_surfaces_from_wait(rank, world, ref):
+    """A collective that cannot complete (only rank 0 calls it) fails from
+    wait() with an exception once the group's timeout expires: no hang, no
+    crash. The broken group is abandoned; the default group keeps working."""
+    import datetime
+    import time
+
+    if world == 1:
+        return
+    g = dist.new_group(backend="hsdp", timeout=datetime.timedelta(seconds=2))
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG, group=g, async_op=True)
+        start = time.monotonic()
+        raises(RuntimeError, "", work.wait)
+        assert time.monotonic() - start < 30
+        assert work.is_completed()
+    dist.barrier(group=ref)
+    still_usable(rank, world)

@@ -1,0 +1,117 @@
+"""How torch finds hsdp: the autoload entry point at `import torch`, the
+torch.distributed.backends entry point, and that neither can break torch."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from harness import free_port
+
+
+def python(code: str, env: dict | None = None, cwd=None, timeout=120):
+    """Runs code in a fresh interpreter (import torch happens there)."""
+    full_env = {**os.environ, **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout,
+    )
+    return proc
+
+
+def test_import_torch_registers_hsdp_lazily(tmp_path):
+    proc = python(
+        """
+        import sys, torch, torch.distributed as dist
+        print("registered", "HSDP" in dist.Backend._plugins)
+        print("extension loaded", "hsdp_backend._C" in sys.modules)
+        """,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "registered True" in proc.stdout
+    assert "extension loaded False" in proc.stdout
+
+
+def test_autoload_disabled_by_env(tmp_path):
+    proc = python(
+        """
+        import sys, torch, torch.distributed as dist
+        print("imported", "hsdp_backend" in sys.modules)
+        print("registered", "HSDP" in dist.Backend._plugins)
+        """,
+        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "imported False" in proc.stdout
+    assert "registered False" in proc.stdout
+
+
+def test_init_process_group_finds_hsdp_without_import(tmp_path):
+    # With autoload off, torch.distributed's own entry-point group still
+    # resolves the name when a process group asks for it.
+    proc = python(
+        f"""
+        import datetime, torch, torch.distributed as dist
+        dist.init_process_group("hsdp", init_method="tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+        t = torch.ones(3)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        print("backend", dist.get_backend(), t.tolist())
+        dist.destroy_process_group()
+        """,
+        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "backend hsdp [1.0, 1.0, 1.0]" in proc.stdout
+
+
+def test_failing_registration_never_breaks_import_torch(tmp_path):
+    # A sitecustomize plants a registration module that raises, as a broken
+    # install would; import torch must still succeed, with a warning.
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(
+        """
+        import sys, types
+        broken = types.ModuleType("hsdp_backend._registration")
+        broken.BACKEND_NAME = "hsdp"
+        def register():
+            raise RuntimeError("simulated broken install")
+        broken.register = register
+        sys.modules["hsdp_backend._registration"] = broken
+        """
+    ))
+    proc = python(
+        """
+        import warnings
+        warnings.simplefilter("always")
+        import torch
+        print("torch ok", torch.ones(1).item())
+        """,
+        env={"PYTHONPATH": str(tmp_path)},
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "torch ok 1.0" in proc.stdout
+    assert "simulated broken install" in proc.stderr
+
+
+def test_unknown_group_backend_is_rejected_by_comm_stats(tmp_path):
+    proc = python(
+        f"""
+        import datetime, torch, torch.distributed as dist, hsdp_backend
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+        try:
+            hsdp_backend.comm_stats()
+        except TypeError as exc:
+            print("TypeError", exc)
+        dist.destroy_process_group()
+        """,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "TypeError" in proc.stdout and "not hsdp" in proc.stdout
