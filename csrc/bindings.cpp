@@ -37,25 +37,52 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "create_backend",
-      [](int rank,
+      [](c10d::Store& store,
+         int rank,
          int size,
          std::chrono::milliseconds timeout,
          c10d::Backend* cpuBackend,
-         c10d::Backend* cudaBackend) -> c10::intrusive_ptr<c10d::Backend> {
+         c10d::Backend* cudaBackend,
+         const std::string& engine,
+         int64_t slotBytes,
+         int64_t spinNs,
+         int64_t oneShotBytes,
+         int64_t engineTimeoutMs) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
+        hsdp::ShmOptions shm;
+        shm.mode = engine == "gloo" ? hsdp::ShmOptions::Mode::Off
+            : engine == "shm"      ? hsdp::ShmOptions::Mode::Required
+                                   : hsdp::ShmOptions::Mode::Auto;
+        shm.slotBytes = static_cast<size_t>(slotBytes);
+        shm.engine.spin = std::chrono::nanoseconds(spinNs);
+        shm.engine.oneShotBytes = static_cast<size_t>(oneShotBytes);
+        shm.engine.timeout = std::chrono::milliseconds(engineTimeoutMs);
+        py::gil_scoped_release nogil; // the rendezvous blocks on the store
         return c10::make_intrusive<hsdp::ProcessGroupHSDP>(
+            store,
             rank,
             size,
             timeout,
             retain(cpuBackend),
-            cudaBackend ? retain(cudaBackend)
-                        : c10::intrusive_ptr<c10d::Backend>());
+            cudaBackend ? retain(cudaBackend) : c10::intrusive_ptr<c10d::Backend>(),
+            shm);
       },
+      py::arg("store"),
       py::arg("rank"),
       py::arg("size"),
       py::arg("timeout"),
       py::arg("cpu_backend"),
-      py::arg("cuda_backend") = nullptr);
+      py::arg("cuda_backend"),
+      py::arg("engine"),
+      py::arg("slot_bytes"),
+      py::arg("spin_ns"),
+      py::arg("one_shot_bytes"),
+      py::arg("engine_timeout_ms"));
+
+  m.def("cpu_engine", [](c10d::Backend* backend) {
+    auto& hsdp = asHSDP(backend);
+    return py::make_tuple(hsdp.cpuEngine(), hsdp.shmUnavailableReason());
+  });
 
   m.def("is_hsdp", [](c10d::Backend* backend) {
     return dynamic_cast<hsdp::ProcessGroupHSDP*>(backend) != nullptr;
@@ -82,12 +109,14 @@ PYBIND11_MODULE(_C, m) {
       [](c10d::Backend* backend,
          std::vector<at::Tensor> tensors,
          const c10d::ReduceOp& op,
-         int64_t bucketBytes) {
-        return asHSDP(backend).allreduceBucketed(tensors, op, bucketBytes);
+         int64_t bucketBytes,
+         bool asyncOp) {
+        return asHSDP(backend).allreduceBucketed(tensors, op, bucketBytes, asyncOp);
       },
       py::arg("backend"),
       py::arg("tensors"),
       py::arg("op"),
       py::arg("bucket_bytes"),
+      py::arg("async_op"),
       py::call_guard<py::gil_scoped_release>());
 }

@@ -11,7 +11,13 @@ loads nothing heavy, and the public API below is imported on first use.
 
 from hsdp_backend._registration import BACKEND_NAME, register
 
-_API = ("all_reduce_coalesced", "comm_stats", "get_hsdp_backend", "reset_comm_stats")
+_API = (
+    "all_reduce_coalesced",
+    "comm_stats",
+    "cpu_engine",
+    "get_hsdp_backend",
+    "reset_comm_stats",
+)
 
 __all__ = ["BACKEND_NAME", "register", *_API]
 

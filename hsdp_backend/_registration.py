@@ -29,10 +29,12 @@ def _create_backend(opts, backend_options):
     The inner backends get their own store prefixes so their rendezvous keys
     never collide with each other or with anything else on the group's store.
     """
+    import os
+
     import torch
     import torch.distributed as dist
 
-    from hsdp_backend import _C
+    from hsdp_backend import _C, config
 
     store, rank, size, timeout = (
         opts.store,
@@ -50,4 +52,23 @@ def _create_backend(opts, backend_options):
         cuda = dist.ProcessGroupNCCL(
             dist.PrefixStore("hsdp/nccl/", store), rank, size, nccl_opts
         )
-    return _C.create_backend(rank, size, timeout, cpu, cuda)
+    spin_us = config.read("HSDP_SHM_SPIN_US")
+    if spin_us == "auto":
+        # Spinning only helps when every rank has a core to spin on.
+        spin_us = 20 if size <= (os.cpu_count() or 1) else 0
+    engine_timeout = config.read("HSDP_TIMEOUT_MS")
+    if engine_timeout == "group":
+        engine_timeout = int(timeout.total_seconds() * 1000)
+    return _C.create_backend(
+        store,
+        rank,
+        size,
+        timeout,
+        cpu,
+        cuda,
+        engine=config.read("HSDP_ENGINE"),
+        slot_bytes=config.read("HSDP_SHM_SLOT_BYTES"),
+        spin_ns=int(spin_us) * 1000,
+        one_shot_bytes=config.read("HSDP_SHM_ONESHOT_BYTES"),
+        engine_timeout_ms=engine_timeout,
+    )

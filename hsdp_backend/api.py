@@ -25,6 +25,12 @@ def get_hsdp_backend(group: dist.ProcessGroup | None = None):
     return backend
 
 
+def cpu_engine(group: dist.ProcessGroup | None = None) -> str:
+    """What serves ``group``'s CPU collectives: ``"shm"`` (the shared-memory
+    engine, all members on this host) or ``"gloo"`` (the inner Gloo group)."""
+    return _C.cpu_engine(get_hsdp_backend(group))[0]
+
+
 def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:
     """Per-op counters of ``group`` since creation or the last reset.
 
@@ -65,7 +71,9 @@ def all_reduce_coalesced(
             dtype into a single bucket.
         async_op: return the Work instead of waiting for it.
     """
-    work = _C.all_reduce_bucketed(get_hsdp_backend(group), list(tensors), op, int(bucket_bytes))
+    work = _C.all_reduce_bucketed(
+        get_hsdp_backend(group), list(tensors), op, int(bucket_bytes), bool(async_op)
+    )
     if async_op:
         return work
     work.wait()

@@ -4,7 +4,7 @@
 
 #include "backend/WorkHSDP.hpp"
 #include "fusion/FlatPack.hpp"
-#include "fusion/ReducePlan.hpp"
+#include "shm/Reduce.hpp"
 
 #include <c10/util/Exception.h>
 
@@ -116,20 +116,168 @@ std::vector<std::vector<size_t>> groupByDtype(const std::vector<at::Tensor>& ts)
   return groups;
 }
 
+
+std::optional<shm::DType> shmDtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return shm::DType::F32;
+    case at::kDouble:
+      return shm::DType::F64;
+    case at::kBFloat16:
+      return shm::DType::BF16;
+    case at::kHalf:
+      return shm::DType::F16;
+    case at::kChar:
+      return shm::DType::I8;
+    case at::kByte:
+      return shm::DType::U8;
+    case at::kShort:
+      return shm::DType::I16;
+    case at::kInt:
+      return shm::DType::I32;
+    case at::kLong:
+      return shm::DType::I64;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<shm::RedOp> shmRedOp(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return shm::RedOp::Sum;
+    case c10d::ReduceOp::PRODUCT:
+      return shm::RedOp::Prod;
+    case c10d::ReduceOp::MIN:
+      return shm::RedOp::Min;
+    case c10d::ReduceOp::MAX:
+      return shm::RedOp::Max;
+    case c10d::ReduceOp::BAND:
+      return shm::RedOp::BAnd;
+    case c10d::ReduceOp::BOR:
+      return shm::RedOp::BOr;
+    case c10d::ReduceOp::BXOR:
+      return shm::RedOp::BXor;
+    default:
+      return std::nullopt;
+  }
+}
+
+shm::Scale shmScale(const DeferredScale& post) {
+  shm::Scale scale;
+  switch (post.kind()) {
+    case DeferredScale::Kind::None:
+      break;
+    case DeferredScale::Kind::Divide:
+      scale.kind = shm::Scale::Kind::Divide;
+      scale.value = post.value();
+      break;
+    case DeferredScale::Kind::Multiply:
+    case DeferredScale::Kind::MultiplyTensor:
+      scale.kind = shm::Scale::Kind::Multiply;
+      scale.value = post.value();
+      break;
+  }
+  return scale;
+}
+
+// A reduction the engine runs end to end (the scale fused into the kernel).
+struct ShmReduction {
+  shm::DType dtype;
+  shm::RedOp op;
+  shm::Scale scale;
+};
+
+std::optional<ShmReduction> shmReduction(const ReducePlan& plan, at::ScalarType dtype) {
+  auto d = shmDtype(dtype);
+  auto op = shmRedOp(plan.innerOp);
+  if (!d || !op || !shm::reduceSupported(*d, *op)) {
+    return std::nullopt;
+  }
+  return ShmReduction{*d, *op, shmScale(plan.post)};
+}
+
+[[noreturn]] void rethrowAsDistBackendError(const shm::CommError& e) {
+  C10_THROW_ERROR(DistBackendError, e.what());
+}
+
 } // namespace
 
 ProcessGroupHSDP::ProcessGroupHSDP(
+    c10d::Store& store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
     c10::intrusive_ptr<c10d::Backend> cpuBackend,
-    c10::intrusive_ptr<c10d::Backend> cudaBackend)
+    c10::intrusive_ptr<c10d::Backend> cudaBackend,
+    const ShmOptions& shmOptions)
     : Backend(rank, size),
       options_(c10::make_intrusive<Options>("hsdp", timeout)),
       cpu_(std::move(cpuBackend)),
       cuda_(std::move(cudaBackend)) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
+  engine_ = connectShm(store, rank, size, shmOptions, &shmWhyNot_);
+  if (engine_) {
+    queue_ = std::make_unique<OpQueue>();
+  }
   init();
+}
+
+ProcessGroupHSDP::~ProcessGroupHSDP() = default;
+
+bool ProcessGroupHSDP::onShm(std::initializer_list<const at::Tensor*> tensors) const {
+  if (!engine_) {
+    return false;
+  }
+  for (const at::Tensor* t : tensors) {
+    if (!t->device().is_cpu() || !t->is_contiguous() || !shmDtype(t->scalar_type()) ||
+        t->is_sparse()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ProcessGroupHSDP::onShm(const std::vector<at::Tensor>& tensors) const {
+  for (const auto& t : tensors) {
+    if (!onShm({&t})) {
+      return false;
+    }
+  }
+  return engine_ != nullptr;
+}
+
+WorkPtr ProcessGroupHSDP::runShm(
+    OpType type,
+    bool asyncOp,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> body) {
+  if (!asyncOp) {
+    bool ran = false;
+    try {
+      ran = queue_->runInlineIfIdle(body);
+    } catch (const shm::CommError& e) {
+      rethrowAsDistBackendError(e);
+    }
+    if (ran) {
+      return WorkHSDP::completed(rank_, type, std::move(outputs));
+    }
+  }
+  auto future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()));
+  queue_->submit([body = std::move(body), future, outputs = std::move(outputs)]() {
+    try {
+      try {
+        body();
+      } catch (const shm::CommError& e) {
+        rethrowAsDistBackendError(e);
+      }
+      future->markCompleted(c10::IValue(outputs));
+    } catch (...) {
+      future->setError(std::current_exception());
+    }
+  });
+  return c10::make_intrusive<WorkHSDP>(rank_, type, std::move(future));
 }
 
 c10d::Backend& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
@@ -219,8 +367,14 @@ WorkPtr ProcessGroupHSDP::broadcast(
   const auto c = ctx("broadcast");
   checkOne(c, tensors);
   checkRank(c, opts.rootRank, "root");
-  auto& inner = route(c, tensors[0]);
   stats_.record(c.op, 1, bytesOf(tensors));
+  if (onShm(tensors)) {
+    auto t = tensors[0];
+    return track(runShm(OpType::BROADCAST, opts.asyncOp, {t}, [this, t, root = opts.rootRank] {
+      engine_->broadcast("broadcast", t.data_ptr(), t.nbytes(), static_cast<int>(root));
+    }));
+  }
+  auto& inner = route(c, tensors[0]);
   return track(inner.broadcast(tensors, opts));
 }
 
@@ -231,9 +385,15 @@ WorkPtr ProcessGroupHSDP::allreduce(
   checkOne(c, tensors);
   auto& inner = route(c, tensors[0]);
   auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_);
+  stats_.record(c.op, 1, bytesOf(tensors));
+  if (auto red = shmReduction(plan, tensors[0].scalar_type()); red && onShm(tensors)) {
+    auto t = tensors[0];
+    return track(runShm(OpType::ALLREDUCE, opts.asyncOp, {t}, [this, t, red = *red] {
+      engine_->allReduce("all_reduce", t.data_ptr(), t.numel(), red.dtype, red.op, red.scale);
+    }));
+  }
   c10d::AllreduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  stats_.record(c.op, 1, bytesOf(tensors));
   auto work = inner.allreduce(tensors, innerOpts);
   if (plan.post.isNone()) {
     return track(work);
@@ -248,7 +408,8 @@ WorkPtr ProcessGroupHSDP::allreduce(
 WorkPtr ProcessGroupHSDP::allreduceBucketed(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOp& op,
-    int64_t bucketBytes) {
+    int64_t bucketBytes,
+    bool asyncOp) {
   const auto c = ctx("all_reduce_coalesced");
   if (tensors.empty()) {
     return WorkHSDP::completed(rank_, OpType::ALLREDUCE_COALESCED, {});
@@ -257,23 +418,41 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   for (const auto& t : tensors) {
     checkSameDevice(c, tensors[0], t, "a tensor");
   }
-  std::vector<WorkPtr> works;
   struct Pending {
     Bucket bucket;
-    DeferredScale post;
+    ReducePlan plan;
   };
   auto pending = std::make_shared<std::vector<Pending>>();
   for (const auto& members : groupByDtype(tensors)) {
     auto plan = planReduce(c, op, tensors[members[0]].scalar_type(), size_);
-    c10d::AllreduceOptions innerOpts;
-    innerOpts.reduceOp = plan.innerOp;
     for (auto& bucket : packBuckets(tensors, members, bucketBytes)) {
-      std::vector<at::Tensor> flat{bucket.flat};
-      works.push_back(inner.allreduce(flat, innerOpts));
-      pending->push_back({std::move(bucket), plan.post});
+      pending->push_back({std::move(bucket), plan});
     }
   }
-  stats_.record(c.op, works.size(), bytesOf(tensors));
+  stats_.record(c.op, pending->size(), bytesOf(tensors));
+  bool shmServes = onShm(tensors);
+  for (const auto& p : *pending) {
+    shmServes = shmServes && shmReduction(p.plan, p.bucket.flat.scalar_type());
+  }
+  if (shmServes) {
+    // One task: every bucket is reduced (scale fused) and unpacked in order.
+    return track(runShm(OpType::ALLREDUCE_COALESCED, asyncOp, tensors, [this, pending, tensors] {
+      for (const auto& p : *pending) {
+        auto red = *shmReduction(p.plan, p.bucket.flat.scalar_type());
+        engine_->allReduce(
+            "all_reduce_coalesced", p.bucket.flat.data_ptr(), p.bucket.flat.numel(), red.dtype,
+            red.op, red.scale);
+        p.bucket.unpack(tensors);
+      }
+    }));
+  }
+  std::vector<WorkPtr> works;
+  for (auto& p : *pending) {
+    c10d::AllreduceOptions innerOpts;
+    innerOpts.reduceOp = p.plan.innerOp;
+    std::vector<at::Tensor> flat{p.bucket.flat};
+    works.push_back(inner.allreduce(flat, innerOpts));
+  }
   return track(WorkHSDP::chain(
       rank_,
       OpType::ALLREDUCE_COALESCED,
@@ -281,7 +460,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
       tensors,
       [pending, tensors] {
         for (const auto& p : *pending) {
-          p.post.apply(p.bucket.flat);
+          p.plan.post.apply(p.bucket.flat);
           p.bucket.unpack(tensors);
         }
       }));
@@ -290,7 +469,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
 WorkPtr ProcessGroupHSDP::allreduce_coalesced(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceCoalescedOptions& opts) {
-  return allreduceBucketed(tensors, opts.reduceOp, /*bucketBytes=*/0);
+  return allreduceBucketed(tensors, opts.reduceOp, /*bucketBytes=*/0, opts.asyncOp);
 }
 
 WorkPtr ProcessGroupHSDP::reduce(
@@ -335,6 +514,17 @@ WorkPtr ProcessGroupHSDP::allgather(
   }
   auto& inner = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
+  if (onShm(inputs) && onShm(outputs[0])) {
+    auto in = inputs[0];
+    auto outs = outputs[0];
+    return track(runShm(OpType::ALLGATHER, opts.asyncOp, outs, [this, in, outs] {
+      auto flat = at::empty({size_ * in.numel()}, in.options());
+      engine_->allGather("all_gather", in.data_ptr(), flat.data_ptr(), in.nbytes());
+      for (int r = 0; r < size_; ++r) {
+        outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outs[r].sizes()));
+      }
+    }));
+  }
   return track(inner.allgather(outputs, inputs, opts));
 }
 
@@ -349,6 +539,11 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
   checkContiguous(c, output, "the output");
   auto& inner = route(c, input);
   stats_.record(c.op, 1, bytesOf(input));
+  if (onShm({&input, &output})) {
+    return track(runShm(OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [this, input, output] {
+      engine_->allGather("all_gather_into_tensor", input.data_ptr(), output.data_ptr(), input.nbytes());
+    }));
+  }
   return track(inner._allgather_base(output, input, opts));
 }
 
@@ -378,6 +573,14 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
   auto& inner = route(c, inputs[0]);
   auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, size_));
   stats_.record(c.op, 1, bytesOf(inputs));
+  if (onShm(inputs) && onShm(outputs)) {
+    return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pack, outputs] {
+      engine_->allGather(
+          "all_gather_into_tensor_coalesced", pack->input.data_ptr(), pack->output.data_ptr(),
+          pack->input.nbytes());
+      pack->unpack(outputs, size_);
+    }));
+  }
   auto work = inner._allgather_base(pack->output, pack->input, opts);
   return track(WorkHSDP::chain(
       rank_,
@@ -454,9 +657,19 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   }
   auto& inner = route(c, outputs[0]);
   auto plan = planReduce(c, opts.reduceOp, outputs[0].scalar_type(), size_);
+  stats_.record(c.op, 1, bytesOf(inputs[0]));
+  if (auto red = shmReduction(plan, outputs[0].scalar_type());
+      red && onShm(outputs) && onShm(inputs[0])) {
+    auto out = outputs[0];
+    auto ins = inputs[0];
+    return track(runShm(OpType::REDUCE_SCATTER, opts.asyncOp, {out}, [this, out, ins, red = *red] {
+      auto flat = at::cat(ins);
+      engine_->reduceScatter(
+          "reduce_scatter", flat.data_ptr(), out.data_ptr(), out.numel(), red.dtype, red.op, red.scale);
+    }));
+  }
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  stats_.record(c.op, 1, bytesOf(inputs[0]));
   auto work = inner.reduce_scatter(outputs, inputs, innerOpts);
   if (plan.post.isNone()) {
     return track(work);
@@ -479,9 +692,16 @@ WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
   checkContiguous(c, input, "the input");
   auto& inner = route(c, input);
   auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_);
+  stats_.record(c.op, 1, bytesOf(input));
+  if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
+    return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
+      engine_->reduceScatter(
+          "reduce_scatter_tensor", input.data_ptr(), output.data_ptr(), output.numel(), red.dtype,
+          red.op, red.scale);
+    }));
+  }
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  stats_.record(c.op, 1, bytesOf(input));
   auto work = inner._reduce_scatter_base(output, input, innerOpts);
   if (plan.post.isNone()) {
     return track(work);
@@ -517,31 +737,46 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     checkContiguous(c, outputs[i], "an output");
   }
   auto& inner = route(c, inputs[0]);
-  std::vector<WorkPtr> works;
   struct Pending {
     ReduceScatterPack pack;
     std::vector<at::Tensor> outputs;
-    DeferredScale post;
+    ReducePlan plan;
   };
   auto pending = std::make_shared<std::vector<Pending>>();
+  bool shmServes = onShm(inputs) && onShm(outputs);
   for (const auto& members : groupByDtype(inputs)) {
-    auto plan = planReduce(c, opts.reduceOp, inputs[members[0]].scalar_type(), size_);
+    const auto dtype = inputs[members[0]].scalar_type();
+    auto plan = planReduce(c, opts.reduceOp, dtype, size_);
+    shmServes = shmServes && shmReduction(plan, dtype);
     std::vector<at::Tensor> ins, outs;
     for (size_t i : members) {
       ins.push_back(inputs[i]);
       outs.push_back(outputs[i]);
     }
-    auto pack = packReduceScatter(ins, outs, size_);
-    c10d::ReduceScatterOptions innerOpts = opts;
-    innerOpts.reduceOp = plan.innerOp;
-    works.push_back(inner._reduce_scatter_base(pack.output, pack.input, innerOpts));
-    pending->push_back({std::move(pack), std::move(outs), plan.post});
+    pending->push_back({packReduceScatter(ins, outs, size_), std::move(outs), plan});
   }
-  stats_.record(c.op, works.size(), bytesOf(inputs));
+  stats_.record(c.op, pending->size(), bytesOf(inputs));
+  if (shmServes) {
+    return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pending] {
+      for (const auto& p : *pending) {
+        auto red = *shmReduction(p.plan, p.pack.input.scalar_type());
+        engine_->reduceScatter(
+            "reduce_scatter_tensor_coalesced", p.pack.input.data_ptr(), p.pack.output.data_ptr(),
+            p.pack.output.numel(), red.dtype, red.op, red.scale);
+        p.pack.unpack(p.outputs);
+      }
+    }));
+  }
+  std::vector<WorkPtr> works;
+  for (auto& p : *pending) {
+    c10d::ReduceScatterOptions innerOpts = opts;
+    innerOpts.reduceOp = p.plan.innerOp;
+    works.push_back(inner._reduce_scatter_base(p.pack.output, p.pack.input, innerOpts));
+  }
   return track(WorkHSDP::chain(
       rank_, OpType::COALESCED, works, outputs, [pending] {
         for (const auto& p : *pending) {
-          p.post.apply(p.pack.output);
+          p.plan.post.apply(p.pack.output);
           p.pack.unpack(p.outputs);
         }
       }));
@@ -656,8 +891,11 @@ WorkPtr ProcessGroupHSDP::recvAnysource(
 
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   stats_.record("barrier", 1, 0);
-  // Barriers synchronise processes, not devices: the CPU backend serves them
+  // Barriers synchronise processes, not devices: the CPU engines serve them
   // whatever devices the group also handles.
+  if (engine_) {
+    return track(runShm(OpType::BARRIER, opts.asyncOp, {}, [this] { engine_->barrier("barrier"); }));
+  }
   return track(cpu_->barrier(opts));
 }
 

@@ -7,7 +7,10 @@
 //
 // Every call is validated here (errors name the rank, the op and what was
 // expected), then routed by the device of its tensors:
-//   CPU  tensors -> the inner CPU backend (ProcessGroupGloo),
+//   CPU  tensors -> the shared-memory engine (csrc/shm/) when every member
+//                   runs on this host and the op and dtype are ones it
+//                   serves; the inner CPU backend (ProcessGroupGloo) for the
+//                   rest and for groups that span hosts,
 //   CUDA tensors -> the inner CUDA backend (ProcessGroupNCCL), if CUDA exists.
 // On the way, hsdp adds what the inner backends lack or do slowly, with the
 // same device-agnostic code on both routes (csrc/fusion/):
@@ -20,7 +23,10 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CommStats.hpp"
+#include "backend/OpQueue.hpp"
+#include "backend/ShmRendezvous.hpp"
 #include "common/Errors.hpp"
+#include "fusion/ReducePlan.hpp"
 
 #include <mutex>
 
@@ -29,11 +35,14 @@ namespace hsdp {
 class ProcessGroupHSDP final : public c10d::Backend {
  public:
   ProcessGroupHSDP(
+      c10d::Store& store,
       int rank,
       int size,
       std::chrono::milliseconds timeout,
       c10::intrusive_ptr<c10d::Backend> cpuBackend,
-      c10::intrusive_ptr<c10d::Backend> cudaBackend);
+      c10::intrusive_ptr<c10d::Backend> cudaBackend,
+      const ShmOptions& shmOptions);
+  ~ProcessGroupHSDP() override;
 
   ProcessGroupHSDP(const ProcessGroupHSDP&) = delete;
   ProcessGroupHSDP& operator=(const ProcessGroupHSDP&) = delete;
@@ -128,10 +137,19 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduceBucketed(
       std::vector<at::Tensor>& tensors,
       const c10d::ReduceOp& op,
-      int64_t bucketBytes);
+      int64_t bucketBytes,
+      bool asyncOp);
 
   CommStats& stats() {
     return stats_;
+  }
+  // "shm" or "gloo": what serves this group's CPU collectives, and why not
+  // shm when it is gloo.
+  std::string cpuEngine() const {
+    return engine_ ? "shm" : "gloo";
+  }
+  const std::string& shmUnavailableReason() const {
+    return shmWhyNot_;
   }
 
  private:
@@ -140,6 +158,16 @@ class ProcessGroupHSDP final : public c10d::Backend {
   }
   // The inner backend that serves tensors on `t`'s device.
   c10d::Backend& route(const OpContext& ctx, const at::Tensor& t);
+  // Whether the shared-memory engine serves these CPU tensors.
+  bool onShm(std::initializer_list<const at::Tensor*> tensors) const;
+  bool onShm(const std::vector<at::Tensor>& tensors) const;
+  // Runs `body` (engine calls plus any post-processing) on the engine's
+  // queue: inline for a synchronous call when idle, else on the worker.
+  c10::intrusive_ptr<c10d::Work> runShm(
+      c10d::OpType type,
+      bool asyncOp,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> body);
   // Records `work` when called between startCoalescing and endCoalescing.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
 
@@ -147,6 +175,11 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_; // null without CUDA
   CommStats stats_;
+  std::string shmWhyNot_;
+  // Declared in this order so the queue (whose tasks use the engine) is
+  // drained and joined before the engine is unmapped.
+  std::unique_ptr<shm::Engine> engine_;
+  std::unique_ptr<OpQueue> queue_;
 
   std::mutex coalescingMutex_;
   bool coalescing_ = false;

@@ -38,6 +38,10 @@ const char* opName(c10d::ReduceOp::RedOpType op) {
 
 } // namespace
 
+double DeferredScale::value() const {
+  return kind_ == Kind::MultiplyTensor ? tensor_.item<double>() : value_;
+}
+
 void DeferredScale::apply(const at::Tensor& t) const {
   if (kind_ == Kind::None || t.numel() == 0) {
     return;

@@ -32,16 +32,22 @@ class DeferredScale {
     return DeferredScale(Kind::MultiplyTensor, 1.0, std::move(factor));
   }
 
+  enum class Kind { None, Divide, Multiply, MultiplyTensor };
+
   bool isNone() const {
     return kind_ == Kind::None;
   }
+  Kind kind() const {
+    return kind_;
+  }
+  // The divisor or factor (a tensor factor is read as a double).
+  double value() const;
 
   // Scales `t` in place. bf16/fp16 are widened to fp32, scaled and rounded
   // once; integers divide with truncation toward zero (C semantics, as NCCL).
   void apply(const at::Tensor& t) const;
 
  private:
-  enum class Kind { None, Divide, Multiply, MultiplyTensor };
   DeferredScale(Kind kind, double value, at::Tensor tensor)
       : kind_(kind), value_(value), tensor_(std::move(tensor)) {}
 

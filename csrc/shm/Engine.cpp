@@ -1,0 +1,406 @@
+#include "shm/Engine.hpp"
+
+#include "shm/Reduce.hpp"
+
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <fstream>
+
+namespace hsdp::shm {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
+  struct timespec ts;
+  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
+  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
+  // Not FUTEX_PRIVATE_FLAG: the waker is another process mapping the same
+  // page. (std::atomic::wait uses private futexes and would never wake.)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+
+void futexWakeAll(std::atomic<uint32_t>* word) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// A pid that no longer runs: gone (ESRCH) or a zombie nobody reaped yet.
+bool processGone(int32_t pid) {
+  if (pid <= 0) {
+    return false; // not yet published: the peer is still starting
+  }
+  if (kill(pid, 0) != 0 && errno == ESRCH) {
+    return true;
+  }
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string content;
+  std::getline(stat, content);
+  const auto close = content.rfind(')');
+  if (close == std::string::npos || close + 2 >= content.size()) {
+    return false;
+  }
+  const char state = content[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+const char* kindName(uint32_t kind) {
+  switch (kind) {
+    case 1:
+      return "all_gather";
+    case 2:
+      return "reduce_scatter";
+    case 3:
+      return "all_reduce";
+    case 4:
+      return "broadcast";
+    case 5:
+      return "barrier";
+    default:
+      return "an unknown collective";
+  }
+}
+
+std::string describe(const Signature& s) {
+  std::string out = std::string(kindName(s.kind)) + "(count=" + std::to_string(s.count);
+  if (s.kind == 2 || s.kind == 3) {
+    out += std::string(", dtype=") + (s.dtype <= 8 ? dtypeName(static_cast<DType>(s.dtype)) : "?") +
+        ", op=" + (s.redop <= 6 ? redOpName(static_cast<RedOp>(s.redop)) : "?");
+  }
+  if (s.kind == 4) {
+    out += ", root=" + std::to_string(s.root);
+  }
+  return out + ") as collective #" + std::to_string(s.opSeq);
+}
+
+size_t ceilDiv(size_t a, size_t b) {
+  return (a + b - 1) / b;
+}
+
+} // namespace
+
+Engine::Engine(Segment segment, int rank, EngineConfig config)
+    : segment_(std::move(segment)),
+      rank_(rank),
+      size_(segment_.nranks()),
+      config_(config) {
+  reinterpret_cast<std::atomic<int32_t>*>(&segment_.control(rank_).pid)
+      ->store(static_cast<int32_t>(getpid()), std::memory_order_release);
+}
+
+std::string Engine::prefix(const char* op) const {
+  return "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) + "] " + op + ": ";
+}
+
+Engine::OpState Engine::begin(
+    const char* op,
+    Kind kind,
+    size_t count,
+    DType dtype,
+    RedOp redop,
+    int root) {
+  const Header& h = segment_.header();
+  if (const uint32_t by = h.brokenBy.load(std::memory_order_acquire)) {
+    char reason[sizeof h.brokenReason];
+    std::memcpy(reason, h.brokenReason, sizeof reason);
+    reason[sizeof reason - 1] = '\0';
+    throw CommError(prefix(op) + "the group is unusable after rank " + std::to_string(by - 1) +
+                    " failed (" + reason + "); create a new process group");
+  }
+  OpState st;
+  st.name = op;
+  st.sig = Signature{0, ++opSeq_, count, static_cast<uint32_t>(kind),
+                     static_cast<uint32_t>(dtype), static_cast<uint32_t>(redop), root};
+  st.deadline = Clock::now() + config_.timeout;
+  return st;
+}
+
+void Engine::wake() {
+  Header& h = segment_.header();
+  h.wakeSeq.fetch_add(1, std::memory_order_seq_cst);
+  if (h.sleepers.load(std::memory_order_seq_cst) > 0) {
+    futexWakeAll(&h.wakeSeq);
+  }
+}
+
+void Engine::publish(Counter which, uint64_t step) {
+  auto& c = segment_.control(rank_);
+  auto& counter = which == Counter::Posted ? c.posted : which == Counter::Reduced ? c.reduced : c.done;
+  counter.store(step, std::memory_order_release);
+  wake();
+}
+
+void Engine::fail(const OpState& op, const std::string& what) {
+  Header& h = segment_.header();
+  uint32_t expected = 0;
+  // The first failing rank records why, so every other rank can say it.
+  if (h.brokenBy.compare_exchange_strong(expected, UINT32_MAX, std::memory_order_acq_rel)) {
+    std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", (prefix(op.name) + what).c_str());
+    h.brokenBy.store(static_cast<uint32_t>(rank_) + 1, std::memory_order_release);
+  }
+  wake();
+  throw CommError(prefix(op.name) + what);
+}
+
+void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
+  auto counterOf = [&](int q) -> const std::atomic<uint64_t>& {
+    auto& c = segment_.control(q);
+    return which == Counter::Posted ? c.posted : which == Counter::Reduced ? c.reduced : c.done;
+  };
+  int laggard = 0;
+  auto ready = [&]() {
+    for (int i = 0; i < size_; ++i) {
+      if (counterOf(laggard).load(std::memory_order_acquire) < target) {
+        return false;
+      }
+      laggard = (laggard + 1) % size_;
+    }
+    return true;
+  };
+  Header& h = segment_.header();
+  auto checkBroken = [&]() {
+    const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
+    if (by != 0 && by != UINT32_MAX && static_cast<int>(by) - 1 != rank_) {
+      char reason[sizeof h.brokenReason];
+      std::memcpy(reason, h.brokenReason, sizeof reason);
+      reason[sizeof reason - 1] = '\0';
+      throw CommError(prefix(op.name) + "rank " + std::to_string(by - 1) +
+                      " failed, so this collective cannot complete: " + reason);
+    }
+  };
+  if (ready()) {
+    return;
+  }
+  // Spin first: a peer a few microseconds behind is cheaper to wait for
+  // than a futex round trip.
+  const auto spinUntil = Clock::now() + config_.spin;
+  while (Clock::now() < spinUntil) {
+    for (int i = 0; i < 64; ++i) {
+      _mm_pause();
+    }
+    if (ready()) {
+      return;
+    }
+  }
+  constexpr auto kSlice = std::chrono::milliseconds(50);
+  while (true) {
+    const uint32_t seq = h.wakeSeq.load(std::memory_order_seq_cst);
+    h.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    // Re-check after announcing ourselves: a publisher that bumped wakeSeq
+    // before our load is visible now; one that bumps it later changes the
+    // futex word, so the wait below returns at once.
+    if (ready()) {
+      h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    const auto now = Clock::now();
+    if (now >= op.deadline) {
+      h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      fail(op, "timed out after " +
+               std::to_string(config_.timeout.count()) + " ms waiting for rank " +
+               std::to_string(laggard) + " (it has not reached step " + std::to_string(target) +
+               " of the group; is it stuck, or did it call a different collective?)");
+    }
+    futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
+    h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) {
+      return;
+    }
+    checkBroken();
+    for (int q = 0; q < size_; ++q) {
+      if (counterOf(q).load(std::memory_order_acquire) < target) {
+        const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
+                                ->load(std::memory_order_acquire);
+        if (processGone(pid)) {
+          fail(op, "rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
+                   ") exited before finishing this collective");
+        }
+      }
+    }
+  }
+}
+
+void Engine::checkSignatures(const OpState& op, uint64_t step) {
+  const int slot = static_cast<int>(step % kSlots);
+  for (int q = 0; q < size_; ++q) {
+    const Signature s = segment_.control(q).sig[slot];
+    const Signature& mine = op.sig;
+    if (s.step != step || s.opSeq != mine.opSeq || s.kind != mine.kind || s.count != mine.count ||
+        s.dtype != mine.dtype || s.redop != mine.redop || s.root != mine.root) {
+      Signature expected = mine;
+      fail(op, "ranks called different collectives: rank " + std::to_string(q) + " called " +
+               describe(s) + ", this rank called " + describe(expected));
+    }
+  }
+}
+
+int Engine::post(OpState& op, uint64_t step, const std::function<void(char*)>& fill) {
+  const int slot = static_cast<int>(step % kSlots);
+  // Slot `slot` was last used by step - 2: reuse it once everyone is done.
+  if (step > kSlots) {
+    waitAll(op, Counter::Done, step - kSlots);
+  }
+  if (fill) {
+    fill(segment_.slot(rank_, slot));
+  }
+  Signature sig = op.sig;
+  sig.step = step;
+  segment_.control(rank_).sig[slot] = sig;
+  publish(Counter::Posted, step);
+  waitAll(op, Counter::Posted, step);
+  checkSignatures(op, step);
+  return slot;
+}
+
+void Engine::allGather(const char* name, const void* input, void* output, size_t n) {
+  auto op = begin(name, Kind::AllGather, n, DType::U8, RedOp::Sum, -1);
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
+  // FSDP2 gathers in place: the input is this rank's slice of the output.
+  const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
+  const size_t piece = slotBytes();
+  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
+  for (size_t k = 0; k < steps; ++k) {
+    const size_t off = k * piece;
+    const size_t len = std::min(piece, n - off);
+    const uint64_t s = step_ + 1;
+    const int slot = post(op, s, [&](char* dst) { std::memcpy(dst, in + off, len); });
+    if (!inPlace) {
+      std::memcpy(out + static_cast<size_t>(rank_) * n + off, in + off, len);
+    }
+    // Start with the next rank so ranks do not all read rank 0 first.
+    for (int i = 1; i < size_; ++i) {
+      const int q = (rank_ + i) % size_;
+      std::memcpy(out + static_cast<size_t>(q) * n + off, segment_.slot(q, slot), len);
+    }
+    publish(Counter::Done, s);
+    step_ = s;
+  }
+}
+
+void Engine::reduceScatter(
+    const char* name,
+    const void* input,
+    void* output,
+    size_t n,
+    DType dtype,
+    RedOp redop,
+    Scale scale) {
+  auto op = begin(name, Kind::ReduceScatter, n, dtype, redop, -1);
+  const size_t es = dtypeSize(dtype);
+  const auto* in = static_cast<const char*>(input);
+  auto* out = static_cast<char*>(output);
+  // A step carries `piece` elements of every rank's chunk.
+  const size_t piece = std::max<size_t>(1, slotBytes() / (static_cast<size_t>(size_) * es));
+  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
+  std::vector<const void*> srcs(size_);
+  for (size_t k = 0; k < steps; ++k) {
+    const size_t off = k * piece;
+    const size_t len = std::min(piece, n - off);
+    const uint64_t s = step_ + 1;
+    const int slot = post(op, s, [&](char* dst) {
+      for (int q = 0; q < size_; ++q) {
+        std::memcpy(dst + q * len * es, in + (q * n + off) * es, len * es);
+      }
+    });
+    for (int r = 0; r < size_; ++r) {
+      srcs[r] = segment_.slot(r, slot) + rank_ * len * es;
+    }
+    reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale);
+    publish(Counter::Done, s);
+    step_ = s;
+  }
+}
+
+void Engine::allReduce(
+    const char* name,
+    void* data,
+    size_t n,
+    DType dtype,
+    RedOp redop,
+    Scale scale) {
+  auto op = begin(name, Kind::AllReduce, n, dtype, redop, -1);
+  const size_t es = dtypeSize(dtype);
+  auto* buf = static_cast<char*>(data);
+  std::vector<const void*> srcs(size_);
+  if (n * es <= std::min(config_.oneShotBytes, slotBytes())) {
+    // One round: every rank reduces all of it from every slot.
+    const uint64_t s = step_ + 1;
+    const int slot = post(op, s, [&](char* dst) { std::memcpy(dst, buf, n * es); });
+    for (int r = 0; r < size_; ++r) {
+      srcs[r] = segment_.slot(r, slot);
+    }
+    reduce(buf, srcs.data(), size_, n, dtype, redop, scale);
+    publish(Counter::Done, s);
+    step_ = s;
+    return;
+  }
+  // Two rounds per step: rank q reduces part q of the step's piece in place
+  // in its own slot (nobody else reads that part of its slot), then everyone
+  // copies every part out. Parts are whole cache lines.
+  const size_t piece = slotBytes() / es;
+  const size_t unit = std::max<size_t>(1, kCacheLine / es);
+  const size_t steps = ceilDiv(n, piece);
+  for (size_t k = 0; k < steps; ++k) {
+    const size_t off = k * piece;
+    const size_t len = std::min(piece, n - off);
+    const size_t units = ceilDiv(len, unit);
+    auto partBegin = [&](int q) { return std::min(len, units * q / size_ * unit); };
+    const uint64_t s = step_ + 1;
+    const int slot = post(op, s, [&](char* dst) { std::memcpy(dst, buf + off * es, len * es); });
+    const size_t a = partBegin(rank_), b = partBegin(rank_ + 1);
+    for (int r = 0; r < size_; ++r) {
+      srcs[r] = segment_.slot(r, slot) + a * es;
+    }
+    reduce(segment_.slot(rank_, slot) + a * es, srcs.data(), size_, b - a, dtype, redop, scale);
+    publish(Counter::Reduced, s);
+    waitAll(op, Counter::Reduced, s);
+    for (int i = 0; i < size_; ++i) {
+      const int q = (rank_ + i) % size_;
+      const size_t qa = partBegin(q), qb = partBegin(q + 1);
+      std::memcpy(buf + (off + qa) * es, segment_.slot(q, slot) + qa * es, (qb - qa) * es);
+    }
+    publish(Counter::Done, s);
+    step_ = s;
+  }
+}
+
+void Engine::broadcast(const char* name, void* data, size_t n, int root) {
+  auto op = begin(name, Kind::Broadcast, n, DType::U8, RedOp::Sum, root);
+  auto* buf = static_cast<char*>(data);
+  const size_t piece = slotBytes();
+  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
+  for (size_t k = 0; k < steps; ++k) {
+    const size_t off = k * piece;
+    const size_t len = std::min(piece, n - off);
+    const uint64_t s = step_ + 1;
+    const int slot = post(op, s, [&](char* dst) {
+      if (rank_ == root) {
+        std::memcpy(dst, buf + off, len);
+      }
+    });
+    if (rank_ != root) {
+      std::memcpy(buf + off, segment_.slot(root, slot), len);
+    }
+    publish(Counter::Done, s);
+    step_ = s;
+  }
+}
+
+void Engine::barrier(const char* name) {
+  auto op = begin(name, Kind::Barrier, 0, DType::U8, RedOp::Sum, -1);
+  const uint64_t s = step_ + 1;
+  post(op, s, nullptr);
+  publish(Counter::Done, s);
+  step_ = s;
+}
+
+} // namespace hsdp::shm

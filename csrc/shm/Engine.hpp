@@ -1,0 +1,112 @@
+#pragma once
+
+// The shared-memory collective engine of one process group on one host.
+//
+// Protocol. Every collective is a sequence of steps, numbered group-wide
+// from 1 (every rank runs the same steps in the same order, as c10d requires
+// of its callers). Each rank owns two data slots and publishes three
+// monotonic counters (see RankControl): `posted`, `reduced` and `done`.
+// Step s uses slot s % 2 of every rank:
+//
+//   1. wait until every rank's done >= s - 2: nobody still reads my slot
+//      s % 2 from step s - 2, so I may overwrite it;
+//   2. write my signature and my data into slot s % 2; posted = s;
+//   3. wait until every rank's posted >= s; check their signatures;
+//   4. read peers' slots (all-reduce: reduce my part in place in my own slot,
+//      reduced = s, wait for every reduced >= s, then read their parts);
+//   5. done = s.
+//
+// Two slots let a fast rank fill step s + 1 while slow ranks still read
+// step s. A counter is only ever written by its owner (release) and read by
+// others (acquire), so the data it guards is visible before the counter is.
+//
+// Waiting spins briefly, then sleeps on a futex in the segment (shared, not
+// FUTEX_PRIVATE: the waker is another process). Every wait has a deadline;
+// while waiting, peers that have not arrived are checked for liveness, so a
+// dead peer surfaces in tens of milliseconds and a stuck one at the
+// deadline, as a CommError that names the rank and the op. The first rank
+// that fails marks the segment broken and wakes everyone, so all ranks fail
+// fast; a broken engine refuses further work.
+
+#include "shm/Segment.hpp"
+#include "shm/Types.hpp"
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace hsdp::shm {
+
+struct EngineConfig {
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  // How long a wait spins before it sleeps on the futex.
+  std::chrono::nanoseconds spin{std::chrono::microseconds(20)};
+  // All-reduces up to this many bytes read every peer's whole buffer in one
+  // round (one synchronisation instead of two).
+  size_t oneShotBytes = 32 * 1024;
+};
+
+class Engine {
+ public:
+  Engine(Segment segment, int rank, EngineConfig config);
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int rank() const {
+    return rank_;
+  }
+  int size() const {
+    return size_;
+  }
+  // Max bytes a rank moves through shared memory per step.
+  size_t slotBytes() const {
+    return segment_.slotBytes();
+  }
+
+  // Each call names its op (for messages) and blocks until the result is in
+  // place. `count` is in elements of `dtype`; all-gather and broadcast are
+  // byte copies.
+  void allGather(const char* op, const void* input, void* output, size_t bytesPerRank);
+  void reduceScatter(
+      const char* op,
+      const void* input,
+      void* output,
+      size_t countPerRank,
+      DType dtype,
+      RedOp redop,
+      Scale scale);
+  void allReduce(const char* op, void* data, size_t count, DType dtype, RedOp redop, Scale scale);
+  void broadcast(const char* op, void* data, size_t bytes, int root);
+  void barrier(const char* op);
+
+ private:
+  enum class Kind : uint32_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier };
+  enum class Counter { Posted, Reduced, Done };
+
+  struct OpState {
+    const char* name;
+    Signature sig;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  OpState begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop, int root);
+  // Steps 1-3 of the protocol; returns the slot index to use.
+  int post(OpState& op, uint64_t step, const std::function<void(char*)>& fill);
+  void publish(Counter which, uint64_t step);
+  void waitAll(OpState& op, Counter which, uint64_t target);
+  void checkSignatures(const OpState& op, uint64_t step);
+  [[noreturn]] void fail(const OpState& op, const std::string& what);
+  std::string prefix(const char* op) const;
+  void wake();
+
+  Segment segment_;
+  const int rank_;
+  const int size_;
+  const EngineConfig config_;
+  uint64_t step_ = 0; // last step this rank finished
+  uint64_t opSeq_ = 0;
+  std::vector<int32_t> pids_;
+};
+
+} // namespace hsdp::shm

@@ -1,0 +1,245 @@
+#include "shm/Reduce.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+namespace hsdp::shm {
+
+size_t dtypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::F64:
+    case DType::I64:
+      return 8;
+    case DType::F32:
+    case DType::I32:
+      return 4;
+    case DType::BF16:
+    case DType::F16:
+    case DType::I16:
+      return 2;
+    case DType::I8:
+    case DType::U8:
+      return 1;
+  }
+  return 1;
+}
+
+const char* dtypeName(DType dtype) {
+  static const char* names[] = {
+      "float32", "float64", "bfloat16", "float16", "int8", "uint8", "int16", "int32", "int64"};
+  return names[static_cast<int>(dtype)];
+}
+
+const char* redOpName(RedOp op) {
+  static const char* names[] = {"SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"};
+  return names[static_cast<int>(op)];
+}
+
+bool isFloating(DType dtype) {
+  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16 ||
+      dtype == DType::F16;
+}
+
+bool reduceSupported(DType dtype, RedOp op) {
+  const bool bitwise = op == RedOp::BAnd || op == RedOp::BOr || op == RedOp::BXor;
+  return !(bitwise && isFloating(dtype));
+}
+
+namespace {
+
+// Storage type <-> accumulation type conversions.
+struct BF16 {
+  uint16_t bits;
+};
+struct F16 {
+  _Float16 value;
+};
+
+template <typename T>
+struct Acc {
+  using type = T;
+  static inline type load(T v) {
+    return v;
+  }
+  static inline T store(type v) {
+    return v;
+  }
+};
+
+template <>
+struct Acc<BF16> {
+  using type = float;
+  static inline float load(BF16 v) {
+    uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+  }
+  static inline BF16 store(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { // NaN: keep it a quiet NaN
+      return BF16{static_cast<uint16_t>((u >> 16) | 0x40)};
+    }
+    u += 0x7fffu + ((u >> 16) & 1u); // round to nearest, ties to even
+    return BF16{static_cast<uint16_t>(u >> 16)};
+  }
+};
+
+template <>
+struct Acc<F16> {
+  using type = float;
+  static inline float load(F16 v) {
+    return static_cast<float>(v.value);
+  }
+  static inline F16 store(float f) {
+    return F16{static_cast<_Float16>(f)};
+  }
+};
+
+template <RedOp op, typename A>
+inline A combine(A a, A b) {
+  if constexpr (op == RedOp::Sum) {
+    return a + b;
+  } else if constexpr (op == RedOp::Prod) {
+    return a * b;
+  } else if constexpr (op == RedOp::Min) {
+    // NaN propagates, as torch.minimum does.
+    return (a != a || a < b) ? a : b;
+  } else if constexpr (op == RedOp::Max) {
+    return (a != a || a > b) ? a : b;
+  } else if constexpr (op == RedOp::BAnd) {
+    return a & b;
+  } else if constexpr (op == RedOp::BOr) {
+    return a | b;
+  } else {
+    return a ^ b;
+  }
+}
+
+// Processes `count` elements in blocks through a local accumulator, which
+// keeps the loops vectorisable although dst may alias a source.
+template <typename T, RedOp op>
+__attribute__((always_inline)) inline void reduceBlocks(
+    T* dst,
+    const T* const* srcs,
+    int nsrcs,
+    size_t count,
+    Scale scale) {
+  using A = typename Acc<T>::type;
+  constexpr size_t kBlock = 512;
+  A acc[kBlock];
+  const A factor = static_cast<A>(scale.value);
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t n = std::min(kBlock, count - base);
+    const T* s0 = srcs[0] + base;
+    for (size_t i = 0; i < n; ++i) {
+      acc[i] = Acc<T>::load(s0[i]);
+    }
+    for (int r = 1; r < nsrcs; ++r) {
+      const T* s = srcs[r] + base;
+      for (size_t i = 0; i < n; ++i) {
+        acc[i] = combine<op, A>(acc[i], Acc<T>::load(s[i]));
+      }
+    }
+    if (scale.kind == Scale::Kind::Multiply) {
+      for (size_t i = 0; i < n; ++i) {
+        acc[i] = acc[i] * factor;
+      }
+    } else if (scale.kind == Scale::Kind::Divide) {
+      for (size_t i = 0; i < n; ++i) {
+        acc[i] = acc[i] / factor; // integers: truncation toward zero
+      }
+    }
+    T* d = dst + base;
+    for (size_t i = 0; i < n; ++i) {
+      d[i] = Acc<T>::store(acc[i]);
+    }
+  }
+}
+
+template <typename T>
+__attribute__((always_inline)) inline void reduceTyped(
+    void* dst,
+    const void* const* srcs,
+    int nsrcs,
+    size_t count,
+    RedOp op,
+    Scale scale) {
+  auto* d = static_cast<T*>(dst);
+  auto* s = reinterpret_cast<const T* const*>(srcs);
+  switch (op) {
+    case RedOp::Sum:
+      return reduceBlocks<T, RedOp::Sum>(d, s, nsrcs, count, scale);
+    case RedOp::Prod:
+      return reduceBlocks<T, RedOp::Prod>(d, s, nsrcs, count, scale);
+    case RedOp::Min:
+      return reduceBlocks<T, RedOp::Min>(d, s, nsrcs, count, scale);
+    case RedOp::Max:
+      return reduceBlocks<T, RedOp::Max>(d, s, nsrcs, count, scale);
+    default:
+      if constexpr (std::is_integral_v<T>) {
+        if (op == RedOp::BAnd) {
+          return reduceBlocks<T, RedOp::BAnd>(d, s, nsrcs, count, scale);
+        }
+        if (op == RedOp::BOr) {
+          return reduceBlocks<T, RedOp::BOr>(d, s, nsrcs, count, scale);
+        }
+        return reduceBlocks<T, RedOp::BXor>(d, s, nsrcs, count, scale);
+      }
+  }
+}
+
+#define HSDP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#define HSDP_KERNEL(NAME, T)                                                    \
+  HSDP_MULTIVERSION void NAME(                                                   \
+      void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) { \
+    reduceTyped<T>(dst, srcs, nsrcs, count, op, scale);                          \
+  }
+
+HSDP_KERNEL(reduceF32, float)
+HSDP_KERNEL(reduceF64, double)
+HSDP_KERNEL(reduceBF16, BF16)
+HSDP_KERNEL(reduceF16, F16)
+HSDP_KERNEL(reduceI8, int8_t)
+HSDP_KERNEL(reduceU8, uint8_t)
+HSDP_KERNEL(reduceI16, int16_t)
+HSDP_KERNEL(reduceI32, int32_t)
+HSDP_KERNEL(reduceI64, int64_t)
+
+#undef HSDP_KERNEL
+#undef HSDP_MULTIVERSION
+
+} // namespace
+
+void reduce(
+    void* dst,
+    const void* const* srcs,
+    int nsrcs,
+    size_t count,
+    DType dtype,
+    RedOp op,
+    Scale scale) {
+  switch (dtype) {
+    case DType::F32:
+      return reduceF32(dst, srcs, nsrcs, count, op, scale);
+    case DType::F64:
+      return reduceF64(dst, srcs, nsrcs, count, op, scale);
+    case DType::BF16:
+      return reduceBF16(dst, srcs, nsrcs, count, op, scale);
+    case DType::F16:
+      return reduceF16(dst, srcs, nsrcs, count, op, scale);
+    case DType::I8:
+      return reduceI8(dst, srcs, nsrcs, count, op, scale);
+    case DType::U8:
+      return reduceU8(dst, srcs, nsrcs, count, op, scale);
+    case DType::I16:
+      return reduceI16(dst, srcs, nsrcs, count, op, scale);
+    case DType::I32:
+      return reduceI32(dst, srcs, nsrcs, count, op, scale);
+    case DType::I64:
+      return reduceI64(dst, srcs, nsrcs, count, op, scale);
+  }
+}
+
+} // namespace hsdp::shm

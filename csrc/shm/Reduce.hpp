@@ -1,0 +1,31 @@
+#pragma once
+
+// Element-wise reduction kernels of the shared-memory engine.
+//
+//   dst[i] = scale(src[0][i] op src[1][i] op ... op src[n-1][i])
+//
+// Sources are combined in index order 0..n-1 (the callers pass them in rank
+// order), so every rank that reduces the same data gets the same bits.
+// bf16/fp16 are widened to fp32, combined and scaled there, and rounded once
+// (round-to-nearest-even, as torch rounds). `dst` may alias one source:
+// every element is fully read before it is written. Each dtype's kernel is
+// compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time
+// (GCC function multi-versioning).
+
+#include "shm/Types.hpp"
+
+namespace hsdp::shm {
+
+void reduce(
+    void* dst,
+    const void* const* srcs,
+    int nsrcs,
+    size_t count,
+    DType dtype,
+    RedOp op,
+    Scale scale);
+
+// Whether the kernels implement `op` on `dtype` (bitwise ops: integers only).
+bool reduceSupported(DType dtype, RedOp op);
+
+} // namespace hsdp::shm

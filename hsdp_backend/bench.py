@@ -1,0 +1,956 @@
+"""Benchmarks hsdp against gloo on this host: ``python -m hsdp_backend.bench``.
+
+Run it from outside the repository root (see README.md): the source
+directory has no compiled extension.
+
+Method
+------
+The parent process starts W rank processes itself (spawn), hosts the
+rendezvous TCPStore on a free loopback port and enforces one wall-clock
+deadline for the whole run: when a rank fails, the others get a short grace
+period, then every rank still alive is killed and the run exits non-zero.
+Each rank runs single-threaded (``torch.set_num_threads(1)``), initialises
+the default group on ``hsdp`` and a second group over the same ranks on
+``gloo``, so both backends are measured in the same processes, on the same
+buffers, at the same time.
+
+For every (op, size) point of the ``collectives`` suite:
+
+1. **Check.** Each backend runs the op once on rank-dependent data and the
+   result is compared with the exact answer; a wrong result fails the run
+   (a fast wrong collective is not a result).
+2. **Warm up and calibrate.** A few untimed calls per backend; the fastest,
+   maxed over ranks, sets how many back-to-back calls form one *sample*
+   (about ``SAMPLE_TARGET_S`` long, so the timer and the barrier skew are
+   amortised for small messages). Every rank derives the same count.
+3. **Measure, interleaved.** Rounds of one sample per backend, the order
+   alternating (hsdp, gloo, then gloo, hsdp, ...); every sample is preceded
+   by a barrier on the gloo group and timed with ``time.perf_counter``
+   around its calls, so machine noise (this is meant to run on small shared
+   machines) hits both backends alike and the *ratio* stays meaningful even
+   when absolute numbers drift. Rounds continue until the point has used its
+   time budget (``--time-per-point`` per backend, by rank 0's clock, shared
+   through the barrier), with at least ``--min-reps`` and at most
+   ``--max-reps`` samples per backend; ``--iters`` fixes the count instead.
+4. **Reduce.** Each rank takes the median of its per-call sample times; the
+   point's latency is the maximum of those medians over ranks (a collective
+   is as slow as its slowest rank), gathered on the gloo group.
+
+Derived numbers follow nccl-tests: algbw = total bytes / time, where total
+bytes = bytes per rank * W for all_gather / reduce_scatter and the message
+size for all_reduce; busbw = algbw * (W-1)/W (all_gather, reduce_scatter) or
+* 2(W-1)/W (all_reduce). ``speedup`` is gloo time / hsdp time (> 1: hsdp is
+faster). The physical reference is single-thread ``dst.copy_(src)`` of the
+same sizes, measured in the parent in the same run (median, same sampling):
+``hsdp/memcpy`` is hsdp busbw / memcpy GB/s at that size, and for
+all_reduce ``3xcopy`` is the time of the unavoidable copies of a
+shared-memory all-reduce (copy in, reduce, copy out: about three memcpy of
+the message). GB/s are 1e9 bytes per second; sizes are binary (KiB, MiB).
+
+Output: one table per world size on stdout, all raw numbers and machine
+information as JSON (``--json``), and a bus-bandwidth plot (``--plot``,
+needs matplotlib).
+
+Suites
+------
+``--suite`` selects a registered :class:`Suite` (see ``SUITES``). A suite
+turns the CLI arguments into a picklable config in the parent, runs its
+measurement on every rank, and prints / serialises / plots the results of
+rank 0 in the parent; the launcher, deadline, JSON envelope and machine
+information are shared. New benchmarks (fused coalesced collectives, an
+FSDP2 training step) are new ``Suite`` subclasses added to ``SUITES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import queue
+import re
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+BACKENDS = ("hsdp", "gloo")
+
+# One sample (a batch of back-to-back calls) should last about this long.
+SAMPLE_TARGET_S = 2e-3
+# Upper bound on calls per sample (tiny messages on a fast engine).
+MAX_CALLS_PER_SAMPLE = 1000
+# How long the other ranks may keep running once one rank failed.
+GRACE_AFTER_FAILURE_S = 10.0
+# Per-collective timeout inside the ranks (capped by what is left of --timeout).
+COLLECTIVE_TIMEOUT_S = 120.0
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+# ---------------------------------------------------------------------------
+# Small helpers: sizes, statistics
+# ---------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([kmg]?)(i?b)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "k": KIB, "m": MIB, "g": GIB}
+
+
+def parse_size(text: str) -> int:
+    """Parses a byte count such as ``8``, ``4K``, ``64KiB``, ``1M``, ``16MB``.
+
+    Suffixes are binary (K = 1024). Raises ValueError on anything else.
+    """
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (examples: 8, 4K, 64KiB, 1M, 16M)")
+    return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+
+
+def format_size(nbytes: int) -> str:
+    """``4096`` -> ``4 KiB``; exact binary units only, else bytes."""
+    for unit, name in ((GIB, "GiB"), (MIB, "MiB"), (KIB, "KiB")):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit} {name}"
+    return f"{nbytes} B"
+
+
+def _short_size(nbytes: int) -> str:
+    """``4096`` -> ``4K`` (plot ticks)."""
+    return format_size(nbytes).replace(" KiB", "K").replace(" MiB", "M").replace(" GiB", "G").replace(" B", "")
+
+
+def _clamp(value: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, value))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How many calls and samples a measurement point gets."""
+
+    time_per_point_s: float  # budget per backend (per point)
+    min_reps: int
+    max_reps: int
+    warmup: int
+    fixed_reps: int | None  # --iters: exact sample count, no budget
+
+    @staticmethod
+    def calls_per_sample(est_call_s: float) -> int:
+        """Back-to-back calls that make one sample of about SAMPLE_TARGET_S."""
+        return _clamp(math.ceil(SAMPLE_TARGET_S / max(est_call_s, 1e-7)), 1, MAX_CALLS_PER_SAMPLE)
+
+    def done(self, reps: int, elapsed_s: float, n_backends: int = 1) -> bool:
+        """Whether a point that took ``reps`` samples per backend in ``elapsed_s`` is finished."""
+        if self.fixed_reps is not None:
+            return reps >= self.fixed_reps
+        if reps < self.min_reps:
+            return False
+        return reps >= self.max_reps or elapsed_s >= n_backends * self.time_per_point_s
+
+
+def _time_calls(fn: Callable[[], Any], calls: int) -> float:
+    """Seconds per call of ``calls`` back-to-back calls of ``fn``."""
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def measure_memcpy(sizes: list[int], dtype_name: str, sampling: Sampling) -> dict[int, dict]:
+    """Single-thread ``dst.copy_(src)`` time per size (median over samples).
+
+    Runs in the calling process with ``torch.set_num_threads(1)`` (restored
+    afterwards). Returns ``{nbytes: {"us", "gbps", "calls", "reps"}}``.
+    """
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    elem = torch.empty((), dtype=dtype).element_size()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    try:
+        for nbytes in sorted(set(sizes)):
+            src = torch.ones(max(nbytes // elem, 1), dtype=dtype)
+            dst = torch.empty_like(src)
+            copy = lambda: dst.copy_(src)  # noqa: E731
+            calls = sampling.calls_per_sample(min(_time_calls(copy, 1) for _ in range(max(sampling.warmup, 1))))
+            samples: list[float] = []
+            t0 = time.perf_counter()
+            while not sampling.done(len(samples), time.perf_counter() - t0):
+                samples.append(_time_calls(copy, calls))
+            t = statistics.median(samples)
+            out[nbytes] = {
+                "us": t * 1e6,
+                "gbps": nbytes / t / 1e9,
+                "min_us": min(samples) * 1e6,
+                "calls_per_sample": calls,
+                "reps": len(samples),
+            }
+            del src, dst
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def machine_info() -> dict:
+    """CPU model, core counts, load, torch / python / hsdp versions."""
+    import torch
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        hsdp_version = version("hsdp-backend")
+    except Exception:  # noqa: BLE001
+        hsdp_version = "unknown"
+    return {
+        "cpu_model": cpu,
+        "nproc": os.cpu_count(),
+        "nproc_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "torch_version": torch.__version__,
+        "hsdp_backend_version": hsdp_version,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Suites
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class RankContext:
+    """What a suite's rank function gets: its place and the two groups."""
+
+    rank: int
+    world: int
+    hsdp: Any  # the default group, on hsdp
+    gloo: Any  # a gloo group over the same ranks (reference and control plane)
+    verbose: bool
+
+    def log(self, msg: str) -> None:
+        """Progress line from rank 0 (``--verbose`` only), on stderr."""
+        if self.verbose and self.rank == 0:
+            print(f"  [W={self.world}] {msg}", file=sys.stderr, flush=True)
+
+
+class Suite:
+    """A benchmark: configured in the parent, run on every rank, reported in the parent.
+
+    Subclasses set ``name`` / ``help`` and implement the four methods; their
+    instances go into ``SUITES``. ``configure`` may add parent-side reference
+    measurements to the config (anything picklable; it is sent to the ranks).
+    """
+
+    name: str = ""
+    help: str = ""
+
+    def configure(self, args: argparse.Namespace) -> dict:
+        """Validated, picklable config for the ranks (parent)."""
+        raise NotImplementedError
+
+    def run_rank(self, ctx: RankContext, config: dict) -> Any:
+        """The measurement, on every rank; rank 0's return value is reported."""
+        raise NotImplementedError
+
+    def report(self, config: dict, per_world: dict[int, Any]) -> dict:
+        """Prints the tables; returns the suite's JSON section (parent)."""
+        raise NotImplementedError
+
+    def plot(self, section: dict, path: str) -> None:
+        """Draws the suite's figure from its JSON section (parent)."""
+
+
+# --- the collectives suite -------------------------------------------------
+
+
+# FSDP2 calls all_gather_single / reduce_scatter_single where torch has them
+# (>= 2.14, where the *_into_tensor / *_tensor names are deprecated aliases);
+# both reach the backend's _allgather_base / _reduce_scatter_base.
+
+
+def _all_gather(bufs, group):
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(bufs["out"], bufs["in"], group=group)
+
+
+def _reduce_scatter(bufs, group):
+    import torch.distributed as dist
+
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(bufs["out"], bufs["in"], op=dist.ReduceOp.SUM, group=group)
+
+
+def _all_reduce(bufs, group):
+    import torch.distributed as dist
+
+    dist.all_reduce(bufs["t"], op=dist.ReduceOp.SUM, group=group)
+
+
+@dataclass(frozen=True)
+class CollectiveOp:
+    """One benchmarked collective: how to allocate, check and call it."""
+
+    name: str
+    call: Callable  # call(bufs, group)
+    # busbw = bus_factor(W) * total_bytes(per-rank bytes, W) / time
+    bus_factor: Callable[[int], float]
+    total_bytes: Callable[[int, int], int]
+
+
+OPS: dict[str, CollectiveOp] = {
+    op.name: op
+    for op in (
+        CollectiveOp(
+            "all_gather_into_tensor",
+            _all_gather,
+            bus_factor=lambda w: (w - 1) / w,
+            total_bytes=lambda n, w: n * w,
+        ),
+        CollectiveOp(
+            "reduce_scatter_tensor",
+            _reduce_scatter,
+            bus_factor=lambda w: (w - 1) / w,
+            total_bytes=lambda n, w: n * w,
+        ),
+        CollectiveOp(
+            "all_reduce",
+            _all_reduce,
+            bus_factor=lambda w: 2 * (w - 1) / w,
+            total_bytes=lambda n, w: n,
+        ),
+    )
+}
+OP_ALIASES = {
+    "all_gather": "all_gather_into_tensor",
+    "allgather": "all_gather_into_tensor",
+    "ag": "all_gather_into_tensor",
+    "reduce_scatter": "reduce_scatter_tensor",
+    "reducescatter": "reduce_scatter_tensor",
+    "rs": "reduce_scatter_tensor",
+    "allreduce": "all_reduce",
+    "ar": "all_reduce",
+}
+DEFAULT_SIZES = [4 * KIB * 4**i for i in range(8)]  # 4K .. 64M, powers of 4
+QUICK_MAX_SIZE = MIB
+LATENCY_BYTES = 8  # the extra all_reduce latency row
+
+
+def _make_buffers(op: str, numel: int, rank: int, world: int, dtype) -> dict:
+    """Buffers for one point, shared by both backends (FSDP2 forms)."""
+    import torch
+
+    if op == "all_gather_into_tensor":
+        out = torch.zeros(world * numel, dtype=dtype)
+        return {"out": out, "in": out.narrow(0, rank * numel, numel)}  # in place, as FSDP2
+    if op == "reduce_scatter_tensor":
+        return {"out": torch.zeros(numel, dtype=dtype), "in": torch.zeros(world * numel, dtype=dtype)}
+    return {"t": torch.zeros(numel, dtype=dtype)}
+
+
+def _check_once(op: str, bufs: dict, call: Callable[[], None], rank: int, world: int) -> str | None:
+    """Runs ``call`` once on rank-dependent data; returns what is wrong, or None.
+
+    Leaves the buffers in a state safe for repeated timing (all_reduce's
+    tensor is zeroed so repeated SUMs stay finite).
+    """
+    import torch
+
+    tri = world * (world + 1) // 2
+    if op == "all_gather_into_tensor":
+        bufs["out"].fill_(-1)
+        bufs["in"].fill_(rank + 1)
+        call()
+        got = bufs["out"].view(world, -1)
+        want = torch.arange(1, world + 1, dtype=got.dtype).unsqueeze(1).expand_as(got)
+    elif op == "reduce_scatter_tensor":
+        chunks = bufs["in"].view(world, -1)
+        for j in range(world):  # chunk j of rank r holds (r+1)*(j+1)
+            chunks[j].fill_((rank + 1) * (j + 1))
+        bufs["out"].fill_(-1)
+        call()
+        got = bufs["out"]
+        want = torch.full_like(got, (rank + 1) * tri)
+    else:
+        bufs["t"].fill_(rank + 1)
+        call()
+        got = bufs["t"]
+        want = torch.full_like(got, tri)
+    tol = 0.0 if got.dtype == torch.float32 else 1 / 128
+    ok = torch.allclose(got.float(), want.float(), rtol=tol, atol=0.0)
+    if op == "all_reduce":
+        bufs["t"].zero_()
+    if ok:
+        return None
+    bad = (got.float() - want.float()).abs().flatten().argmax().item()
+    return f"element {bad}: got {got.flatten()[bad].item()}, expected {want.flatten()[bad].item()}"
+
+
+class CollectivesSuite(Suite):
+    name = "collectives"
+    help = "all_gather_into_tensor / reduce_scatter_tensor / all_reduce, hsdp vs gloo, per size"
+
+    def configure(self, args: argparse.Namespace) -> dict:
+        ops = []
+        for item in args.ops.split(","):
+            item = item.strip().lower()
+            name = OP_ALIASES.get(item, item)
+            if name not in OPS:
+                raise ValueError(f"unknown op {item!r}; choose from {', '.join(OPS)}")
+            if name not in ops:
+                ops.append(name)
+        if args.sizes:
+            sizes = sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
+        else:
+            sizes = [s for s in DEFAULT_SIZES if not args.quick or s <= QUICK_MAX_SIZE]
+        elem = 2 if args.dtype == "bfloat16" else 4
+        for s in sizes + [LATENCY_BYTES]:
+            if s <= 0 or s % elem:
+                raise ValueError(f"size {s} B is not a positive multiple of the {args.dtype} element ({elem} B)")
+        points = []
+        for op in ops:
+            op_sizes = sizes
+            if op == "all_reduce" and LATENCY_BYTES not in sizes:
+                op_sizes = [LATENCY_BYTES, *sizes]
+            points += [(op, s) for s in op_sizes]
+        sampling = _sampling_from_args(args)
+        print(f"memcpy reference (parent, 1 thread, {args.dtype})...", flush=True)
+        memcpy = measure_memcpy([s for _, s in points], args.dtype, sampling)
+        return {"ops": ops, "points": points, "dtype": args.dtype, "sampling": sampling, "memcpy": memcpy}
+
+    def run_rank(self, ctx: RankContext, config: dict) -> list[dict] | None:
+        import gc
+
+        import torch
+
+        dtype = getattr(torch, config["dtype"])
+        elem = torch.empty((), dtype=dtype).element_size()
+        out = []
+        gc.disable()  # no collector pauses inside timed regions
+        try:
+            for op, nbytes in config["points"]:
+                res = self._measure_point(ctx, op, nbytes, nbytes // elem, dtype, config["sampling"])
+                ctx.log(
+                    f"{op:<24} {format_size(nbytes):>8}  hsdp {res['hsdp']['us']:10.1f} us"
+                    f"  gloo {res['gloo']['us']:10.1f} us  ({res['hsdp']['reps']} reps)"
+                )
+                out.append(res)
+                gc.collect()
+        finally:
+            gc.enable()
+        return out if ctx.rank == 0 else None
+
+    def _measure_point(self, ctx: RankContext, op: str, nbytes: int, numel: int, dtype, sampling: Sampling) -> dict:
+        """Check, calibrate, measure interleaved; returns the point (same on every rank)."""
+        import torch
+        import torch.distributed as dist
+
+        import hsdp_backend
+
+        bufs = _make_buffers(op, numel, ctx.rank, ctx.world, dtype)
+        groups = {"hsdp": ctx.hsdp, "gloo": ctx.gloo}
+        call = {b: (lambda g=groups[b]: OPS[op].call(bufs, g)) for b in BACKENDS}
+
+        for b in BACKENDS:
+            problem = _check_once(op, bufs, call[b], ctx.rank, ctx.world)
+            if problem:
+                raise RuntimeError(
+                    f"[rank {ctx.rank}/{ctx.world}] {b} {op} of {format_size(nbytes)} "
+                    f"returned a wrong result: {problem}"
+                )
+
+        # Calls per sample from the fastest warmup call (the least disturbed
+        # one), maxed over ranks so that every rank plans alike.
+        est = [min(_time_calls(call[b], 1) for _ in range(max(sampling.warmup, 1))) for b in BACKENDS]
+        est_t = torch.tensor(est, dtype=torch.float64)
+        dist.all_reduce(est_t, op=dist.ReduceOp.MAX, group=ctx.gloo)
+        calls = {b: sampling.calls_per_sample(t) for b, t in zip(BACKENDS, est_t.tolist())}
+
+        hsdp_backend.reset_comm_stats(ctx.hsdp)
+        samples: dict[str, list[float]] = {b: [] for b in BACKENDS}
+        stop = torch.zeros(1, dtype=torch.float64)
+        t0 = time.perf_counter()
+        for i in itertools.count():
+            # Rounds of one sample per backend, order alternating. Rank 0's
+            # clock ends the point; the all_reduce carrying its verdict is
+            # also the barrier before the round's first sample.
+            stop[0] = float(ctx.rank == 0 and sampling.done(i, time.perf_counter() - t0, len(BACKENDS)))
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=ctx.gloo)
+            if stop.item():
+                break
+            for k, b in enumerate(BACKENDS if i % 2 == 0 else BACKENDS[::-1]):
+                if k:
+                    dist.barrier(group=ctx.gloo)
+                samples[b].append(_time_calls(call[b], calls[b]))
+        stats = hsdp_backend.comm_stats(ctx.hsdp)
+
+        mine = torch.tensor(
+            [[statistics.median(samples[b]), min(samples[b])] for b in BACKENDS], dtype=torch.float64
+        )
+        gathered = [torch.empty_like(mine) for _ in range(ctx.world)]
+        dist.all_gather(gathered, mine, group=ctx.gloo)
+        per_rank = torch.stack(gathered) * 1e6  # [W, backend, (median, min)] in us
+        result = {"op": op, "bytes": nbytes, "numel": numel}
+        for i, b in enumerate(BACKENDS):
+            result[b] = {
+                "us": per_rank[:, i, 0].max().item(),  # max over ranks of the medians
+                "per_rank_median_us": per_rank[:, i, 0].tolist(),
+                "per_rank_min_us": per_rank[:, i, 1].tolist(),
+                "calls_per_sample": calls[b],
+                "reps": len(samples[b]),
+                "rank0_samples_us": [s * 1e6 for s in samples[b]],
+            }
+        result["hsdp"]["comm_stats"] = stats.get(op)
+        return result
+
+    def report(self, config: dict, per_world: dict[int, Any]) -> dict:
+        memcpy = config["memcpy"]
+        print(f"\nmemcpy (single thread, dst.copy_(src), {config['dtype']}):")
+        print(f"  {'size':>8}  {'us':>10}  {'GB/s':>8}")
+        for nbytes, m in sorted(memcpy.items()):
+            print(f"  {format_size(nbytes):>8}  {m['us']:10.2f}  {m['gbps']:8.2f}")
+
+        rows = []
+        for world, points in sorted(per_world.items()):
+            table = []
+            for p in points:
+                op = OPS[p["op"]]
+                total = op.total_bytes(p["bytes"], world)
+                row = {"world": world, "op": p["op"], "bytes_per_rank": p["bytes"], "numel_per_rank": p["numel"]}
+                for b in BACKENDS:
+                    secs = p[b]["us"] / 1e6
+                    row[b] = dict(p[b], algbw_gbps=total / secs / 1e9, busbw_gbps=op.bus_factor(world) * total / secs / 1e9)
+                row["speedup"] = p["gloo"]["us"] / p["hsdp"]["us"]
+                mc = memcpy[p["bytes"]]
+                row["memcpy_gbps"] = mc["gbps"]
+                row["hsdp_memcpy_fraction"] = row["hsdp"]["busbw_gbps"] / mc["gbps"]
+                row["copy_floor_us"] = 3 * mc["us"] if p["op"] == "all_reduce" else None
+                table.append(row)
+            _print_table(world, config["dtype"], table)
+            rows += table
+        print(
+            "\nlatency = max over ranks of each rank's median per-call time; busbw as in nccl-tests;\n"
+            "speedup = gloo time / hsdp time; hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;\n"
+            "3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only."
+        )
+        return {
+            "dtype": config["dtype"],
+            "ops": config["ops"],
+            "sampling": config["sampling"].__dict__,
+            "sample_target_s": SAMPLE_TARGET_S,
+            "memcpy": [{"bytes": n, **m} for n, m in sorted(memcpy.items())],
+            "results": rows,
+        }
+
+    def plot(self, section: dict, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        ops = section["ops"]
+        worlds = sorted({r["world"] for r in section["results"]})
+        fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.5), squeeze=False)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for ax, op in zip(axes[0], ops):
+            xs_all = set()
+            for k, world in enumerate(worlds):
+                rows = [r for r in section["results"] if r["op"] == op and r["world"] == world and r["bytes_per_rank"] >= KIB]
+                xs = [r["bytes_per_rank"] for r in rows]
+                xs_all.update(xs)
+                color = colors[k % len(colors)]
+                ax.plot(xs, [r["hsdp"]["busbw_gbps"] for r in rows], "o-", color=color, label=f"hsdp W={world}")
+                ax.plot(xs, [r["gloo"]["busbw_gbps"] for r in rows], "x--", color=color, label=f"gloo W={world}")
+            mc = [m for m in section["memcpy"] if m["bytes"] in xs_all]
+            ax.plot([m["bytes"] for m in mc], [m["gbps"] for m in mc], ":", color="black", label="memcpy (1 thread)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ticks = sorted(xs_all)
+            ax.set_xticks(ticks, [_short_size(t) for t in ticks])
+            ax.set_title(op)
+            ax.set_xlabel("bytes per rank")
+            ax.set_ylabel("bus bandwidth (GB/s)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.suptitle(f"hsdp vs gloo, {section['dtype']}, busbw (nccl-tests convention)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def _print_table(world: int, dtype: str, rows: list[dict]) -> None:
+    """One fixed-width table for one world size."""
+    cols = [
+        ("op", 22, lambda r: r["op"]),
+        ("size/rank", 9, lambda r: format_size(r["bytes_per_rank"])),
+        ("hsdp us", 11, lambda r: f"{r['hsdp']['us']:.1f}"),
+        ("gloo us", 11, lambda r: f"{r['gloo']['us']:.1f}"),
+        ("hsdp GB/s", 9, lambda r: f"{r['hsdp']['busbw_gbps']:.3f}"),
+        ("gloo GB/s", 9, lambda r: f"{r['gloo']['busbw_gbps']:.3f}"),
+        ("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
+        ("hsdp/memcpy", 11, lambda r: f"{r['hsdp_memcpy_fraction']:.3f}"),
+        ("3xcopy us", 10, lambda r: "-" if r["copy_floor_us"] is None else f"{r['copy_floor_us']:.1f}"),
+    ]
+    print(f"\nworld size {world} ({dtype}; busbw in GB/s):")
+    print("  ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w, _) in enumerate(cols)))
+    for r in rows:
+        print("  ".join(f"{f(r):<{w}}" if i == 0 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(cols)))
+
+
+def _sampling_from_args(args: argparse.Namespace) -> Sampling:
+    quick = args.quick
+    return Sampling(
+        time_per_point_s=args.time_per_point if args.time_per_point is not None else (0.1 if quick else 0.3),
+        min_reps=args.min_reps,
+        max_reps=args.max_reps if args.max_reps is not None else (50 if quick else 200),
+        warmup=args.warmup if args.warmup is not None else (2 if quick else 3),
+        fixed_reps=args.iters,
+    )
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in (CollectivesSuite(),)}
+
+# ---------------------------------------------------------------------------
+# Launcher: W rank processes, one deadline, no survivors
+# ---------------------------------------------------------------------------
+
+
+class BenchFailure(RuntimeError):
+    """A launch failed: a rank raised or died, or the deadline passed."""
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exits this rank as soon as the parent process is gone."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _rank_entry(suite_name, rank, world, store_port, config, env, time_left_s, verbose, parent_pid, results):
+    """Body of one rank process (module level so spawn can find it)."""
+    import faulthandler
+
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    faulthandler.enable()
+    # Just before the parent's deadline, print every thread's stack and exit.
+    faulthandler.dump_traceback_later(max(time_left_s - 2.0, 1.0), exit=True)
+    os.environ.update(env)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import hsdp_backend  # noqa: F401  registers "hsdp"
+
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=max(1.0, min(COLLECTIVE_TIMEOUT_S, time_left_s)))
+        store = dist.TCPStore("127.0.0.1", store_port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("hsdp", store=store, rank=rank, world_size=world, timeout=timeout)
+        gloo = dist.new_group(backend="gloo", timeout=timeout)
+        ctx = RankContext(rank, world, dist.group.WORLD, gloo, verbose)
+        out = SUITES[suite_name].run_rank(ctx, config)
+        results.put((rank, "ok", {"engine": _cpu_engine(), "result": out}))
+    except BaseException:  # noqa: BLE001 - everything goes to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _cpu_engine() -> str:
+    """What serves the default hsdp group's CPU collectives ("shm", "gloo"),
+    or "unknown" on builds without ``hsdp_backend.cpu_engine``."""
+    import hsdp_backend
+
+    try:
+        return str(hsdp_backend.cpu_engine())
+    except (AttributeError, ImportError):
+        return "unknown"
+
+
+def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, verbose: bool) -> Any:
+    """Runs ``suite`` on ``world`` fresh rank processes.
+
+    Returns rank 0's ``{"engine": hsdp's CPU engine, "result": what the
+    suite's ``run_rank`` returned}``.
+
+    ``deadline`` is a ``time.monotonic()`` value. Raises BenchFailure when a
+    rank fails or the deadline passes; every rank process is gone on return.
+    """
+    import torch.distributed as dist
+
+    time_left = deadline - time.monotonic()
+    if time_left <= 0:
+        raise BenchFailure(f"world size {world}: no time left (see --timeout)")
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=max(time_left, 1)), wait_for_workers=False
+    )
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(suite.name, r, world, store.port, config, env, time_left, verbose, os.getpid(), results),
+            name=f"hsdp-bench-rank{r}",
+            daemon=True,
+        )
+        for r in range(world)
+    ]
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    first_error: int | None = None
+    timed_out = False
+    try:
+        for p in procs:
+            p.start()
+        while len(outputs) + len(errors) < world:
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = not errors
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(0.5, deadline - now))
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in outputs and r not in errors:
+                        errors[r] = f"rank {r} died with exit code {p.exitcode}"
+                        first_error = r if first_error is None else first_error
+                        deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+                continue
+            if status == "ok":
+                outputs[rank] = payload
+            else:
+                errors[rank] = payload
+                first_error = rank if first_error is None else first_error
+                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+    finally:
+        for p in procs:
+            if p.pid is not None:
+                p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        results.close()
+        del store
+    if errors or timed_out or len(outputs) < world:
+        alive = [r for r in range(world) if r not in outputs and r not in errors]
+        lines = []
+        if timed_out:
+            lines.append(f"world size {world}: deadline reached (--timeout); killed ranks {alive}")
+        else:
+            lines.append(f"world size {world}: {len(errors)} of {world} ranks failed; killed ranks {alive}")
+        if first_error is not None:
+            lines.append(f"--- rank {first_error} (first failure) ---\n{errors[first_error].rstrip()}")
+        for r in sorted(errors):
+            if r != first_error:  # usually a consequence of the first; last line only
+                lines.append(f"--- rank {r} --- {errors[r].strip().splitlines()[-1]}")
+        raise BenchFailure("\n".join(lines))
+    return outputs[0]
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+
+def _parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not ranks or any(r < 2 for r in ranks):
+        raise argparse.ArgumentTypeError("world sizes must be integers >= 2, e.g. 2,4")
+    return ranks
+
+
+def _parse_env(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI (see the module docstring for the method)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m hsdp_backend.bench",
+        description=(
+            "Benchmark hsdp against gloo on this host. Spawns W rank processes per world size,\n"
+            "measures both backends in the same run, interleaved, and reports medians (max over\n"
+            "ranks), nccl-tests bus bandwidth, the gloo/hsdp speedup and the fraction of\n"
+            "single-thread memcpy bandwidth. Run it from outside the repository root.\n"
+            "Method: see the docstring of hsdp_backend/bench.py."
+        ),
+        epilog=(
+            "examples:\n"
+            "  python -m hsdp_backend.bench --quick\n"
+            "  python -m hsdp_backend.bench --ranks 2 --sizes 4K,64K,1M,16M\n"
+            "  python -m hsdp_backend.bench --ops all_reduce --dtype bfloat16 -v"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--suite", choices=sorted(SUITES), default="collectives",
+                        help="benchmark to run: " + "; ".join(f"{s.name}: {s.help}" for s in SUITES.values())
+                        + " (default: %(default)s)")
+    parser.add_argument("--ranks", type=_parse_ranks, default=[2, 4], metavar="W[,W...]",
+                        help="world sizes, one launch each (default: 2,4)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="element type (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="sizes up to 1 MiB, 0.1 s per point per backend, at most 50 samples (CI)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="wall-clock limit of the whole run in seconds; ranks still running are "
+                        "killed (default: 300 with --quick, else 1200)")
+    parser.add_argument("--env", type=_parse_env, action="append", default=[], metavar="KEY=VALUE",
+                        help="environment variable for the rank processes (repeatable)")
+    parser.add_argument("--json", default=os.path.join("bench_results", "bench.json"), metavar="PATH",
+                        help="raw results and machine info; '' to skip (default: %(default)s)")
+    parser.add_argument("--plot", default=os.path.join("bench_results", "bench.png"), metavar="PATH",
+                        help="PNG plot (needs matplotlib); '' to skip (default: %(default)s)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print each point as it is measured")
+
+    coll = parser.add_argument_group("collectives suite")
+    coll.add_argument("--ops", default=",".join(OPS), metavar="OP[,OP...]",
+                      help="subset of %(default)s (aliases: all_gather, reduce_scatter, ag, rs, ar)")
+    coll.add_argument("--sizes", default=None, metavar="SIZE[,SIZE...]",
+                      help="bytes per rank, e.g. 4K,1M,16M (default: 4K..64M in powers of 4; "
+                      "--quick: up to 1M); all_reduce always adds an 8 B latency row")
+
+    samp = parser.add_argument_group("sampling (per point, per backend)")
+    samp.add_argument("--time-per-point", type=float, default=None, metavar="S",
+                      help="time budget per point per backend (default: 0.3; --quick: 0.1)")
+    samp.add_argument("--iters", type=int, default=None, metavar="N",
+                      help="exactly N samples per point per backend instead of the time budget")
+    samp.add_argument("--min-reps", type=int, default=3, metavar="N", help="fewest samples (default: 3)")
+    samp.add_argument("--max-reps", type=int, default=None, metavar="N",
+                      help="most samples (default: 200; --quick: 50)")
+    samp.add_argument("--warmup", type=int, default=None, metavar="N",
+                      help="untimed calls per backend before measuring (default: 3; --quick: 2)")
+    return parser
+
+
+class _Terminated(BaseException):
+    """SIGTERM / SIGHUP in the parent: unwind so the ranks get killed."""
+
+
+def _on_signal(signum, frame):
+    raise _Terminated(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.iters is not None and args.iters < 1:
+        parser.error("--iters must be >= 1")
+    if args.min_reps < 1 or (args.max_reps is not None and args.max_reps < args.min_reps):
+        parser.error("need 1 <= --min-reps <= --max-reps")
+    timeout = args.timeout if args.timeout is not None else (300.0 if args.quick else 1200.0)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    start = time.monotonic()
+    deadline = start + timeout
+    suite = SUITES[args.suite]
+    try:
+        info = machine_info()
+        print(
+            f"hsdp bench, suite {suite.name}: {info['cpu_model']}, {info['nproc']} cpus, "
+            f"torch {info['torch_version']}, hsdp-backend {info['hsdp_backend_version']}, "
+            f"world sizes {args.ranks}, timeout {timeout:.0f} s",
+            flush=True,
+        )
+        cpus = info["nproc_available"] or info["nproc"] or 1
+        if max(args.ranks) > cpus:
+            print(f"note: more ranks than cpus ({max(args.ranks)} > {cpus}): ranks share cores", flush=True)
+        load = info["loadavg_at_start"]
+        if load and load[0] > 0.5:
+            print(f"note: load average {load[0]:.1f} on {cpus} cpus before the run: other processes "
+                  "compete for the cpus; expect noisy absolute numbers", flush=True)
+        try:
+            config = suite.configure(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        per_world: dict[int, Any] = {}
+        wall: dict[int, float] = {}
+        engines: dict[int, str] = {}
+        for world in args.ranks:
+            print(f"world size {world}: running {world} ranks...", flush=True)
+            t0 = time.monotonic()
+            out = launch(suite, world, config, dict(args.env), deadline, args.verbose)
+            per_world[world], engines[world] = out["result"], out["engine"]
+            wall[world] = time.monotonic() - t0
+            print(f"world size {world}: done in {wall[world]:.1f} s (hsdp cpu engine: {engines[world]})",
+                  flush=True)
+        section = suite.report(config, per_world)
+    except BenchFailure as exc:
+        print(f"\nhsdp bench FAILED after {time.monotonic() - start:.1f} s:\n{exc}", file=sys.stderr, flush=True)
+        return 1
+    except (KeyboardInterrupt, _Terminated) as exc:
+        signum = exc.args[0] if isinstance(exc, _Terminated) and exc.args else signal.SIGINT
+        print(f"\nhsdp bench interrupted (signal {int(signum)}); ranks killed", file=sys.stderr, flush=True)
+        return 128 + int(signum)
+
+    total = time.monotonic() - start
+    info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    print(f"\ntotal wall time {total:.1f} s", flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        doc = {
+            "schema": 1,
+            "suite": suite.name,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": [sys.executable, "-m", "hsdp_backend.bench", *(sys.argv[1:] if argv is None else argv)],
+            "machine": info,
+            "world_sizes": args.ranks,
+            "rank_env": dict(args.env),
+            "hsdp_cpu_engine": {str(w): e for w, e in engines.items()},
+            "wall_time_s": {"total": total, **{str(w): t for w, t in wall.items()}},
+            suite.name: section,
+        }
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("note: matplotlib is not installed; no plot (pip install matplotlib)")
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+            suite.plot(section, args.plot)
+            print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""hsdp's environment variables: one table, read once per process group,
+bad values rejected by name. README.md mirrors this table."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    default: str
+    parse: Callable[[str], object]
+    help: str
+
+
+def _choice(*options: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in options:
+            raise ValueError(f"expected one of {', '.join(options)}")
+        return text
+
+    return parse
+
+
+def _int(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text.strip().replace("_", ""))
+        if value < minimum:
+            raise ValueError(f"expected an integer >= {minimum}")
+        if value % multiple_of:
+            raise ValueError(f"expected a multiple of {multiple_of}")
+        return value
+
+    return parse
+
+
+VARS = {
+    v.name: v
+    for v in [
+        Var("HSDP_ENGINE", "auto", _choice("auto", "shm", "gloo"),
+            "CPU engine: auto (shared memory when every member of the group is on this host, "
+            "else gloo), shm (require shared memory), gloo (always the inner gloo group)"),
+        Var("HSDP_SHM_SLOT_BYTES", str(4 << 20), _int(64 << 10, 64),
+            "bytes a rank moves through shared memory per step; the segment holds 2 slots per "
+            "rank. Larger messages are pipelined through the slots"),
+        Var("HSDP_SHM_SPIN_US", "auto", lambda t: t if t == "auto" else _int(0)(t),
+            "microseconds a wait spins before sleeping on a futex; auto: 20, or 0 when the group "
+            "has more ranks than this machine has cores"),
+        Var("HSDP_SHM_ONESHOT_BYTES", str(32 << 10), _int(0),
+            "all-reduces up to this size read every peer's buffer in one round instead of two"),
+        Var("HSDP_TIMEOUT_MS", "group", lambda t: t if t == "group" else _int(1)(t),
+            "deadline of every shared-memory wait; group: the process group's timeout"),
+    ]
+}
+
+
+def read(name: str):
+    """The parsed value of ``name`` (its default when unset)."""
+    var = VARS[name]
+    text = os.environ.get(name, var.default)
+    try:
+        return var.parse(text)
+    except ValueError as exc:
+        raise ValueError(f"Invalid value for environment variable {name}={text!r}: {exc}") from None
