@@ -21,8 +21,9 @@ For every (op, size) point of the ``collectives`` suite:
    (a fast wrong collective is not a result).
 2. **Warm up and calibrate.** A few untimed calls per backend; the fastest,
    maxed over ranks, sets how many back-to-back calls form one *sample*
-   (about ``SAMPLE_TARGET_S`` long, so the timer and the barrier skew are
-   amortised for small messages). Every rank derives the same count.
+   (about ``SAMPLE_TARGET_S`` of the faster backend, so the timer and the
+   barrier skew are amortised for small messages); both backends and all
+   ranks use the same count.
 3. **Measure, interleaved.** Rounds of one sample per backend, the order
    alternating (hsdp, gloo, then gloo, hsdp, ...); every sample is preceded
    by a barrier on the gloo group and timed with ``time.perf_counter``
@@ -46,6 +47,10 @@ same sizes, measured in the parent in the same run (median, same sampling):
 all_reduce ``3xcopy`` is the time of the unavoidable copies of a
 shared-memory all-reduce (copy in, reduce, copy out: about three memcpy of
 the message). GB/s are 1e9 bytes per second; sizes are binary (KiB, MiB).
+``spread`` (interquartile range / median of rank 0's samples, the noisier
+backend) says how far a row can be trusted: on a quiet machine it is a few
+percent; when other processes compete for the cores it grows, and so does
+the uncertainty of the ratio.
 
 Output: one table per world size on stdout, all raw numbers and machine
 information as JSON (``--json``), and a bus-bandwidth plot (``--plot``,
@@ -169,7 +174,7 @@ def measure_memcpy(sizes: list[int], dtype_name: str, sampling: Sampling) -> dic
     """Single-thread ``dst.copy_(src)`` time per size (median over samples).
 
     Runs in the calling process with ``torch.set_num_threads(1)`` (restored
-    afterwards). Returns ``{nbytes: {"us", "gbps", "calls", "reps"}}``.
+    afterwards). Returns ``{nbytes: {"us", "gbps", "min_us", "calls_per_sample", "reps"}}``.
     """
     import torch
 
@@ -284,37 +289,42 @@ class Suite:
 # --- the collectives suite -------------------------------------------------
 
 
-# FSDP2 calls all_gather_single / reduce_scatter_single where torch has them
-# (>= 2.14, where the *_into_tensor / *_tensor names are deprecated aliases);
-# both reach the backend's _allgather_base / _reduce_scatter_base.
+# Each binder returns a no-argument closure: one synchronous call of the op
+# on ``bufs`` over ``group``, with everything resolved up front. FSDP2 calls
+# all_gather_single / reduce_scatter_single where torch has them (>= 2.14,
+# where the *_into_tensor / *_tensor names are deprecated aliases); all of
+# them reach the backend's _allgather_base / _reduce_scatter_base.
 
 
-def _all_gather(bufs, group):
+def _bind_all_gather(bufs: dict, group) -> Callable[[], None]:
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(bufs["out"], bufs["in"], group=group)
+    out, inp = bufs["out"], bufs["in"]
+    return lambda: fn(out, inp, group=group)
 
 
-def _reduce_scatter(bufs, group):
+def _bind_reduce_scatter(bufs: dict, group) -> Callable[[], None]:
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(bufs["out"], bufs["in"], op=dist.ReduceOp.SUM, group=group)
+    out, inp, op = bufs["out"], bufs["in"], dist.ReduceOp.SUM
+    return lambda: fn(out, inp, op=op, group=group)
 
 
-def _all_reduce(bufs, group):
+def _bind_all_reduce(bufs: dict, group) -> Callable[[], None]:
     import torch.distributed as dist
 
-    dist.all_reduce(bufs["t"], op=dist.ReduceOp.SUM, group=group)
+    fn, t, op = dist.all_reduce, bufs["t"], dist.ReduceOp.SUM
+    return lambda: fn(t, op=op, group=group)
 
 
 @dataclass(frozen=True)
 class CollectiveOp:
-    """One benchmarked collective: how to allocate, check and call it."""
+    """One benchmarked collective: how to call it and count its bytes."""
 
     name: str
-    call: Callable  # call(bufs, group)
+    bind: Callable[[dict, Any], Callable[[], None]]  # bind(bufs, group) -> call()
     # busbw = bus_factor(W) * total_bytes(per-rank bytes, W) / time
     bus_factor: Callable[[int], float]
     total_bytes: Callable[[int, int], int]
@@ -325,19 +335,19 @@ OPS: dict[str, CollectiveOp] = {
     for op in (
         CollectiveOp(
             "all_gather_into_tensor",
-            _all_gather,
+            _bind_all_gather,
             bus_factor=lambda w: (w - 1) / w,
             total_bytes=lambda n, w: n * w,
         ),
         CollectiveOp(
             "reduce_scatter_tensor",
-            _reduce_scatter,
+            _bind_reduce_scatter,
             bus_factor=lambda w: (w - 1) / w,
             total_bytes=lambda n, w: n * w,
         ),
         CollectiveOp(
             "all_reduce",
-            _all_reduce,
+            _bind_all_reduce,
             bus_factor=lambda w: 2 * (w - 1) / w,
             total_bytes=lambda n, w: n,
         ),
@@ -471,7 +481,7 @@ class CollectivesSuite(Suite):
 
         bufs = _make_buffers(op, numel, ctx.rank, ctx.world, dtype)
         groups = {"hsdp": ctx.hsdp, "gloo": ctx.gloo}
-        call = {b: (lambda g=groups[b]: OPS[op].call(bufs, g)) for b in BACKENDS}
+        call = {b: OPS[op].bind(bufs, groups[b]) for b in BACKENDS}
 
         for b in BACKENDS:
             problem = _check_once(op, bufs, call[b], ctx.rank, ctx.world)
@@ -481,12 +491,15 @@ class CollectivesSuite(Suite):
                     f"returned a wrong result: {problem}"
                 )
 
-        # Calls per sample from the fastest warmup call (the least disturbed
-        # one), maxed over ranks so that every rank plans alike.
+        # Calls per sample: from the fastest warmup call (the least disturbed
+        # one) of the faster backend, maxed over ranks so that every rank
+        # plans alike. Both backends get the same count: a backend whose
+        # samples averaged over more calls would see noise differently
+        # (fewer outliers, higher floor) and bias the ratio.
         est = [min(_time_calls(call[b], 1) for _ in range(max(sampling.warmup, 1))) for b in BACKENDS]
-        est_t = torch.tensor(est, dtype=torch.float64)
+        est_t = torch.tensor([min(est)], dtype=torch.float64)
         dist.all_reduce(est_t, op=dist.ReduceOp.MAX, group=ctx.gloo)
-        calls = {b: sampling.calls_per_sample(t) for b, t in zip(BACKENDS, est_t.tolist())}
+        calls = sampling.calls_per_sample(est_t.item())
 
         hsdp_backend.reset_comm_stats(ctx.hsdp)
         samples: dict[str, list[float]] = {b: [] for b in BACKENDS}
@@ -503,7 +516,7 @@ class CollectivesSuite(Suite):
             for k, b in enumerate(BACKENDS if i % 2 == 0 else BACKENDS[::-1]):
                 if k:
                     dist.barrier(group=ctx.gloo)
-                samples[b].append(_time_calls(call[b], calls[b]))
+                samples[b].append(_time_calls(call[b], calls))
         stats = hsdp_backend.comm_stats(ctx.hsdp)
 
         mine = torch.tensor(
@@ -518,7 +531,7 @@ class CollectivesSuite(Suite):
                 "us": per_rank[:, i, 0].max().item(),  # max over ranks of the medians
                 "per_rank_median_us": per_rank[:, i, 0].tolist(),
                 "per_rank_min_us": per_rank[:, i, 1].tolist(),
-                "calls_per_sample": calls[b],
+                "calls_per_sample": calls,
                 "reps": len(samples[b]),
                 "rank0_samples_us": [s * 1e6 for s in samples[b]],
             }
@@ -543,6 +556,7 @@ class CollectivesSuite(Suite):
                     secs = p[b]["us"] / 1e6
                     row[b] = dict(p[b], algbw_gbps=total / secs / 1e9, busbw_gbps=op.bus_factor(world) * total / secs / 1e9)
                 row["speedup"] = p["gloo"]["us"] / p["hsdp"]["us"]
+                row["spread"] = max(_spread(p[b]["rank0_samples_us"]) for b in BACKENDS)
                 mc = memcpy[p["bytes"]]
                 row["memcpy_gbps"] = mc["gbps"]
                 row["hsdp_memcpy_fraction"] = row["hsdp"]["busbw_gbps"] / mc["gbps"]
@@ -553,7 +567,9 @@ class CollectivesSuite(Suite):
         print(
             "\nlatency = max over ranks of each rank's median per-call time; busbw as in nccl-tests;\n"
             "speedup = gloo time / hsdp time; hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;\n"
-            "3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only."
+            "3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only;\n"
+            "spread = interquartile range / median of rank 0's samples, the noisier backend: ratios\n"
+            "of rows with a large spread (say > 50%) are not to be trusted."
         )
         return {
             "dtype": config["dtype"],
@@ -600,6 +616,14 @@ class CollectivesSuite(Suite):
         plt.close(fig)
 
 
+def _spread(samples: list[float]) -> float:
+    """Interquartile range / median of some samples: how noisy a point was."""
+    if len(samples) < 2:
+        return 0.0
+    q1, q2, q3 = statistics.quantiles(samples, n=4)
+    return (q3 - q1) / q2 if q2 > 0 else 0.0
+
+
 def _print_table(world: int, dtype: str, rows: list[dict]) -> None:
     """One fixed-width table for one world size."""
     cols = [
@@ -612,6 +636,7 @@ def _print_table(world: int, dtype: str, rows: list[dict]) -> None:
         ("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
         ("hsdp/memcpy", 11, lambda r: f"{r['hsdp_memcpy_fraction']:.3f}"),
         ("3xcopy us", 10, lambda r: "-" if r["copy_floor_us"] is None else f"{r['copy_floor_us']:.1f}"),
+        ("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
     ]
     print(f"\nworld size {world} ({dtype}; busbw in GB/s):")
     print("  ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w, _) in enumerate(cols)))
@@ -649,14 +674,19 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _rank_entry(suite_name, rank, world, store_port, config, env, time_left_s, verbose, parent_pid, results):
-    """Body of one rank process (module level so spawn can find it)."""
+def _rank_entry(suite_name, rank, world, store_port, config, env, deadline_epoch, verbose, parent_pid, results):
+    """Body of one rank process (module level so spawn can find it).
+
+    ``deadline_epoch`` is the parent's deadline as a ``time.time()`` value.
+    """
     import faulthandler
 
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    time_left_s = deadline_epoch - time.time()
     faulthandler.enable()
-    # Just before the parent's deadline, print every thread's stack and exit.
-    faulthandler.dump_traceback_later(max(time_left_s - 2.0, 1.0), exit=True)
+    # Shortly before the parent's deadline, print every thread's stack (a
+    # hang is then diagnosable from the output) and exit.
+    faulthandler.dump_traceback_later(max(time_left_s - 3.0, 1.0), exit=True)
     os.environ.update(env)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
@@ -718,7 +748,7 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(suite.name, r, world, store.port, config, env, time_left, verbose, os.getpid(), results),
+            args=(suite.name, r, world, store.port, config, env, time.time() + time_left, verbose, os.getpid(), results),
             name=f"hsdp-bench-rank{r}",
             daemon=True,
         )
@@ -726,8 +756,10 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
     ]
     outputs: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    first_error: int | None = None
+    died_ranks: set[int] = set()
     timed_out = False
+    run_deadline = deadline
+    collected = False
     try:
         for p in procs:
             p.start()
@@ -741,19 +773,21 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and r not in outputs and r not in errors:
-                        errors[r] = f"rank {r} died with exit code {p.exitcode}"
-                        first_error = r if first_error is None else first_error
+                        errors[r] = f"rank {r} died with exit code {p.exitcode} (no Python error: crashed or killed)"
+                        died_ranks.add(r)
                         deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
                 continue
             if status == "ok":
                 outputs[rank] = payload
             else:
-                errors[rank] = payload
-                first_error = rank if first_error is None else first_error
+                errors[rank] = payload  # dict order: first reported first
                 deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
+        collected = True
     finally:
+        # Ranks that reported are tearing their groups down: give them a
+        # moment. On an exception here (a signal), kill at once.
         for p in procs:
-            if p.pid is not None:
+            if collected and p.pid is not None:
                 p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
         for p in procs:
             if p.is_alive():
@@ -768,10 +802,20 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
             lines.append(f"world size {world}: deadline reached (--timeout); killed ranks {alive}")
         else:
             lines.append(f"world size {world}: {len(errors)} of {world} ranks failed; killed ranks {alive}")
-        if first_error is not None:
-            lines.append(f"--- rank {first_error} (first failure) ---\n{errors[first_error].rstrip()}")
-        for r in sorted(errors):
-            if r != first_error:  # usually a consequence of the first; last line only
+        if time.monotonic() >= run_deadline - 5.0:
+            lines.append("(the --timeout deadline was reached: ranks still running printed their "
+                         "Python stacks on stderr and exited)")
+        died = sorted(r for r in errors if r in died_ranks)
+        reported = [r for r in errors if r not in died_ranks]
+        # A rank that died without a Python error (crash, kill) is the likely
+        # cause; then the first traceback in full, the others' last lines
+        # (usually consequences of the first).
+        for r in died:
+            lines.append(f"--- rank {r} --- {errors[r]}")
+        for i, r in enumerate(reported):
+            if i == 0:
+                lines.append(f"--- rank {r} (first error reported) ---\n{errors[r].rstrip()}")
+            else:
                 lines.append(f"--- rank {r} --- {errors[r].strip().splitlines()[-1]}")
         raise BenchFailure("\n".join(lines))
     return outputs[0]
@@ -881,6 +925,14 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + timeout
     suite = SUITES[args.suite]
+    import importlib.util
+
+    if importlib.util.find_spec("hsdp_backend._C") is None:
+        import hsdp_backend
+
+        print(f"error: {os.path.dirname(hsdp_backend.__file__)} has no compiled extension (hsdp_backend._C); "
+              "run from outside the repository root, with the package installed", file=sys.stderr)
+        return 1
     try:
         info = machine_info()
         print(

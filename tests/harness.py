@@ -85,13 +85,15 @@ def run_ranks(
     backend: str | None = "hsdp",
     env: dict[str, str] | None = None,
     timeout_s: float = LAUNCH_TIMEOUT_S,
+    may_die: tuple[int, ...] = (),
     **kwargs,
 ) -> list[Any]:
     """Runs ``fn(rank, world, **kwargs)`` on ``world`` processes.
 
     ``fn`` must be importable by name (defined at module level). Returns the
-    per-rank return values, or raises RankFailure with every failing rank's
-    traceback (and the ranks that had to be killed).
+    per-rank return values (None for a rank in ``may_die`` that died, as a
+    fault test's victim does), or raises RankFailure with every failing
+    rank's traceback (and the ranks that had to be killed).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -119,7 +121,9 @@ def run_ranks(
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 for r in dead:
-                    if r not in outputs and r not in errors:
+                    if r in may_die and r not in outputs:
+                        outputs[r] = None
+                    elif r not in outputs and r not in errors:
                         errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
                 if errors:
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
@@ -180,6 +184,8 @@ class CaseLauncher:
         self._cache: dict[tuple, dict[str, str | None]] = {}
 
     def verdict(self, module: str, names: list[str], world: int, env=None) -> dict:
+        """{case: None or failure text} for ``module``'s cases on ``world``
+        ranks with ``env`` set in every rank, launching on first request."""
         key = (module, world, tuple(sorted((env or {}).items())))
         if key not in self._cache:
             try:

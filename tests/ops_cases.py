@@ -498,3 +498,11 @@ def comm_stats_counts_and_resets(rank, world, ref):
         assert "not hsdp" in str(exc)
     else:
         raise AssertionError("comm_stats on a gloo group must raise TypeError")
+
+
+@case
+def engine_in_use(rank, world, ref):
+    import os
+
+    expected = os.environ.get("HSDP_ENGINE", "auto")
+    assert hsdp_backend.cpu_engine() == ("shm" if expected == "auto" else expected)

@@ -1,0 +1,204 @@
+"""The shared-memory engine under load: 8 ranks on 2 cores, several groups
+at once, a soak of mixed collectives with random sizes, dtypes, async/sync
+and random sleeps, and the numerics contract (fp32 accumulation in rank
+order, one rounding: every rank gets the same bits)."""
+
+import os
+import random
+import time
+
+import pytest
+
+from harness import run_ranks
+
+SOAK_OPS = int(os.environ.get("HSDP_TEST_SOAK_OPS", "5000"))
+
+
+def inputs(seed, rank, n, dtype):
+    import torch
+
+    # Small integers: exact in every dtype, so the fp64 reference is exact
+    # for sums (and within one rounding for AVG).
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
+def reference(seed, world, n, dtype, avg=False):
+    import torch
+
+    total = sum(inputs(seed, r, n, torch.float64) for r in range(world)) if n else torch.zeros(0, dtype=torch.float64)
+    if avg:
+        total = total / world
+    return total.to(dtype)
+
+
+def eight_ranks_body(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import hsdp_backend
+
+    assert hsdp_backend.cpu_engine() == "shm"
+    for seed, n in enumerate([1, 1000, 300_000]):
+        for dtype in (torch.float32, torch.bfloat16):
+            t = inputs(seed, rank, n, dtype)
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            torch.testing.assert_close(t, reference(seed, world, n, dtype, avg=True))
+        out = torch.empty(world * n)
+        shard = out.narrow(0, rank * n, n)
+        shard.copy_(inputs(seed, rank, n, torch.float32))
+        dist.all_gather_into_tensor(out, shard)
+        assert torch.equal(out, torch.cat([inputs(seed, r, n, torch.float32) for r in range(world)]))
+        o = torch.empty(n)
+        full = inputs(seed + 50, rank, world * n, torch.float32)
+        dist.reduce_scatter_tensor(o, full)
+        assert torch.equal(o, reference(seed + 50, world, world * n, torch.float32)[rank * n:(rank + 1) * n])
+        b = inputs(seed, rank, n, torch.float32)
+        dist.broadcast(b, src=world - 1)
+        assert torch.equal(b, inputs(seed, world - 1, n, torch.float32))
+    for _ in range(200):
+        dist.barrier()
+    return True
+
+
+def test_eight_ranks_on_two_cores_make_progress():
+    start = time.monotonic()
+    run_ranks(eight_ranks_body, 8, timeout_s=240)
+    # Spinning ranks starving each other would take minutes, not seconds.
+    assert time.monotonic() - start < 120
+
+
+def concurrent_groups_body(rank, world):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    groups = [dist.group.WORLD, mesh.get_group("shard"), mesh.get_group("replicate")]
+    for it in range(40):
+        works, checks = [], []
+        for gi, g in enumerate(groups):
+            members = dist.get_process_group_ranks(g)
+            n = 1000 * (gi + 1) + it
+            t = inputs(it * 10 + gi, rank, n, torch.float32)
+            works.append(dist.all_reduce(t, group=g, async_op=True))
+            expected = sum(inputs(it * 10 + gi, r, n, torch.float64) for r in members).float()
+            checks.append((t, expected))
+        for w in reversed(works):
+            w.wait()
+        for t, expected in checks:
+            assert torch.equal(t, expected)
+    return True
+
+
+def test_concurrent_groups_of_a_2x2_mesh():
+    run_ranks(concurrent_groups_body, 4)
+
+
+def soak_body(rank, world, ops):
+    """One schedule shared by every rank (same seed); each rank joins the
+    collectives of the groups it belongs to, keeps up to 4 async ones in
+    flight, and sleeps at random points (its own seed)."""
+    import torch
+    import torch.distributed as dist
+
+    groups = [(dist.group.WORLD, list(range(world))),
+              (dist.new_group([0, 1]), [0, 1]),
+              (dist.new_group([1, 2]), [1, 2])]
+    schedule = random.Random(1234)
+    jitter = random.Random(rank)
+    pending = []
+    done = 0
+
+    def settle(limit):
+        while len(pending) > limit:
+            work, check = pending.pop(0)
+            work.wait()
+            check()
+
+    for i in range(ops):
+        gi = schedule.randrange(3)
+        op = schedule.choice(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"])
+        n = schedule.choice([0, 1, 7, 100, 4096, 50_000]) if schedule.random() < 0.97 else 600_000
+        dtype = schedule.choice([torch.float32, torch.bfloat16, torch.int64])
+        use_async = schedule.random() < 0.5
+        avg = dtype.is_floating_point and schedule.random() < 0.5  # drawn by every rank
+        group, members = groups[gi]
+        if rank not in members:
+            continue
+        w, me = len(members), members.index(rank)
+        if jitter.random() < 0.02:
+            time.sleep(jitter.random() * 0.003)
+        if op == "all_reduce":
+            t = inputs(i, me, n, dtype)
+            work = dist.all_reduce(t, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, group=group, async_op=use_async)
+            expected = reference(i, w, n, dtype, avg)
+            check = lambda t=t, e=expected, i=i: torch.testing.assert_close(t, e, msg=lambda m: f"op {i}: {m}")
+        elif op == "all_gather":
+            out = torch.empty(w * n, dtype=dtype)
+            shard = out.narrow(0, me * n, n)
+            shard.copy_(inputs(i, me, n, dtype))
+            work = dist.all_gather_into_tensor(out, shard, group=group, async_op=use_async)
+            expected = torch.cat([inputs(i, r, n, dtype) for r in range(w)])
+            check = lambda o=out, e=expected: torch.testing.assert_close(o, e, rtol=0, atol=0)
+        elif op == "reduce_scatter":
+            out = torch.empty(n, dtype=dtype)
+            work = dist.reduce_scatter_tensor(out, inputs(i, me, w * n, dtype), group=group, async_op=use_async)
+            expected = reference(i, w, w * n, dtype)[me * n:(me + 1) * n]
+            check = lambda o=out, e=expected: torch.testing.assert_close(o, e)
+        elif op == "broadcast":
+            t = inputs(i, me, n, dtype)
+            root = members[-1]
+            work = dist.broadcast(t, src=root, group=group, async_op=use_async)
+            expected = inputs(i, w - 1, n, dtype)
+            check = lambda t=t, e=expected: torch.testing.assert_close(t, e, rtol=0, atol=0)
+        else:
+            work = dist.barrier(group=group, async_op=use_async)
+            check = lambda: None
+        if use_async:
+            pending.append((work, check))
+            settle(4)
+        else:
+            check()
+        done += 1
+    settle(0)
+    return done
+
+
+def test_soak_mixed_collectives_three_groups():
+    counts = run_ranks(soak_body, 3, ops=SOAK_OPS, timeout_s=600)
+    # Every scheduled collective ran on its members; rank 1 is in all groups.
+    assert counts[1] == SOAK_OPS, counts
+
+
+def numerics_body(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    # bf16/fp16 AVG: the sum in fp32 in rank order, divided in fp32, rounded
+    # once. The reference does exactly that, so the match is bitwise.
+    for dtype in (torch.bfloat16, torch.float16):
+        for n in (5, 100_000):  # one-shot and two-round all-reduce
+            g = [torch.Generator().manual_seed(100 * r + n) for r in range(world)]
+            data = [torch.randn(n, generator=g[r]).to(dtype) for r in range(world)]
+            t = data[rank].clone()
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+            acc = data[0].float()
+            for r in range(1, world):
+                acc = acc + data[r].float()
+            expected = (acc / world).to(dtype)
+            assert torch.equal(t, expected), (dtype, n, (t.float() - expected.float()).abs().max())
+            out = torch.empty(n, dtype=dtype)
+            full = [torch.randn(world * n, generator=g[r]).to(dtype) for r in range(world)]
+            dist.reduce_scatter_tensor(out, full[rank], op=dist.ReduceOp.AVG)
+            acc = full[0].float()
+            for r in range(1, world):
+                acc = acc + full[r].float()
+            expected = (acc / world).to(dtype)[rank * n:(rank + 1) * n]
+            assert torch.equal(out, expected), (dtype, n)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_low_precision_avg_is_one_rounding_of_the_fp32_sum(world):
+    run_ranks(numerics_body, world)
