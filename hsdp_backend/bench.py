@@ -69,7 +69,9 @@ FSDP2 training step) are new ``Suite`` subclasses added to ``SUITES``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import itertools
 import json
 import math
@@ -84,8 +86,9 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 BACKENDS = ("hsdp", "gloo")
 
@@ -131,7 +134,10 @@ def format_size(nbytes: int) -> str:
 
 def _short_size(nbytes: int) -> str:
     """``4096`` -> ``4K`` (plot ticks)."""
-    return format_size(nbytes).replace(" KiB", "K").replace(" MiB", "M").replace(" GiB", "G").replace(" B", "")
+    text = format_size(nbytes)
+    for long, short in ((" KiB", "K"), (" MiB", "M"), (" GiB", "G"), (" B", "")):
+        text = text.replace(long, short)
+    return text
 
 
 def _clamp(value: int, lo: int, hi: int) -> int:
@@ -187,8 +193,9 @@ def measure_memcpy(sizes: list[int], dtype_name: str, sampling: Sampling) -> dic
         for nbytes in sorted(set(sizes)):
             src = torch.ones(max(nbytes // elem, 1), dtype=dtype)
             dst = torch.empty_like(src)
-            copy = lambda: dst.copy_(src)  # noqa: E731
-            calls = sampling.calls_per_sample(min(_time_calls(copy, 1) for _ in range(max(sampling.warmup, 1))))
+            copy = functools.partial(dst.copy_, src)
+            warm = min(_time_calls(copy, 1) for _ in range(max(sampling.warmup, 1)))
+            calls = sampling.calls_per_sample(warm)
             samples: list[float] = []
             t0 = time.perf_counter()
             while not sampling.done(len(samples), time.perf_counter() - t0):
@@ -201,7 +208,6 @@ def measure_memcpy(sizes: list[int], dtype_name: str, sampling: Sampling) -> dic
                 "calls_per_sample": calls,
                 "reps": len(samples),
             }
-            del src, dst
     finally:
         torch.set_num_threads(threads)
     return out
@@ -229,7 +235,9 @@ def machine_info() -> dict:
     return {
         "cpu_model": cpu,
         "nproc": os.cpu_count(),
-        "nproc_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "nproc_available": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
         "loadavg_at_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "torch_version": torch.__version__,
         "hsdp_backend_version": hsdp_version,
@@ -262,23 +270,27 @@ class RankContext:
 class Suite:
     """A benchmark: configured in the parent, run on every rank, reported in the parent.
 
-    Subclasses set ``name`` / ``help`` and implement the four methods; their
-    instances go into ``SUITES``. ``configure`` may add parent-side reference
-    measurements to the config (anything picklable; it is sent to the ranks).
+    Subclasses set ``name`` / ``help`` and implement the methods; their
+    instances go into ``SUITES``. Order of calls in the parent: configure,
+    reference, then one launch of ``run_rank`` per world size, report, plot.
     """
 
     name: str = ""
     help: str = ""
 
     def configure(self, args: argparse.Namespace) -> dict:
-        """Validated, picklable config for the ranks (parent)."""
+        """Validated, picklable config for the ranks (parent; ValueError on bad args)."""
         raise NotImplementedError
+
+    def reference(self, config: dict) -> dict:
+        """Parent-side reference measurements (e.g. memcpy), before the ranks start."""
+        return {}
 
     def run_rank(self, ctx: RankContext, config: dict) -> Any:
         """The measurement, on every rank; rank 0's return value is reported."""
         raise NotImplementedError
 
-    def report(self, config: dict, per_world: dict[int, Any]) -> dict:
+    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
         """Prints the tables; returns the suite's JSON section (parent)."""
         raise NotImplementedError
 
@@ -376,7 +388,10 @@ def _make_buffers(op: str, numel: int, rank: int, world: int, dtype) -> dict:
         out = torch.zeros(world * numel, dtype=dtype)
         return {"out": out, "in": out.narrow(0, rank * numel, numel)}  # in place, as FSDP2
     if op == "reduce_scatter_tensor":
-        return {"out": torch.zeros(numel, dtype=dtype), "in": torch.zeros(world * numel, dtype=dtype)}
+        return {
+            "out": torch.zeros(numel, dtype=dtype),
+            "in": torch.zeros(world * numel, dtype=dtype),
+        }
     return {"t": torch.zeros(numel, dtype=dtype)}
 
 
@@ -438,17 +453,26 @@ class CollectivesSuite(Suite):
         elem = 2 if args.dtype == "bfloat16" else 4
         for s in sizes + [LATENCY_BYTES]:
             if s <= 0 or s % elem:
-                raise ValueError(f"size {s} B is not a positive multiple of the {args.dtype} element ({elem} B)")
+                raise ValueError(
+                    f"size {s} B is not a positive multiple of the {args.dtype} element ({elem} B)"
+                )
         points = []
         for op in ops:
             op_sizes = sizes
             if op == "all_reduce" and LATENCY_BYTES not in sizes:
                 op_sizes = [LATENCY_BYTES, *sizes]
             points += [(op, s) for s in op_sizes]
-        sampling = _sampling_from_args(args)
-        print(f"memcpy reference (parent, 1 thread, {args.dtype})...", flush=True)
-        memcpy = measure_memcpy([s for _, s in points], args.dtype, sampling)
-        return {"ops": ops, "points": points, "dtype": args.dtype, "sampling": sampling, "memcpy": memcpy}
+        return {
+            "ops": ops,
+            "points": points,
+            "dtype": args.dtype,
+            "sampling": _sampling_from_args(args),
+        }
+
+    def reference(self, config: dict) -> dict:
+        print(f"memcpy reference (parent, 1 thread, {config['dtype']})...", flush=True)
+        sizes = [s for _, s in config["points"]]
+        return {"memcpy": measure_memcpy(sizes, config["dtype"], config["sampling"])}
 
     def run_rank(self, ctx: RankContext, config: dict) -> list[dict] | None:
         import gc
@@ -461,7 +485,9 @@ class CollectivesSuite(Suite):
         gc.disable()  # no collector pauses inside timed regions
         try:
             for op, nbytes in config["points"]:
-                res = self._measure_point(ctx, op, nbytes, nbytes // elem, dtype, config["sampling"])
+                res = self._measure_point(
+                    ctx, op, nbytes, nbytes // elem, dtype, config["sampling"]
+                )
                 ctx.log(
                     f"{op:<24} {format_size(nbytes):>8}  hsdp {res['hsdp']['us']:10.1f} us"
                     f"  gloo {res['gloo']['us']:10.1f} us  ({res['hsdp']['reps']} reps)"
@@ -472,7 +498,9 @@ class CollectivesSuite(Suite):
             gc.enable()
         return out if ctx.rank == 0 else None
 
-    def _measure_point(self, ctx: RankContext, op: str, nbytes: int, numel: int, dtype, sampling: Sampling) -> dict:
+    def _measure_point(
+        self, ctx: RankContext, op: str, nbytes: int, numel: int, dtype, sampling: Sampling
+    ) -> dict:
         """Check, calibrate, measure interleaved; returns the point (same on every rank)."""
         import torch
         import torch.distributed as dist
@@ -496,7 +524,9 @@ class CollectivesSuite(Suite):
         # plans alike. Both backends get the same count: a backend whose
         # samples averaged over more calls would see noise differently
         # (fewer outliers, higher floor) and bias the ratio.
-        est = [min(_time_calls(call[b], 1) for _ in range(max(sampling.warmup, 1))) for b in BACKENDS]
+        est = [
+            min(_time_calls(call[b], 1) for _ in range(max(sampling.warmup, 1))) for b in BACKENDS
+        ]
         est_t = torch.tensor([min(est)], dtype=torch.float64)
         dist.all_reduce(est_t, op=dist.ReduceOp.MAX, group=ctx.gloo)
         calls = sampling.calls_per_sample(est_t.item())
@@ -509,7 +539,9 @@ class CollectivesSuite(Suite):
             # Rounds of one sample per backend, order alternating. Rank 0's
             # clock ends the point; the all_reduce carrying its verdict is
             # also the barrier before the round's first sample.
-            stop[0] = float(ctx.rank == 0 and sampling.done(i, time.perf_counter() - t0, len(BACKENDS)))
+            stop[0] = float(
+                ctx.rank == 0 and sampling.done(i, time.perf_counter() - t0, len(BACKENDS))
+            )
             dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=ctx.gloo)
             if stop.item():
                 break
@@ -520,7 +552,8 @@ class CollectivesSuite(Suite):
         stats = hsdp_backend.comm_stats(ctx.hsdp)
 
         mine = torch.tensor(
-            [[statistics.median(samples[b]), min(samples[b])] for b in BACKENDS], dtype=torch.float64
+            [[statistics.median(samples[b]), min(samples[b])] for b in BACKENDS],
+            dtype=torch.float64,
         )
         gathered = [torch.empty_like(mine) for _ in range(ctx.world)]
         dist.all_gather(gathered, mine, group=ctx.gloo)
@@ -538,8 +571,8 @@ class CollectivesSuite(Suite):
         result["hsdp"]["comm_stats"] = stats.get(op)
         return result
 
-    def report(self, config: dict, per_world: dict[int, Any]) -> dict:
-        memcpy = config["memcpy"]
+    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
+        memcpy = reference["memcpy"]
         print(f"\nmemcpy (single thread, dst.copy_(src), {config['dtype']}):")
         print(f"  {'size':>8}  {'us':>10}  {'GB/s':>8}")
         for nbytes, m in sorted(memcpy.items()):
@@ -551,10 +584,19 @@ class CollectivesSuite(Suite):
             for p in points:
                 op = OPS[p["op"]]
                 total = op.total_bytes(p["bytes"], world)
-                row = {"world": world, "op": p["op"], "bytes_per_rank": p["bytes"], "numel_per_rank": p["numel"]}
+                row = {
+                    "world": world,
+                    "op": p["op"],
+                    "bytes_per_rank": p["bytes"],
+                    "numel_per_rank": p["numel"],
+                }
                 for b in BACKENDS:
                     secs = p[b]["us"] / 1e6
-                    row[b] = dict(p[b], algbw_gbps=total / secs / 1e9, busbw_gbps=op.bus_factor(world) * total / secs / 1e9)
+                    row[b] = dict(
+                        p[b],
+                        algbw_gbps=total / secs / 1e9,
+                        busbw_gbps=op.bus_factor(world) * total / secs / 1e9,
+                    )
                 row["speedup"] = p["gloo"]["us"] / p["hsdp"]["us"]
                 row["spread"] = max(_spread(p[b]["rank0_samples_us"]) for b in BACKENDS)
                 mc = memcpy[p["bytes"]]
@@ -564,17 +606,11 @@ class CollectivesSuite(Suite):
                 table.append(row)
             _print_table(world, config["dtype"], table)
             rows += table
-        print(
-            "\nlatency = max over ranks of each rank's median per-call time; busbw as in nccl-tests;\n"
-            "speedup = gloo time / hsdp time; hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;\n"
-            "3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only;\n"
-            "spread = interquartile range / median of rank 0's samples, the noisier backend: ratios\n"
-            "of rows with a large spread (say > 50%) are not to be trusted."
-        )
+        print(TABLE_LEGEND)
         return {
             "dtype": config["dtype"],
             "ops": config["ops"],
-            "sampling": config["sampling"].__dict__,
+            "sampling": dataclasses.asdict(config["sampling"]),
             "sample_target_s": SAMPLE_TARGET_S,
             "memcpy": [{"bytes": n, **m} for n, m in sorted(memcpy.items())],
             "results": rows,
@@ -590,22 +626,47 @@ class CollectivesSuite(Suite):
         worlds = sorted({r["world"] for r in section["results"]})
         fig, axes = plt.subplots(1, len(ops), figsize=(5.5 * len(ops), 4.5), squeeze=False)
         colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-        for ax, op in zip(axes[0], ops):
+        for ax, op in zip(axes[0], ops, strict=True):
             xs_all = set()
             for k, world in enumerate(worlds):
-                rows = [r for r in section["results"] if r["op"] == op and r["world"] == world and r["bytes_per_rank"] >= KIB]
+                rows = [
+                    r
+                    for r in section["results"]
+                    if r["op"] == op and r["world"] == world and r["bytes_per_rank"] >= KIB
+                ]
                 xs = [r["bytes_per_rank"] for r in rows]
                 xs_all.update(xs)
                 color = colors[k % len(colors)]
-                ax.plot(xs, [r["hsdp"]["busbw_gbps"] for r in rows], "o-", color=color, label=f"hsdp W={world}")
-                ax.plot(xs, [r["gloo"]["busbw_gbps"] for r in rows], "x--", color=color, label=f"gloo W={world}")
+                ax.plot(
+                    xs,
+                    [r["hsdp"]["busbw_gbps"] for r in rows],
+                    "o-",
+                    color=color,
+                    label=f"hsdp W={world}",
+                )
+                ax.plot(
+                    xs,
+                    [r["gloo"]["busbw_gbps"] for r in rows],
+                    "x--",
+                    color=color,
+                    label=f"gloo W={world}",
+                )
             mc = [m for m in section["memcpy"] if m["bytes"] in xs_all]
-            ax.plot([m["bytes"] for m in mc], [m["gbps"] for m in mc], ":", color="black", label="memcpy (1 thread)")
+            ax.plot(
+                [m["bytes"] for m in mc],
+                [m["gbps"] for m in mc],
+                ":",
+                color="black",
+                label="memcpy (1 thread)",
+            )
+            ax.set_title(op)
+            ticks = sorted(xs_all)
+            if not ticks:  # only the 8 B latency row: nothing to draw
+                ax.set_axis_off()
+                continue
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ticks = sorted(xs_all)
             ax.set_xticks(ticks, [_short_size(t) for t in ticks])
-            ax.set_title(op)
             ax.set_xlabel("bytes per rank")
             ax.set_ylabel("bus bandwidth (GB/s)")
             ax.grid(True, which="both", alpha=0.3)
@@ -614,6 +675,14 @@ class CollectivesSuite(Suite):
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)
+
+
+TABLE_LEGEND = """
+latency = max over ranks of each rank's median per-call time; busbw as in nccl-tests;
+speedup = gloo time / hsdp time; hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;
+3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only;
+spread = interquartile range / median of rank 0's samples, the noisier backend: ratios
+of rows with a large spread (say > 50%) are not to be trusted."""
 
 
 def _spread(samples: list[float]) -> float:
@@ -635,19 +704,29 @@ def _print_table(world: int, dtype: str, rows: list[dict]) -> None:
         ("gloo GB/s", 9, lambda r: f"{r['gloo']['busbw_gbps']:.3f}"),
         ("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
         ("hsdp/memcpy", 11, lambda r: f"{r['hsdp_memcpy_fraction']:.3f}"),
-        ("3xcopy us", 10, lambda r: "-" if r["copy_floor_us"] is None else f"{r['copy_floor_us']:.1f}"),
+        (
+            "3xcopy us",
+            10,
+            lambda r: "-" if r["copy_floor_us"] is None else f"{r['copy_floor_us']:.1f}",
+        ),
         ("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
     ]
     print(f"\nworld size {world} ({dtype}; busbw in GB/s):")
     print("  ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w, _) in enumerate(cols)))
     for r in rows:
-        print("  ".join(f"{f(r):<{w}}" if i == 0 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(cols)))
+        print(
+            "  ".join(
+                f"{f(r):<{w}}" if i == 0 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(cols)
+            )
+        )
 
 
 def _sampling_from_args(args: argparse.Namespace) -> Sampling:
     quick = args.quick
     return Sampling(
-        time_per_point_s=args.time_per_point if args.time_per_point is not None else (0.1 if quick else 0.3),
+        time_per_point_s=args.time_per_point
+        if args.time_per_point is not None
+        else (0.1 if quick else 0.3),
         min_reps=args.min_reps,
         max_reps=args.max_reps if args.max_reps is not None else (50 if quick else 200),
         warmup=args.warmup if args.warmup is not None else (2 if quick else 3),
@@ -674,7 +753,9 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _rank_entry(suite_name, rank, world, store_port, config, env, deadline_epoch, verbose, parent_pid, results):
+def _rank_entry(
+    suite_name, rank, world, store_port, config, env, deadline_epoch, verbose, parent_pid, results
+):
     """Body of one rank process (module level so spawn can find it).
 
     ``deadline_epoch`` is the parent's deadline as a ``time.time()`` value.
@@ -726,7 +807,9 @@ def _cpu_engine() -> str:
         return "unknown"
 
 
-def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, verbose: bool) -> Any:
+def launch(
+    suite: Suite, world: int, config: dict, env: dict, deadline: float, verbose: bool
+) -> Any:
     """Runs ``suite`` on ``world`` fresh rank processes.
 
     Returns rank 0's ``{"engine": hsdp's CPU engine, "result": what the
@@ -741,14 +824,30 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
     if time_left <= 0:
         raise BenchFailure(f"world size {world}: no time left (see --timeout)")
     store = dist.TCPStore(
-        "127.0.0.1", 0, None, True, datetime.timedelta(seconds=max(time_left, 1)), wait_for_workers=False
+        "127.0.0.1",
+        0,
+        None,
+        True,
+        datetime.timedelta(seconds=max(time_left, 1)),
+        wait_for_workers=False,
     )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(suite.name, r, world, store.port, config, env, time.time() + time_left, verbose, os.getpid(), results),
+            args=(
+                suite.name,
+                r,
+                world,
+                store.port,
+                config,
+                env,
+                time.time() + time_left,
+                verbose,
+                os.getpid(),
+                results,
+            ),
             name=f"hsdp-bench-rank{r}",
             daemon=True,
         )
@@ -773,7 +872,10 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
             except queue.Empty:
                 for r, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and r not in outputs and r not in errors:
-                        errors[r] = f"rank {r} died with exit code {p.exitcode} (no Python error: crashed or killed)"
+                        errors[r] = (
+                            f"rank {r} died with exit code {p.exitcode} "
+                            "(no Python error: crashed or killed)"
+                        )
                         died_ranks.add(r)
                         deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
                 continue
@@ -801,10 +903,14 @@ def launch(suite: Suite, world: int, config: dict, env: dict, deadline: float, v
         if timed_out:
             lines.append(f"world size {world}: deadline reached (--timeout); killed ranks {alive}")
         else:
-            lines.append(f"world size {world}: {len(errors)} of {world} ranks failed; killed ranks {alive}")
+            lines.append(
+                f"world size {world}: {len(errors)} of {world} ranks failed; killed ranks {alive}"
+            )
         if time.monotonic() >= run_deadline - 5.0:
-            lines.append("(the --timeout deadline was reached: ranks still running printed their "
-                         "Python stacks on stderr and exited)")
+            lines.append(
+                "(the --timeout deadline was reached: ranks still running printed their "
+                "Python stacks on stderr and exited)"
+            )
         died = sorted(r for r in errors if r in died_ranks)
         reported = [r for r in errors if r not in died_ranks]
         # A rank that died without a Python error (crash, kill) is the likely
@@ -862,43 +968,111 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--suite", choices=sorted(SUITES), default="collectives",
-                        help="benchmark to run: " + "; ".join(f"{s.name}: {s.help}" for s in SUITES.values())
-                        + " (default: %(default)s)")
-    parser.add_argument("--ranks", type=_parse_ranks, default=[2, 4], metavar="W[,W...]",
-                        help="world sizes, one launch each (default: 2,4)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="element type (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true",
-                        help="sizes up to 1 MiB, 0.1 s per point per backend, at most 50 samples (CI)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
-                        help="wall-clock limit of the whole run in seconds; ranks still running are "
-                        "killed (default: 300 with --quick, else 1200)")
-    parser.add_argument("--env", type=_parse_env, action="append", default=[], metavar="KEY=VALUE",
-                        help="environment variable for the rank processes (repeatable)")
-    parser.add_argument("--json", default=os.path.join("bench_results", "bench.json"), metavar="PATH",
-                        help="raw results and machine info; '' to skip (default: %(default)s)")
-    parser.add_argument("--plot", default=os.path.join("bench_results", "bench.png"), metavar="PATH",
-                        help="PNG plot (needs matplotlib); '' to skip (default: %(default)s)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="print each point as it is measured")
+    parser.add_argument(
+        "--suite",
+        choices=sorted(SUITES),
+        default="collectives",
+        help="benchmark to run: "
+        + "; ".join(f"{s.name}: {s.help}" for s in SUITES.values())
+        + " (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=_parse_ranks,
+        default=[2, 4],
+        metavar="W[,W...]",
+        help="world sizes, one launch each (default: 2,4)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="element type (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="sizes up to 1 MiB, 0.1 s per point per backend, at most 50 samples (CI)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="wall-clock limit of the whole run in seconds; ranks still running are "
+        "killed (default: 300 with --quick, else 1200)",
+    )
+    parser.add_argument(
+        "--env",
+        type=_parse_env,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for the rank processes (repeatable)",
+    )
+    parser.add_argument(
+        "--json",
+        default=os.path.join("bench_results", "bench.json"),
+        metavar="PATH",
+        help="raw results and machine info; '' to skip (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--plot",
+        default=os.path.join("bench_results", "bench.png"),
+        metavar="PATH",
+        help="PNG plot (needs matplotlib); '' to skip (default: %(default)s)",
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="print each point as it is measured"
+    )
 
     coll = parser.add_argument_group("collectives suite")
-    coll.add_argument("--ops", default=",".join(OPS), metavar="OP[,OP...]",
-                      help="subset of %(default)s (aliases: all_gather, reduce_scatter, ag, rs, ar)")
-    coll.add_argument("--sizes", default=None, metavar="SIZE[,SIZE...]",
-                      help="bytes per rank, e.g. 4K,1M,16M (default: 4K..64M in powers of 4; "
-                      "--quick: up to 1M); all_reduce always adds an 8 B latency row")
+    coll.add_argument(
+        "--ops",
+        default=",".join(OPS),
+        metavar="OP[,OP...]",
+        help="subset of %(default)s (aliases: all_gather, reduce_scatter, ag, rs, ar)",
+    )
+    coll.add_argument(
+        "--sizes",
+        default=None,
+        metavar="SIZE[,SIZE...]",
+        help="bytes per rank, e.g. 4K,1M,16M (default: 4K..64M in powers of 4; "
+        "--quick: up to 1M); all_reduce always adds an 8 B latency row",
+    )
 
     samp = parser.add_argument_group("sampling (per point, per backend)")
-    samp.add_argument("--time-per-point", type=float, default=None, metavar="S",
-                      help="time budget per point per backend (default: 0.3; --quick: 0.1)")
-    samp.add_argument("--iters", type=int, default=None, metavar="N",
-                      help="exactly N samples per point per backend instead of the time budget")
-    samp.add_argument("--min-reps", type=int, default=3, metavar="N", help="fewest samples (default: 3)")
-    samp.add_argument("--max-reps", type=int, default=None, metavar="N",
-                      help="most samples (default: 200; --quick: 50)")
-    samp.add_argument("--warmup", type=int, default=None, metavar="N",
-                      help="untimed calls per backend before measuring (default: 3; --quick: 2)")
+    samp.add_argument(
+        "--time-per-point",
+        type=float,
+        default=None,
+        metavar="S",
+        help="time budget per point per backend (default: 0.3; --quick: 0.1)",
+    )
+    samp.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="exactly N samples per point per backend instead of the time budget",
+    )
+    samp.add_argument(
+        "--min-reps", type=int, default=3, metavar="N", help="fewest samples (default: 3)"
+    )
+    samp.add_argument(
+        "--max-reps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most samples (default: 200; --quick: 50)",
+    )
+    samp.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        metavar="N",
+        help="untimed calls per backend before measuring (default: 3; --quick: 2)",
+    )
     return parser
 
 
@@ -925,33 +1099,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + timeout
     suite = SUITES[args.suite]
-    import importlib.util
-
-    if importlib.util.find_spec("hsdp_backend._C") is None:
-        import hsdp_backend
-
-        print(f"error: {os.path.dirname(hsdp_backend.__file__)} has no compiled extension (hsdp_backend._C); "
-              "run from outside the repository root, with the package installed", file=sys.stderr)
+    try:
+        config = suite.configure(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not _extension_found():
         return 1
     try:
         info = machine_info()
-        print(
-            f"hsdp bench, suite {suite.name}: {info['cpu_model']}, {info['nproc']} cpus, "
-            f"torch {info['torch_version']}, hsdp-backend {info['hsdp_backend_version']}, "
-            f"world sizes {args.ranks}, timeout {timeout:.0f} s",
-            flush=True,
-        )
-        cpus = info["nproc_available"] or info["nproc"] or 1
-        if max(args.ranks) > cpus:
-            print(f"note: more ranks than cpus ({max(args.ranks)} > {cpus}): ranks share cores", flush=True)
-        load = info["loadavg_at_start"]
-        if load and load[0] > 0.5:
-            print(f"note: load average {load[0]:.1f} on {cpus} cpus before the run: other processes "
-                  "compete for the cpus; expect noisy absolute numbers", flush=True)
-        try:
-            config = suite.configure(args)
-        except ValueError as exc:
-            parser.error(str(exc))
+        _print_header(suite, args, info, timeout)
+        reference = suite.reference(config)
         per_world: dict[int, Any] = {}
         wall: dict[int, float] = {}
         engines: dict[int, str] = {}
@@ -961,27 +1118,42 @@ def main(argv: list[str] | None = None) -> int:
             out = launch(suite, world, config, dict(args.env), deadline, args.verbose)
             per_world[world], engines[world] = out["result"], out["engine"]
             wall[world] = time.monotonic() - t0
-            print(f"world size {world}: done in {wall[world]:.1f} s (hsdp cpu engine: {engines[world]})",
-                  flush=True)
-        section = suite.report(config, per_world)
+            print(
+                f"world size {world}: done in {wall[world]:.1f} s "
+                f"(hsdp cpu engine: {engines[world]})",
+                flush=True,
+            )
+        section = suite.report(config, reference, per_world)
     except BenchFailure as exc:
-        print(f"\nhsdp bench FAILED after {time.monotonic() - start:.1f} s:\n{exc}", file=sys.stderr, flush=True)
+        print(
+            f"\nhsdp bench FAILED after {time.monotonic() - start:.1f} s:\n{exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     except (KeyboardInterrupt, _Terminated) as exc:
         signum = exc.args[0] if isinstance(exc, _Terminated) and exc.args else signal.SIGINT
-        print(f"\nhsdp bench interrupted (signal {int(signum)}); ranks killed", file=sys.stderr, flush=True)
+        print(
+            f"\nhsdp bench interrupted (signal {int(signum)}); ranks killed",
+            file=sys.stderr,
+            flush=True,
+        )
         return 128 + int(signum)
 
     total = time.monotonic() - start
     info["loadavg_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     print(f"\ntotal wall time {total:.1f} s", flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         doc = {
             "schema": 1,
             "suite": suite.name,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "command": [sys.executable, "-m", "hsdp_backend.bench", *(sys.argv[1:] if argv is None else argv)],
+            "command": [
+                sys.executable,
+                "-m",
+                "hsdp_backend.bench",
+                *(sys.argv[1:] if argv is None else argv),
+            ],
             "machine": info,
             "world_sizes": args.ranks,
             "rank_env": dict(args.env),
@@ -989,6 +1161,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_time_s": {"total": total, **{str(w): t for w, t in wall.items()}},
             suite.name: section,
         }
+        _makedirs_for(args.json)
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {args.json}")
@@ -998,10 +1171,53 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("note: matplotlib is not installed; no plot (pip install matplotlib)")
         else:
-            os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+            _makedirs_for(args.plot)
             suite.plot(section, args.plot)
             print(f"wrote {args.plot}")
     return 0
+
+
+def _makedirs_for(path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
+def _extension_found() -> bool:
+    """False (with a hint) when ``hsdp_backend`` is the source tree, not the installed package."""
+    import importlib.util
+
+    if importlib.util.find_spec("hsdp_backend._C") is not None:
+        return True
+    import hsdp_backend
+
+    print(
+        f"error: {os.path.dirname(hsdp_backend.__file__)} has no compiled extension "
+        "(hsdp_backend._C); run from outside the repository root, with the package installed",
+        file=sys.stderr,
+    )
+    return False
+
+
+def _print_header(suite: Suite, args: argparse.Namespace, info: dict, timeout: float) -> None:
+    """What runs where, and warnings about conditions that make numbers noisy."""
+    print(
+        f"hsdp bench, suite {suite.name}: {info['cpu_model']}, {info['nproc']} cpus, "
+        f"torch {info['torch_version']}, hsdp-backend {info['hsdp_backend_version']}, "
+        f"world sizes {args.ranks}, timeout {timeout:.0f} s",
+        flush=True,
+    )
+    cpus = info["nproc_available"] or info["nproc"] or 1
+    if max(args.ranks) > cpus:
+        print(
+            f"note: more ranks than cpus ({max(args.ranks)} > {cpus}): ranks share cores",
+            flush=True,
+        )
+    load = info["loadavg_at_start"]
+    if load and load[0] > 0.5:
+        print(
+            f"note: load average {load[0]:.1f} on {cpus} cpus before the run: other processes "
+            "compete for the cpus; expect noisy absolute numbers",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

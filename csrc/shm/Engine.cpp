@@ -306,13 +306,18 @@ void Engine::reduceScatter(
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
     const uint64_t s = step_ + 1;
+    // Only peers read my slot, and they read their own chunks: my chunk
+    // stays in my input, which I reduce from directly.
     const int slot = post(op, s, [&](char* dst) {
       for (int q = 0; q < size_; ++q) {
-        std::memcpy(dst + q * len * es, in + (q * n + off) * es, len * es);
+        if (q != rank_) {
+          std::memcpy(dst + q * len * es, in + (q * n + off) * es, len * es);
+        }
       }
     });
     for (int r = 0; r < size_; ++r) {
-      srcs[r] = segment_.slot(r, slot) + rank_ * len * es;
+      srcs[r] = r == rank_ ? in + (rank_ * n + off) * es
+                           : segment_.slot(r, slot) + rank_ * len * es;
     }
     reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale);
     publish(Counter::Done, s);
