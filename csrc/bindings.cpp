@@ -105,6 +105,40 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def(
+      "all_reduce_divided_by",
+      [](c10d::Backend* backend,
+         at::Tensor tensor,
+         const c10d::ReduceOp& op,
+         double divideBy,
+         bool asyncOp) {
+        return asHSDP(backend).allreduceDividedBy(tensor, op, divideBy, asyncOp);
+      },
+      py::arg("backend"),
+      py::arg("tensor"),
+      py::arg("op"),
+      py::arg("divide_by"),
+      py::arg("async_op"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "reduce_scatter_divided_by",
+      [](c10d::Backend* backend,
+         at::Tensor output,
+         at::Tensor input,
+         const c10d::ReduceOp& op,
+         double divideBy,
+         bool asyncOp) {
+        return asHSDP(backend).reduceScatterDividedBy(output, input, op, divideBy, asyncOp);
+      },
+      py::arg("backend"),
+      py::arg("output"),
+      py::arg("input"),
+      py::arg("op"),
+      py::arg("divide_by"),
+      py::arg("async_op"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
       "all_reduce_bucketed",
       [](c10d::Backend* backend,
          std::vector<at::Tensor> tensors,

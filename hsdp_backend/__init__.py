@@ -12,10 +12,12 @@ loads nothing heavy, and the public API below is imported on first use.
 from hsdp_backend._registration import BACKEND_NAME, register
 
 _API = (
+    "all_reduce",
     "all_reduce_coalesced",
     "comm_stats",
     "cpu_engine",
     "get_hsdp_backend",
+    "reduce_scatter_tensor",
     "reset_comm_stats",
 )
 

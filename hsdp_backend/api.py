@@ -74,7 +74,65 @@ def all_reduce_coalesced(
     work = _C.all_reduce_bucketed(
         get_hsdp_backend(group), list(tensors), op, int(bucket_bytes), bool(async_op)
     )
+    return _finish(work, async_op)
+
+
+def _finish(work, async_op: bool):
     if async_op:
         return work
     work.wait()
     return None
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    divide_by: float = 1.0,
+    async_op: bool = False,
+):
+    """``dist.all_reduce`` whose result is also divided by ``divide_by``.
+
+    The division is folded into the reduction's own scaling step (AVG's
+    divide by the group size, PREMUL_SUM's factor): one step, and for
+    bf16/fp16 one rounding, done in fp32. This is the deferred division of a
+    chain of SUM collectives over several groups: e.g. for HSDP gradients,
+    ``reduce_scatter_tensor(out, grads, op=SUM, group=shard)`` then
+    ``all_reduce(out, op=SUM, group=replicate, divide_by=shard_size * replicate_size)``
+    divides once, at the end.
+
+    Args:
+        tensor: reduced in place.
+        op: SUM, AVG or PREMUL_SUM (other ops take no divisor).
+        group: the process group (default: WORLD); must run on hsdp.
+        divide_by: a positive divisor (a whole number for integer tensors,
+            which divide with truncation).
+        async_op: return the Work instead of waiting for it.
+    """
+    work = _C.all_reduce_divided_by(get_hsdp_backend(group), tensor, op, float(divide_by), bool(async_op))
+    return _finish(work, async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    divide_by: float = 1.0,
+    async_op: bool = False,
+):
+    """``dist.reduce_scatter_tensor`` whose result is also divided by
+    ``divide_by``, in the same single scaling step (see :func:`all_reduce`).
+
+    Args:
+        output: this rank's chunk of the result, ``input.numel() / world`` elements.
+        input: the full input, ``world * output.numel()`` elements.
+        op: SUM, AVG or PREMUL_SUM.
+        group: the process group (default: WORLD); must run on hsdp.
+        divide_by: a positive divisor.
+        async_op: return the Work instead of waiting for it.
+    """
+    work = _C.reduce_scatter_divided_by(
+        get_hsdp_backend(group), output, input, op, float(divide_by), bool(async_op)
+    )
+    return _finish(work, async_op)

@@ -62,8 +62,37 @@ Suites
 turns the CLI arguments into a picklable config in the parent, runs its
 measurement on every rank, and prints / serialises / plots the results of
 rank 0 in the parent; the launcher, deadline, JSON envelope and machine
-information are shared. New benchmarks (fused coalesced collectives, an
-FSDP2 training step) are new ``Suite`` subclasses added to ``SUITES``.
+information are shared. New benchmarks (e.g. an FSDP2 training step) are
+new ``Suite`` subclasses added to ``SUITES``.
+
+``collectives`` (the default) is the method above.
+
+``coalesced`` (default 2 ranks) measures what FSDP2 does per module: the
+200 parameter shards of a 12-layer ViT-like transformer of width ``--dim``
+(``transformer_shapes``; FSDP2 dim-0 shards, so the bytes per rank shrink
+with W) are all-gathered (output W x shard) and reduce-scattered (SUM, input
+W x shard) three ways, interleaved as above with one budget per variant:
+(a) one call per tensor on the gloo group, (b) the same calls inside
+``dist._coalescing_manager`` on the gloo group (gloo's coalesced path), (c)
+the same calls inside ``dist._coalescing_manager`` on the hsdp group (one
+fused collective). Before timing, each variant's outputs are compared with
+the exact answer (small integers, exact in any float type), so the three
+agree bitwise. Reported: ms per call over all tensors (max over ranks of
+the medians), a/c and b/c, and the collectives hsdp issued per fused call
+(``comm_stats``; 1 expected), against a target of a/c >= 20 on 2 ranks.
+
+``numerics`` (default 2, 4, 8 ranks) times nothing: for bf16 and fp16,
+all_reduce and reduce_scatter_tensor with ``ReduceOp.AVG`` run on hsdp and
+on gloo over standard-normal inputs (fp32 from a per-rank seed, cast to the
+low-precision type). Every rank regenerates all ranks' inputs, so the
+reference, the fp64 mean of the low-precision inputs, needs no
+communication. The error of each output element is ``|got - ref| /
+ulp(ref)`` in the output type (``ulp_error``); max and mean over every
+rank's output are reported per (dtype, op, W), as a markdown table
+(elements whose reference is exactly 0 are counted apart), with
+whether hsdp stays within 0.5 ulp (+1e-3 for its fp32 division) and at or
+below gloo. A backend that rejects AVG would run SUM and divide by W in the
+output type (the table's reduction column says which ran).
 """
 
 from __future__ import annotations
@@ -273,10 +302,14 @@ class Suite:
     Subclasses set ``name`` / ``help`` and implement the methods; their
     instances go into ``SUITES``. Order of calls in the parent: configure,
     reference, then one launch of ``run_rank`` per world size, report, plot.
+    ``default_ranks`` are the world sizes without ``--ranks``; the default
+    ``--json`` / ``--plot`` files are ``bench_results/<output_stem>.json|png``.
     """
 
     name: str = ""
     help: str = ""
+    default_ranks: tuple[int, ...] = (2, 4)
+    output_stem: str = "bench"
 
     def configure(self, args: argparse.Namespace) -> dict:
         """Validated, picklable config for the ranks (parent; ValueError on bad args)."""
@@ -296,6 +329,92 @@ class Suite:
 
     def plot(self, section: dict, path: str) -> None:
         """Draws the suite's figure from its JSON section (parent)."""
+
+
+# --- timing shared by the suites: calibrate, sample interleaved, reduce ----
+#
+# ``calls`` maps a contender's name (a backend, a variant) to a no-argument
+# closure; every rank passes the same names in the same order.
+
+
+def _calibrate(ctx: RankContext, calls: dict[str, Callable[[], None]], sampling: Sampling) -> int:
+    """Warms every contender up; returns the calls per sample, the same on every rank.
+
+    The count comes from the fastest warmup call (the least disturbed one)
+    of the fastest contender, maxed over ranks so that every rank plans
+    alike. All contenders get the same count: one whose samples averaged
+    over more calls would see noise differently (fewer outliers, higher
+    floor) and bias the ratio.
+    """
+    import torch
+    import torch.distributed as dist
+
+    est = [min(_time_calls(fn, 1) for _ in range(max(sampling.warmup, 1))) for fn in calls.values()]
+    est_t = torch.tensor([min(est)], dtype=torch.float64)
+    dist.all_reduce(est_t, op=dist.ReduceOp.MAX, group=ctx.gloo)
+    return sampling.calls_per_sample(est_t.item())
+
+
+def _sample_interleaved(
+    ctx: RankContext,
+    calls: dict[str, Callable[[], None]],
+    calls_per_sample: int,
+    sampling: Sampling,
+) -> dict[str, list[float]]:
+    """Rounds of one sample (seconds per call) per contender, the order alternating.
+
+    Rank 0's clock ends the measurement (``sampling.done`` with one budget
+    per contender); the all_reduce carrying its verdict is also the barrier
+    before the round's first sample, and a gloo barrier precedes each other
+    sample.
+    """
+    import torch
+    import torch.distributed as dist
+
+    names = list(calls)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    stop = torch.zeros(1, dtype=torch.float64)
+    t0 = time.perf_counter()
+    for i in itertools.count():
+        stop[0] = float(ctx.rank == 0 and sampling.done(i, time.perf_counter() - t0, len(names)))
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=ctx.gloo)
+        if stop.item():
+            break
+        for k, n in enumerate(names if i % 2 == 0 else names[::-1]):
+            if k:
+                dist.barrier(group=ctx.gloo)
+            samples[n].append(_time_calls(calls[n], calls_per_sample))
+    return samples
+
+
+def _summarise_samples(
+    ctx: RankContext, samples: dict[str, list[float]], calls_per_sample: int
+) -> dict[str, dict]:
+    """Per contender: the max over ranks of each rank's median (us), and the raw numbers.
+
+    Collective over the gloo group; the result is the same on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+
+    names = list(samples)
+    mine = torch.tensor(
+        [[statistics.median(samples[n]), min(samples[n])] for n in names], dtype=torch.float64
+    )
+    gathered = [torch.empty_like(mine) for _ in range(ctx.world)]
+    dist.all_gather(gathered, mine, group=ctx.gloo)
+    per_rank = torch.stack(gathered) * 1e6  # [W, contender, (median, min)] in us
+    return {
+        n: {
+            "us": per_rank[:, i, 0].max().item(),  # max over ranks of the medians
+            "per_rank_median_us": per_rank[:, i, 0].tolist(),
+            "per_rank_min_us": per_rank[:, i, 1].tolist(),
+            "calls_per_sample": calls_per_sample,
+            "reps": len(samples[n]),
+            "rank0_samples_us": [s * 1e6 for s in samples[n]],
+        }
+        for i, n in enumerate(names)
+    }
 
 
 # --- the collectives suite -------------------------------------------------
@@ -502,9 +621,6 @@ class CollectivesSuite(Suite):
         self, ctx: RankContext, op: str, nbytes: int, numel: int, dtype, sampling: Sampling
     ) -> dict:
         """Check, calibrate, measure interleaved; returns the point (same on every rank)."""
-        import torch
-        import torch.distributed as dist
-
         import hsdp_backend
 
         bufs = _make_buffers(op, numel, ctx.rank, ctx.world, dtype)
@@ -519,55 +635,12 @@ class CollectivesSuite(Suite):
                     f"returned a wrong result: {problem}"
                 )
 
-        # Calls per sample: from the fastest warmup call (the least disturbed
-        # one) of the faster backend, maxed over ranks so that every rank
-        # plans alike. Both backends get the same count: a backend whose
-        # samples averaged over more calls would see noise differently
-        # (fewer outliers, higher floor) and bias the ratio.
-        est = [
-            min(_time_calls(call[b], 1) for _ in range(max(sampling.warmup, 1))) for b in BACKENDS
-        ]
-        est_t = torch.tensor([min(est)], dtype=torch.float64)
-        dist.all_reduce(est_t, op=dist.ReduceOp.MAX, group=ctx.gloo)
-        calls = sampling.calls_per_sample(est_t.item())
-
+        calls_per_sample = _calibrate(ctx, call, sampling)
         hsdp_backend.reset_comm_stats(ctx.hsdp)
-        samples: dict[str, list[float]] = {b: [] for b in BACKENDS}
-        stop = torch.zeros(1, dtype=torch.float64)
-        t0 = time.perf_counter()
-        for i in itertools.count():
-            # Rounds of one sample per backend, order alternating. Rank 0's
-            # clock ends the point; the all_reduce carrying its verdict is
-            # also the barrier before the round's first sample.
-            stop[0] = float(
-                ctx.rank == 0 and sampling.done(i, time.perf_counter() - t0, len(BACKENDS))
-            )
-            dist.all_reduce(stop, op=dist.ReduceOp.MAX, group=ctx.gloo)
-            if stop.item():
-                break
-            for k, b in enumerate(BACKENDS if i % 2 == 0 else BACKENDS[::-1]):
-                if k:
-                    dist.barrier(group=ctx.gloo)
-                samples[b].append(_time_calls(call[b], calls))
+        samples = _sample_interleaved(ctx, call, calls_per_sample, sampling)
         stats = hsdp_backend.comm_stats(ctx.hsdp)
-
-        mine = torch.tensor(
-            [[statistics.median(samples[b]), min(samples[b])] for b in BACKENDS],
-            dtype=torch.float64,
-        )
-        gathered = [torch.empty_like(mine) for _ in range(ctx.world)]
-        dist.all_gather(gathered, mine, group=ctx.gloo)
-        per_rank = torch.stack(gathered) * 1e6  # [W, backend, (median, min)] in us
         result = {"op": op, "bytes": nbytes, "numel": numel}
-        for i, b in enumerate(BACKENDS):
-            result[b] = {
-                "us": per_rank[:, i, 0].max().item(),  # max over ranks of the medians
-                "per_rank_median_us": per_rank[:, i, 0].tolist(),
-                "per_rank_min_us": per_rank[:, i, 1].tolist(),
-                "calls_per_sample": calls,
-                "reps": len(samples[b]),
-                "rank0_samples_us": [s * 1e6 for s in samples[b]],
-            }
+        result.update(_summarise_samples(ctx, samples, calls_per_sample))
         result["hsdp"]["comm_stats"] = stats.get(op)
         return result
 
@@ -734,7 +807,635 @@ def _sampling_from_args(args: argparse.Namespace) -> Sampling:
     )
 
 
-SUITES: dict[str, Suite] = {s.name: s for s in (CollectivesSuite(),)}
+# --- the coalesced suite ---------------------------------------------------
+#
+# FSDP2 gathers / reduce-scatters a module's parameter shards in one go.
+# Three ways to do that for the same 200 tensors, measured interleaved: one
+# call per tensor on gloo, gloo's own coalesced path, and hsdp's fused
+# collective (one collective per dtype), both through
+# ``dist._coalescing_manager`` around the same per-tensor calls.
+
+COALESCED_LAYERS = 12
+COALESCED_DEFAULT_DIM = 256
+COALESCED_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor")
+COALESCED_VARIANTS = ("gloo_per_tensor", "gloo_coalesced", "hsdp_fused")
+COALESCED_LABELS = {
+    "gloo_per_tensor": "(a) gloo, one call per tensor",
+    "gloo_coalesced": "(b) gloo, _coalescing_manager",
+    "hsdp_fused": "(c) hsdp, _coalescing_manager (fused)",
+}
+# hsdp fused should be at least this much faster than (a) on 2 ranks.
+COALESCED_TARGET_SPEEDUP = 20.0
+# Time budget per variant per op (default, --quick): a call moves the whole
+# model, so samples are long and few fit into the collectives suite's budget.
+COALESCED_TIME_PER_OP_S = (2.0, 0.5)
+
+
+def transformer_shapes(dim: int, layers: int = COALESCED_LAYERS) -> list[tuple[str, tuple]]:
+    """``(name, shape)`` of the parameters of a ViT-like encoder of width ``dim``.
+
+    Per layer: q, k, v, o (``dim x dim``) and their biases, the MLP
+    (``4dim x dim``, ``dim x 4dim``) and its biases, two LayerNorms: 6
+    matrices and 10 vectors. Around the layers: patch embedding (16x16x3
+    patches), class token, position embedding (197 positions), final norm and
+    a 1000-class head. 12 layers: 200 tensors, 10.0 M elements at dim 256.
+    """
+    shapes: list[tuple[str, tuple]] = [
+        ("patch_embed.weight", (dim, 3 * 16 * 16)),
+        ("patch_embed.bias", (dim,)),
+        ("cls_token", (dim,)),
+        ("pos_embed", (197, dim)),
+    ]
+    for i in range(layers):
+        p = f"blocks.{i}."
+        for proj in ("q", "k", "v", "o"):
+            shapes += [(f"{p}attn.{proj}.weight", (dim, dim)), (f"{p}attn.{proj}.bias", (dim,))]
+        shapes += [
+            (f"{p}mlp.fc1.weight", (4 * dim, dim)),
+            (f"{p}mlp.fc1.bias", (4 * dim,)),
+            (f"{p}mlp.fc2.weight", (dim, 4 * dim)),
+            (f"{p}mlp.fc2.bias", (dim,)),
+        ]
+        for norm in ("norm1", "norm2"):
+            shapes += [(f"{p}{norm}.weight", (dim,)), (f"{p}{norm}.bias", (dim,))]
+    shapes += [
+        ("norm.weight", (dim,)),
+        ("norm.bias", (dim,)),
+        ("head.weight", (1000, dim)),
+        ("head.bias", (1000,)),
+    ]
+    return shapes
+
+
+def shard_numels(shapes: list[tuple[str, tuple]], world: int) -> list[int]:
+    """Elements of one rank's shard of each parameter, as FSDP2 shards:
+    dim 0 split into ``world`` equal chunks, the last one padded."""
+    return [-(-shape[0] // world) * math.prod(shape[1:]) for _, shape in shapes]
+
+
+def _small_ints(numel: int, offset: int, modulus: int, dtype):
+    """``(arange(numel) + offset) % modulus``: data whose sums are exact in any float type."""
+    import torch
+
+    return ((torch.arange(numel) + offset) % modulus).to(dtype)
+
+
+def _coalesced_fill(op: str, bufs: list[dict], rank: int, world: int) -> None:
+    """Writes rank ``rank``'s inputs: tensor ``i`` depends on the rank, ``i`` and, for
+    reduce-scatter, the destination chunk, so a misplaced block shows."""
+    for i, b in enumerate(bufs):
+        if op == "all_gather_into_tensor":
+            n = b["in"].numel()
+            b["in"].copy_(_small_ints(n, 7 * rank + i, 13, b["in"].dtype))
+        else:
+            n = b["out"].numel()
+            for c, chunk in enumerate(b["in"].view(world, n)):
+                chunk.copy_(_small_ints(n, 5 * rank + 3 * c + i, 11, chunk.dtype))
+
+
+def _coalesced_expected(op: str, numel: int, i: int, rank: int, world: int, dtype):
+    """The exact output of tensor ``i`` on ``rank`` (see ``_coalesced_fill``)."""
+    import torch
+
+    if op == "all_gather_into_tensor":
+        return torch.cat([_small_ints(numel, 7 * s + i, 13, dtype) for s in range(world)])
+    total = sum(_small_ints(numel, 5 * s + 3 * rank + i, 11, torch.int64) for s in range(world))
+    return total.to(dtype)
+
+
+def _coalesced_buffers(op: str, numels: list[int], world: int, dtype) -> list[dict]:
+    """One ``{"in", "out"}`` pair per tensor, in the layout of the collectives suite's binders."""
+    import torch
+
+    if op == "all_gather_into_tensor":
+        return [
+            {"in": torch.zeros(n, dtype=dtype), "out": torch.zeros(world * n, dtype=dtype)}
+            for n in numels
+        ]
+    return [
+        {"in": torch.zeros(world * n, dtype=dtype), "out": torch.zeros(n, dtype=dtype)}
+        for n in numels
+    ]
+
+
+def _bind_coalesced_variant(variant: str, op: str, bufs: list[dict], ctx: RankContext):
+    """A no-argument closure: ``op`` over every tensor of ``bufs``, the ``variant`` way."""
+    import torch.distributed as dist
+
+    group = ctx.hsdp if variant == "hsdp_fused" else ctx.gloo
+    per_tensor = [OPS[op].bind(b, group) for b in bufs]
+
+    def one_by_one() -> None:
+        for fn in per_tensor:
+            fn()
+
+    if variant == "gloo_per_tensor":
+        return one_by_one
+
+    def coalesced() -> None:
+        with dist._coalescing_manager(group=group):
+            one_by_one()
+
+    return coalesced
+
+
+class CoalescedSuite(Suite):
+    name = "coalesced"
+    help = (
+        "200 transformer parameter shards: all-gather / reduce-scatter one call per tensor "
+        "on gloo, gloo coalesced, hsdp fused"
+    )
+    default_ranks = (2,)
+    output_stem = "bench_coalesced"
+
+    def configure(self, args: argparse.Namespace) -> dict:
+        if args.dim < 1:
+            raise ValueError("--dim must be >= 1")
+        sampling = _sampling_from_args(args)
+        if args.time_per_point is None:
+            budget = COALESCED_TIME_PER_OP_S[1 if args.quick else 0]
+            sampling = dataclasses.replace(sampling, time_per_point_s=budget)
+        shapes = transformer_shapes(args.dim)
+        return {
+            "dim": args.dim,
+            "layers": COALESCED_LAYERS,
+            "shapes": shapes,
+            "dtype": args.dtype,
+            "sampling": sampling,
+        }
+
+    def run_rank(self, ctx: RankContext, config: dict) -> list[dict] | None:
+        import gc
+
+        import torch
+
+        dtype = getattr(torch, config["dtype"])
+        numels = shard_numels(config["shapes"], ctx.world)
+        out = []
+        gc.disable()  # no collector pauses inside timed regions
+        try:
+            for op in COALESCED_OPS:
+                res = self._measure_op(ctx, op, numels, dtype, config["sampling"])
+                ctx.log(
+                    f"{op:<24} "
+                    + "  ".join(f"{v} {res[v]['us'] / 1e3:8.2f} ms" for v in COALESCED_VARIANTS)
+                    + f"  ({res['hsdp_fused']['reps']} reps)"
+                )
+                out.append(res)
+                gc.collect()
+        finally:
+            gc.enable()
+        return out if ctx.rank == 0 else None
+
+    def _measure_op(
+        self, ctx: RankContext, op: str, numels: list[int], dtype, sampling: Sampling
+    ) -> dict:
+        """Check every variant, calibrate, measure interleaved; the same on every rank."""
+        import torch
+
+        import hsdp_backend
+
+        bufs = _coalesced_buffers(op, numels, ctx.world, dtype)
+        call = {v: _bind_coalesced_variant(v, op, bufs, ctx) for v in COALESCED_VARIANTS}
+        expected = [
+            _coalesced_expected(op, n, i, ctx.rank, ctx.world, dtype) for i, n in enumerate(numels)
+        ]
+        for v in COALESCED_VARIANTS:
+            # All three must produce the exact answer (hence agree bitwise).
+            _coalesced_fill(op, bufs, ctx.rank, ctx.world)
+            for b in bufs:
+                b["out"].fill_(-1)
+            call[v]()
+            for i, (b, want) in enumerate(zip(bufs, expected, strict=True)):
+                if not torch.equal(b["out"], want):
+                    bad = (b["out"].double() - want.double()).abs().argmax().item()
+                    raise RuntimeError(
+                        f"[rank {ctx.rank}/{ctx.world}] {COALESCED_LABELS[v]}: {op} of tensor {i} "
+                        f"({numels[i]} elements) returned a wrong result: element {bad}: "
+                        f"got {b['out'][bad].item()}, expected {want[bad].item()}"
+                    )
+        del expected
+
+        calls_per_sample = _calibrate(ctx, call, sampling)
+        hsdp_backend.reset_comm_stats(ctx.hsdp)
+        samples = _sample_interleaved(ctx, call, calls_per_sample, sampling)
+        stats = hsdp_backend.comm_stats(ctx.hsdp)
+        fused_calls = len(samples["hsdp_fused"]) * calls_per_sample
+        # Everything hsdp sent during the measurement was for the fused calls
+        # (the control plane is the gloo group).
+        collectives = sum(s["collectives"] for s in stats.values())
+        result = {
+            "op": op,
+            "tensors": len(numels),
+            "bytes_per_rank": sum(numels) * torch.empty((), dtype=dtype).element_size(),
+        }
+        result.update(_summarise_samples(ctx, samples, calls_per_sample))
+        result["hsdp_comm_stats"] = stats
+        result["hsdp_fused_calls"] = fused_calls
+        result["hsdp_collectives_per_call"] = collectives / fused_calls
+        return result
+
+    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
+        rows = []
+        for world, points in sorted(per_world.items()):
+            table = []
+            for p in points:
+                op = OPS[p["op"]]
+                secs = p["hsdp_fused"]["us"] / 1e6
+                total = op.total_bytes(p["bytes_per_rank"], world)
+                row = {"world": world, **p}
+                row["a_over_c"] = p["gloo_per_tensor"]["us"] / p["hsdp_fused"]["us"]
+                row["b_over_c"] = p["gloo_coalesced"]["us"] / p["hsdp_fused"]["us"]
+                row["hsdp_busbw_gbps"] = op.bus_factor(world) * total / secs / 1e9
+                row["spread"] = max(
+                    _spread(p[v]["rank0_samples_us"]) for v in COALESCED_VARIANTS
+                )
+                table.append(row)
+            self._print_table(world, config, table)
+            rows += table
+        print(COALESCED_LEGEND)
+        verdicts = self._print_verdicts(rows)
+        return {
+            "dtype": config["dtype"],
+            "dim": config["dim"],
+            "layers": config["layers"],
+            "shapes": [{"name": n, "shape": list(s)} for n, s in config["shapes"]],
+            "variants": {v: COALESCED_LABELS[v] for v in COALESCED_VARIANTS},
+            "target_speedup_a_over_c_2_ranks": COALESCED_TARGET_SPEEDUP,
+            "sampling": dataclasses.asdict(config["sampling"]),
+            "results": rows,
+            "verdicts": verdicts,
+        }
+
+    @staticmethod
+    def _print_table(world: int, config: dict, rows: list[dict]) -> None:
+        r0 = rows[0]
+        print(
+            f"\nworld size {world} ({r0['tensors']} {config['dtype']} tensors, dim "
+            f"{config['dim']}, {r0['bytes_per_rank'] / MIB:.1f} MiB per rank; "
+            "ms per call over all tensors):"
+        )
+        cols = [
+            ("op", 22, lambda r: r["op"]),
+            ("(a) gloo/tensor", 15, lambda r: f"{r['gloo_per_tensor']['us'] / 1e3:.2f}"),
+            ("(b) gloo coal.", 14, lambda r: f"{r['gloo_coalesced']['us'] / 1e3:.2f}"),
+            ("(c) hsdp fused", 14, lambda r: f"{r['hsdp_fused']['us'] / 1e3:.2f}"),
+            ("a/c", 7, lambda r: f"{r['a_over_c']:.1f}x"),
+            ("b/c", 7, lambda r: f"{r['b_over_c']:.1f}x"),
+            ("hsdp GB/s", 9, lambda r: f"{r['hsdp_busbw_gbps']:.2f}"),
+            ("hsdp coll/call", 14, lambda r: f"{r['hsdp_collectives_per_call']:g}"),
+            ("reps", 4, lambda r: str(r["hsdp_fused"]["reps"])),
+            ("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
+        ]
+        print("  ".join(f"{h:<{w}}" if i == 0 else f"{h:>{w}}" for i, (h, w, _) in enumerate(cols)))
+        for r in rows:
+            print(
+                "  ".join(
+                    f"{f(r):<{w}}" if i == 0 else f"{f(r):>{w}}"
+                    for i, (_, w, f) in enumerate(cols)
+                )
+            )
+
+    @staticmethod
+    def _print_verdicts(rows: list[dict]) -> list[dict]:
+        """One line per op and world: one collective per fused call; the 2-rank speedup target."""
+        print()
+        verdicts = []
+        for r in rows:
+            one = r["hsdp_collectives_per_call"] == 1
+            v = {"world": r["world"], "op": r["op"], "one_collective_per_call": one}
+            line = (
+                f"W={r['world']} {r['op']}: hsdp collectives per fused call "
+                f"{r['hsdp_collectives_per_call']:g} ({'ok' if one else 'NOT 1'})"
+            )
+            if r["world"] == 2:
+                v["target_met"] = r["a_over_c"] >= COALESCED_TARGET_SPEEDUP
+                line += (
+                    f"; hsdp fused vs (a) {r['a_over_c']:.1f}x, target >= "
+                    f"{COALESCED_TARGET_SPEEDUP:g}x {'met' if v['target_met'] else 'NOT met'}"
+                )
+            print(line)
+            verdicts.append(v)
+        return verdicts
+
+    def plot(self, section: dict, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        worlds = sorted({r["world"] for r in section["results"]})
+        fig, axes = plt.subplots(1, len(worlds), figsize=(6 * len(worlds), 4.5), squeeze=False)
+        width = 0.8 / len(COALESCED_VARIANTS)
+        for ax, world in zip(axes[0], worlds, strict=True):
+            rows = [r for r in section["results"] if r["world"] == world]
+            for k, v in enumerate(COALESCED_VARIANTS):
+                xs = [i + (k - 1) * width for i in range(len(rows))]
+                ms = [r[v]["us"] / 1e3 for r in rows]
+                ax.bar(xs, ms, width, label=section["variants"][v])
+                if v == "hsdp_fused":
+                    for x, y, r in zip(xs, ms, rows, strict=True):
+                        ax.annotate(
+                            f"{r['a_over_c']:.1f}x / {r['b_over_c']:.1f}x",
+                            (x, y),
+                            ha="center",
+                            va="bottom",
+                            fontsize="small",
+                        )
+            ax.set_xticks(range(len(rows)), [r["op"] for r in rows])
+            ax.set_yscale("log")
+            top = max(r[v]["us"] for r in rows for v in COALESCED_VARIANTS) / 1e3
+            ax.set_ylim(top=top * 10)  # room for the legend above the bars
+            ax.set_ylabel("ms per call over all tensors (median, max over ranks)")
+            mib = rows[0]["bytes_per_rank"] / MIB
+            ax.set_title(f"W={world}, {rows[0]['tensors']} tensors, {mib:.1f} MiB per rank")
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+            ax.legend(fontsize="small", title="labels over (c): a/c / b/c", title_fontsize="small")
+        fig.suptitle(
+            f"fused coalesced collectives, {section['dtype']}, transformer dim {section['dim']}"
+        )
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+COALESCED_LEGEND = """
+ms = max over ranks of each rank's median time of one call over all tensors (the three
+variants interleaved); a/c, b/c = how many times faster hsdp fused is than (a) / (b);
+hsdp GB/s = hsdp fused busbw (nccl-tests); hsdp coll/call = collectives hsdp issued per
+fused call (comm_stats, all ops, during the measurement); spread as in the collectives
+suite. Every variant's output was checked exactly before timing."""
+
+
+# --- the numerics suite ----------------------------------------------------
+#
+# Low-precision AVG against an fp64 reference, hsdp vs gloo. No timing.
+
+NUMERICS_DTYPES = ("bfloat16", "float16")
+NUMERICS_OPS = ("all_reduce", "reduce_scatter_tensor")
+NUMERICS_DEFAULT_NUMEL = {"all_reduce": MIB, "reduce_scatter_tensor": 256 * KIB}
+NUMERICS_QUICK_NUMEL = {"all_reduce": 64 * KIB, "reduce_scatter_tensor": 16 * KIB}
+# hsdp may exceed 0.5 ulp by this much: the fp32 division before the final
+# rounding to the low-precision type.
+HALF_ULP_SLACK = 1e-3
+
+
+def ulp_error(got, ref, dtype):
+    """``|got - ref|`` in units in the last place of ``dtype`` at ``ref`` (fp64 tensors).
+
+    ulp(x) = 2**(floor(log2|x|) - mantissa bits), the exponent clamped at the
+    smallest normal one (subnormals and zeros: the subnormal spacing).
+    """
+    import torch
+
+    finfo = torch.finfo(dtype)
+    mantissa_bits = round(-math.log2(finfo.eps))  # bf16: 7, fp16: 10
+    min_exp = round(math.log2(finfo.tiny))  # bf16: -126, fp16: -14
+    _, exp = torch.frexp(ref)  # ref = m * 2**exp with 0.5 <= |m| < 1
+    floor_log2 = torch.where(ref == 0, min_exp, exp - 1).clamp_(min=min_exp)
+    ulp = torch.exp2((floor_log2 - mantissa_bits).to(torch.float64))
+    return (got.to(torch.float64) - ref).abs_().div_(ulp)
+
+
+def _numerics_input(seed: int, op_index: int, rank: int, numel: int):
+    """Rank ``rank``'s fp32 input for op ``op_index``: standard normal, its own fixed seed."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1000 * op_index + rank)
+    return torch.randn(numel, generator=gen)
+
+
+def _avg_collective(op: str, inp, group, world: int, allow_sum_fallback: bool):
+    """Runs ``op`` with AVG on ``inp`` (not modified); returns ``(output, reduction)``.
+
+    With ``allow_sum_fallback``, a backend that rejects AVG gets SUM and the
+    output is divided by ``world`` in its own dtype (``reduction`` says so).
+    """
+    import torch.distributed as dist
+
+    if op == "all_reduce":
+        out = inp.clone()
+
+        def run(redop) -> None:
+            dist.all_reduce(out, op=redop, group=group)
+
+    else:
+        out = inp.new_empty(inp.numel() // world)
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+        def run(redop) -> None:
+            fn(out, inp, op=redop, group=group)
+
+    try:
+        run(dist.ReduceOp.AVG)
+        return out, "AVG"
+    except (RuntimeError, ValueError):
+        if not allow_sum_fallback:
+            raise
+    if op == "all_reduce":
+        out.copy_(inp)  # whatever the rejected call left there
+    run(dist.ReduceOp.SUM)
+    out.div_(world)
+    return out, "SUM, /W in dtype"
+
+
+def _error_stats(ctx: RankContext, got, ref, dtype) -> dict:
+    """Ulp error of ``got`` against ``ref`` (fp64) over every rank's output (gloo group).
+
+    Elements whose reference is exactly zero are left out of the ulp
+    statistics: with the ulp clamped at the subnormal spacing, any non-zero
+    result there is ~1e37 ulps off and would swamp max and mean. They are
+    counted instead, with how many came out non-zero and the largest
+    magnitude among those.
+    """
+    import torch
+    import torch.distributed as dist
+
+    zero = ref == 0
+    err = ulp_error(got[~zero], ref[~zero], dtype)
+    at_zero = got[zero].to(torch.float64).abs()
+    worst = torch.tensor(
+        [err.max().item() if err.numel() else 0.0, at_zero.max().item() if zero.any() else 0.0],
+        dtype=torch.float64,
+    )
+    sums = torch.tensor(
+        [
+            err.sum().item(),
+            err.numel(),
+            (err > 0.5 + HALF_ULP_SLACK).sum().item(),
+            zero.sum().item(),
+            (at_zero != 0).sum().item(),
+        ],
+        dtype=torch.float64,
+    )
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=ctx.gloo)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=ctx.gloo)
+    n = int(sums[1].item())
+    return {
+        "max_ulp": worst[0].item(),
+        "mean_ulp": sums[0].item() / n if n else 0.0,
+        "elements": n,
+        "elements_over_half_ulp": int(sums[2].item()),
+        "zero_refs": int(sums[3].item()),
+        "nonzero_at_zero_refs": int(sums[4].item()),
+        "max_abs_at_zero_refs": worst[1].item(),
+    }
+
+
+def _format_ulp(x: float) -> str:
+    """Four decimals for ordinary errors, three significant digits for huge ones."""
+    return f"{x:.4f}" if x < 1e4 else f"{x:.3g}"
+
+
+class NumericsSuite(Suite):
+    name = "numerics"
+    help = (
+        "bf16/fp16 AVG all_reduce / reduce_scatter error in ulps vs an fp64 reference, "
+        "hsdp vs gloo"
+    )
+    default_ranks = (2, 4, 8)
+    output_stem = "bench_numerics"
+
+    def configure(self, args: argparse.Namespace) -> dict:
+        defaults = NUMERICS_QUICK_NUMEL if args.quick else NUMERICS_DEFAULT_NUMEL
+        numel = {
+            "all_reduce": parse_size(args.ar_numel) if args.ar_numel else defaults["all_reduce"],
+            "reduce_scatter_tensor": parse_size(args.rs_numel)
+            if args.rs_numel
+            else defaults["reduce_scatter_tensor"],
+        }
+        if min(numel.values()) < 1:
+            raise ValueError("--ar-numel and --rs-numel must be >= 1")
+        return {"dtypes": NUMERICS_DTYPES, "ops": NUMERICS_OPS, "numel": numel, "seed": args.seed}
+
+    def run_rank(self, ctx: RankContext, config: dict) -> list[dict] | None:
+        import torch
+
+        out = []
+        for op_index, op in enumerate(config["ops"]):
+            n_out = config["numel"][op]
+            n_in = n_out if op == "all_reduce" else ctx.world * n_out
+            lo = 0 if op == "all_reduce" else ctx.rank * n_out  # this rank's output slice
+            # The reference needs every rank's input: regenerate them all
+            # from their seeds (no communication).
+            ref = {d: torch.zeros(n_out, dtype=torch.float64) for d in config["dtypes"]}
+            for s in range(ctx.world):
+                x = _numerics_input(config["seed"], op_index, s, n_in)
+                if s == ctx.rank:
+                    mine = x
+                for d in config["dtypes"]:
+                    ref[d] += x[lo : lo + n_out].to(getattr(torch, d)).to(torch.float64)
+            for d in config["dtypes"]:
+                dtype = getattr(torch, d)
+                # Sums of a few bf16/fp16 values are exact in fp64, and so is
+                # the division for power-of-two W (else off by < 1e-16).
+                ref[d] /= ctx.world
+                inp = mine.to(dtype)
+                row = {"dtype": d, "op": op, "world": ctx.world, "numel_out_per_rank": n_out}
+                for b, group in (("hsdp", ctx.hsdp), ("gloo", ctx.gloo)):
+                    got, reduction = _avg_collective(op, inp, group, ctx.world, b == "gloo")
+                    row[b] = {"reduction": reduction, **_error_stats(ctx, got, ref[d], dtype)}
+                ctx.log(
+                    f"{d:<9} {op:<22} max ulp: hsdp {_format_ulp(row['hsdp']['max_ulp'])}  "
+                    f"gloo {_format_ulp(row['gloo']['max_ulp'])}"
+                )
+                out.append(row)
+        return out if ctx.rank == 0 else None
+
+    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
+        rows = [r for _, points in sorted(per_world.items()) for r in points]
+        rows.sort(key=lambda r: (r["dtype"], r["op"], r["world"]))
+        for r in rows:
+            h, g = r["hsdp"], r["gloo"]
+            r["hsdp_within_half_ulp"] = (
+                h["max_ulp"] <= 0.5 + HALF_ULP_SLACK and h["nonzero_at_zero_refs"] == 0
+            )
+            r["hsdp_max_le_gloo"] = h["max_ulp"] <= g["max_ulp"]
+            r["hsdp_mean_le_gloo"] = h["mean_ulp"] <= g["mean_ulp"]
+        n = config["numel"]
+        print(
+            f"\nAVG error in ulps of the output dtype vs the fp64 mean of the low-precision inputs "
+            f"(standard normal, seed {config['seed']}; all_reduce {n['all_reduce']} elements per "
+            f"rank, reduce_scatter_tensor {n['reduce_scatter_tensor']} out per rank; max / mean "
+            "over every rank's output elements whose reference is not exactly 0; those are "
+            "counted apart, with how many each backend returned non-zero):\n"
+        )
+        print(
+            "| dtype | op | W | hsdp max | hsdp mean | gloo max | gloo mean | gloo reduction "
+            "| ref = 0: n (non-zero hsdp / gloo) "
+            f"| hsdp <= 0.5 ulp (+{HALF_ULP_SLACK:g}) | hsdp <= gloo (max, mean) |"
+        )
+        print("|---|---|---:|---:|---:|---:|---:|---|---|---|---|")
+        yes = {True: "yes", False: "**no**"}
+        for r in rows:
+            h, g = r["hsdp"], r["gloo"]
+            print(
+                f"| {r['dtype']} | {r['op']} | {r['world']} | {_format_ulp(h['max_ulp'])} | "
+                f"{_format_ulp(h['mean_ulp'])} | {_format_ulp(g['max_ulp'])} | "
+                f"{_format_ulp(g['mean_ulp'])} | {g['reduction']} | {h['zero_refs']} "
+                f"({h['nonzero_at_zero_refs']} / {g['nonzero_at_zero_refs']}) | "
+                f"{yes[r['hsdp_within_half_ulp']]} | "
+                f"{yes[r['hsdp_max_le_gloo']]}, {yes[r['hsdp_mean_le_gloo']]} |"
+            )
+        hsdp_reductions = {r["hsdp"]["reduction"] for r in rows}
+        print(
+            f"\nhsdp reduction: {', '.join(sorted(hsdp_reductions))}. "
+            f"hsdp within 0.5 ulp everywhere: {all(r['hsdp_within_half_ulp'] for r in rows)}; "
+            "hsdp <= gloo everywhere (max and mean): "
+            f"{all(r['hsdp_max_le_gloo'] and r['hsdp_mean_le_gloo'] for r in rows)}"
+        )
+        return {
+            "dtypes": list(config["dtypes"]),
+            "ops": list(config["ops"]),
+            "numel_out_per_rank": n,
+            "seed": config["seed"],
+            "half_ulp_slack": HALF_ULP_SLACK,
+            "results": rows,
+        }
+
+    def plot(self, section: dict, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        dtypes = section["dtypes"]
+        fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), squeeze=False)
+        for ax, d in zip(axes[0], dtypes, strict=True):
+            rows = [r for r in section["results"] if r["dtype"] == d]
+            xs = range(len(rows))
+            bars = [(b, stat) for stat in ("max", "mean") for b in BACKENDS]
+            width = 0.8 / len(bars)
+            colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+            for k, (b, stat) in enumerate(bars):
+                ax.bar(
+                    [x + (k - (len(bars) - 1) / 2) * width for x in xs],
+                    [r[b][f"{stat}_ulp"] for r in rows],
+                    width,
+                    color=colors[BACKENDS.index(b)],
+                    hatch="" if stat == "max" else "//",
+                    alpha=1.0 if stat == "max" else 0.5,
+                    label=f"{b} {stat}",
+                )
+            ax.axhline(0.5, color="black", linestyle=":", label="0.5 ulp")
+            ax.set_yscale("log")
+            labels = [
+                f"{'AR' if r['op'] == 'all_reduce' else 'RS'} W={r['world']}" for r in rows
+            ]
+            ax.set_xticks(list(xs), labels)
+            ax.set_ylabel("error (ulps of the output dtype)")
+            ax.set_title(f"{d} AVG")
+            ax.grid(True, axis="y", which="both", alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.suptitle("AVG error vs fp64 reference (AR = all_reduce, RS = reduce_scatter_tensor)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+SUITES: dict[str, Suite] = {
+    s.name: s for s in (CollectivesSuite(), CoalescedSuite(), NumericsSuite())
+}
 
 # ---------------------------------------------------------------------------
 # Launcher: W rank processes, one deadline, no survivors
@@ -964,7 +1665,9 @@ def build_parser() -> argparse.ArgumentParser:
             "examples:\n"
             "  python -m hsdp_backend.bench --quick\n"
             "  python -m hsdp_backend.bench --ranks 2 --sizes 4K,64K,1M,16M\n"
-            "  python -m hsdp_backend.bench --ops all_reduce --dtype bfloat16 -v"
+            "  python -m hsdp_backend.bench --ops all_reduce --dtype bfloat16 -v\n"
+            "  python -m hsdp_backend.bench --suite coalesced --dim 256\n"
+            "  python -m hsdp_backend.bench --suite numerics --ranks 2,4,8"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -979,15 +1682,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ranks",
         type=_parse_ranks,
-        default=[2, 4],
+        default=None,
         metavar="W[,W...]",
-        help="world sizes, one launch each (default: 2,4)",
+        help="world sizes, one launch each (default: "
+        + "; ".join(f"{s.name} {','.join(map(str, s.default_ranks))}" for s in SUITES.values())
+        + ")",
     )
     parser.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
         default="float32",
-        help="element type (default: %(default)s)",
+        help="element type of the collectives and coalesced suites (default: %(default)s)",
     )
     parser.add_argument(
         "--quick",
@@ -1012,15 +1717,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--json",
-        default=os.path.join("bench_results", "bench.json"),
+        default=None,
         metavar="PATH",
-        help="raw results and machine info; '' to skip (default: %(default)s)",
+        help="raw results and machine info; '' to skip (default: bench_results/bench.json, "
+        "other suites bench_results/bench_<suite>.json)",
     )
     parser.add_argument(
         "--plot",
-        default=os.path.join("bench_results", "bench.png"),
+        default=None,
         metavar="PATH",
-        help="PNG plot (needs matplotlib); '' to skip (default: %(default)s)",
+        help="PNG plot (needs matplotlib); '' to skip (default: bench_results/bench.png, "
+        "other suites bench_results/bench_<suite>.png)",
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print each point as it is measured"
@@ -1041,13 +1748,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick: up to 1M); all_reduce always adds an 8 B latency row",
     )
 
-    samp = parser.add_argument_group("sampling (per point, per backend)")
+    coal = parser.add_argument_group("coalesced suite")
+    coal.add_argument(
+        "--dim",
+        type=int,
+        default=COALESCED_DEFAULT_DIM,
+        metavar="D",
+        help=f"width of the {COALESCED_LAYERS}-layer transformer whose 200 parameter shards "
+        "are gathered / reduce-scattered (default: %(default)s: 10 M parameters, "
+        "about 19 MiB fp32 per rank on 2 ranks)",
+    )
+
+    num = parser.add_argument_group("numerics suite")
+    num.add_argument(
+        "--ar-numel",
+        default=None,
+        metavar="N",
+        help="all_reduce elements per rank, K/M suffixes allowed (default: 1M; --quick: 64K)",
+    )
+    num.add_argument(
+        "--rs-numel",
+        default=None,
+        metavar="N",
+        help="reduce_scatter_tensor output elements per rank; the input is W times that "
+        "(default: 256K; --quick: 16K)",
+    )
+    num.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="base seed of the inputs (default: 0)"
+    )
+
+    samp = parser.add_argument_group(
+        "sampling (per point, per backend; coalesced: per op, per variant)"
+    )
     samp.add_argument(
         "--time-per-point",
         type=float,
         default=None,
         metavar="S",
-        help="time budget per point per backend (default: 0.3; --quick: 0.1)",
+        help="time budget per point per backend (default: 0.3; --quick: 0.1; "
+        "coalesced suite: 2.0; --quick: 0.5)",
     )
     samp.add_argument(
         "--iters",
@@ -1099,6 +1838,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     deadline = start + timeout
     suite = SUITES[args.suite]
+    if args.ranks is None:
+        args.ranks = list(suite.default_ranks)
+    for attr, ext in (("json", "json"), ("plot", "png")):
+        if getattr(args, attr) is None:
+            setattr(args, attr, os.path.join("bench_results", f"{suite.output_stem}.{ext}"))
     try:
         config = suite.configure(args)
     except ValueError as exc:

@@ -381,10 +381,29 @@ WorkPtr ProcessGroupHSDP::broadcast(
 WorkPtr ProcessGroupHSDP::allreduce(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
+  return allreduceImpl(tensors, opts, 1.0);
+}
+
+WorkPtr ProcessGroupHSDP::allreduceDividedBy(
+    at::Tensor& tensor,
+    const c10d::ReduceOp& op,
+    double divideBy,
+    bool asyncOp) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  opts.asyncOp = asyncOp;
+  return allreduceImpl(tensors, opts, divideBy);
+}
+
+WorkPtr ProcessGroupHSDP::allreduceImpl(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts,
+    double divideBy) {
   const auto c = ctx("all_reduce");
   checkOne(c, tensors);
   auto& inner = route(c, tensors[0]);
-  auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_);
+  auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_, divideBy);
   stats_.record(c.op, 1, bytesOf(tensors));
   if (auto red = shmReduction(plan, tensors[0].scalar_type()); red && onShm(tensors)) {
     auto t = tensors[0];
@@ -685,13 +704,33 @@ WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterImpl(output, input, opts, 1.0);
+}
+
+WorkPtr ProcessGroupHSDP::reduceScatterDividedBy(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceOp& op,
+    double divideBy,
+    bool asyncOp) {
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op;
+  opts.asyncOp = asyncOp;
+  return reduceScatterImpl(output, input, opts, divideBy);
+}
+
+WorkPtr ProcessGroupHSDP::reduceScatterImpl(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts,
+    double divideBy) {
   const auto c = ctx("reduce_scatter_tensor");
   checkSameDtype(c, input, output, "the output");
   checkSameDevice(c, input, output, "the output");
   checkNumel(c, input, output.numel() * size_, "the input (world size x output)");
   checkContiguous(c, input, "the input");
   auto& inner = route(c, input);
-  auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_);
+  auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy);
   stats_.record(c.op, 1, bytesOf(input));
   if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
     return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {

@@ -140,6 +140,21 @@ class ProcessGroupHSDP final : public c10d::Backend {
       int64_t bucketBytes,
       bool asyncOp);
 
+  // all_reduce / reduce_scatter_tensor whose result is also divided by
+  // `divideBy`, fused with the op's own scale into one step (one rounding):
+  // the deferred division of a chain of SUM collectives over several groups.
+  c10::intrusive_ptr<c10d::Work> allreduceDividedBy(
+      at::Tensor& tensor,
+      const c10d::ReduceOp& op,
+      double divideBy,
+      bool asyncOp);
+  c10::intrusive_ptr<c10d::Work> reduceScatterDividedBy(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceOp& op,
+      double divideBy,
+      bool asyncOp);
+
   CommStats& stats() {
     return stats_;
   }
@@ -158,6 +173,15 @@ class ProcessGroupHSDP final : public c10d::Backend {
   }
   // The inner backend that serves tensors on `t`'s device.
   c10d::Backend& route(const OpContext& ctx, const at::Tensor& t);
+  c10::intrusive_ptr<c10d::Work> allreduceImpl(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts,
+      double divideBy);
+  c10::intrusive_ptr<c10d::Work> reduceScatterImpl(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts,
+      double divideBy);
   // Whether the shared-memory engine serves these CPU tensors.
   bool onShm(std::initializer_list<const at::Tensor*> tensors) const;
   bool onShm(const std::vector<at::Tensor>& tensors) const;

@@ -42,6 +42,23 @@ double DeferredScale::value() const {
   return kind_ == Kind::MultiplyTensor ? tensor_.item<double>() : value_;
 }
 
+DeferredScale DeferredScale::dividedBy(double divisor) const {
+  if (divisor == 1.0) {
+    return *this;
+  }
+  switch (kind_) {
+    case Kind::None:
+      return divideBy(divisor);
+    case Kind::Divide:
+      return divideBy(value_ * divisor);
+    case Kind::Multiply:
+      return multiplyBy(value_ / divisor);
+    case Kind::MultiplyTensor:
+      return multiplyBy(tensor_ / divisor);
+  }
+  return *this;
+}
+
 void DeferredScale::apply(const at::Tensor& t) const {
   if (kind_ == Kind::None || t.numel() == 0) {
     return;
@@ -73,7 +90,10 @@ void DeferredScale::apply(const at::Tensor& t) const {
   }
 }
 
-ReducePlan planReduce(
+namespace {
+
+// The plan for the reduction alone.
+ReducePlan planReduceOp(
     const OpContext& ctx,
     const c10d::ReduceOp& op,
     at::ScalarType dtype,
@@ -133,6 +153,33 @@ ReducePlan planReduce(
           false, ctx, "unsupported reduce op ", static_cast<int>(type));
   }
   return {op, DeferredScale::none()};
+}
+
+} // namespace
+
+ReducePlan planReduce(
+    const OpContext& ctx,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype,
+    int groupSize,
+    double divideBy) {
+  auto plan = planReduceOp(ctx, op, dtype, groupSize);
+  if (divideBy == 1.0) {
+    return plan;
+  }
+  const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
+  HSDP_CHECK_VALUE(
+      divideBy > 0 && (isFloat || divideBy == static_cast<double>(static_cast<int64_t>(divideBy))),
+      ctx,
+      "divide_by must be positive (and a whole number for integer tensors), got ",
+      divideBy);
+  const auto type = plan.innerOp.op_;
+  HSDP_CHECK_VALUE(
+      type == c10d::ReduceOp::SUM,
+      ctx,
+      "divide_by needs a SUM, AVG or PREMUL_SUM reduction");
+  plan.post = plan.post.dividedBy(divideBy);
+  return plan;
 }
 
 } // namespace hsdp

@@ -43,6 +43,10 @@ class DeferredScale {
   // The divisor or factor (a tensor factor is read as a double).
   double value() const;
 
+  // This scale followed by a division by `divisor`, as one step: callers
+  // that chain SUM collectives over several groups divide once, at the end.
+  DeferredScale dividedBy(double divisor) const;
+
   // Scales `t` in place. bf16/fp16 are widened to fp32, scaled and rounded
   // once; integers divide with truncation toward zero (C semantics, as NCCL).
   void apply(const at::Tensor& t) const;
@@ -62,11 +66,13 @@ struct ReducePlan {
 };
 
 // Checks that `op` makes sense for `dtype` (ValueError otherwise, naming the
-// rank and op) and returns the plan. `groupSize` is the AVG divisor.
+// rank and op) and returns the plan. `groupSize` is the AVG divisor;
+// `divideBy` a further divisor folded into the same scaling step.
 ReducePlan planReduce(
     const OpContext& ctx,
     const c10d::ReduceOp& op,
     at::ScalarType dtype,
-    int groupSize);
+    int groupSize,
+    double divideBy = 1.0);
 
 } // namespace hsdp
