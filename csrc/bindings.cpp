@@ -47,6 +47,7 @@ PYBIND11_MODULE(_C, m) {
          int64_t slotBytes,
          int64_t spinNs,
          int64_t oneShotBytes,
+         int64_t directReadBytes,
          int64_t engineTimeoutMs) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         hsdp::ShmOptions shm;
@@ -56,6 +57,7 @@ PYBIND11_MODULE(_C, m) {
         shm.slotBytes = static_cast<size_t>(slotBytes);
         shm.engine.spin = std::chrono::nanoseconds(spinNs);
         shm.engine.oneShotBytes = static_cast<size_t>(oneShotBytes);
+        shm.engine.directReadBytes = static_cast<size_t>(directReadBytes);
         shm.engine.timeout = std::chrono::milliseconds(engineTimeoutMs);
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
         return c10::make_intrusive<hsdp::ProcessGroupHSDP>(
@@ -77,11 +79,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("slot_bytes"),
       py::arg("spin_ns"),
       py::arg("one_shot_bytes"),
+      py::arg("direct_read_bytes"),
       py::arg("engine_timeout_ms"));
 
   m.def("cpu_engine", [](c10d::Backend* backend) {
     auto& hsdp = asHSDP(backend);
-    return py::make_tuple(hsdp.cpuEngine(), hsdp.shmUnavailableReason());
+    return py::make_tuple(hsdp.cpuEngine(), hsdp.shmUnavailableReason(), hsdp.shmDirectReads());
   });
 
   m.def("is_hsdp", [](c10d::Backend* backend) {

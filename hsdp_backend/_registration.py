@@ -70,5 +70,6 @@ def _create_backend(opts, backend_options):
         slot_bytes=config.read("HSDP_SHM_SLOT_BYTES"),
         spin_ns=int(spin_us) * 1000,
         one_shot_bytes=config.read("HSDP_SHM_ONESHOT_BYTES"),
+        direct_read_bytes=config.read("HSDP_SHM_DIRECT_READ_BYTES"),
         engine_timeout_ms=engine_timeout,
     )

@@ -811,9 +811,9 @@ def _sampling_from_args(args: argparse.Namespace) -> Sampling:
 #
 # FSDP2 gathers / reduce-scatters a module's parameter shards in one go.
 # Three ways to do that for the same 200 tensors, measured interleaved: one
-# call per tensor on gloo, gloo's own coalesced path, and hsdp's fused
-# collective (one collective per dtype), both through
-# ``dist._coalescing_manager`` around the same per-tensor calls.
+# call per tensor on gloo; the same calls inside ``dist._coalescing_manager``
+# on gloo (gloo's own coalesced path); and inside it on hsdp (one fused
+# collective per dtype).
 
 COALESCED_LAYERS = 12
 COALESCED_DEFAULT_DIM = 256
@@ -874,7 +874,8 @@ def shard_numels(shapes: list[tuple[str, tuple]], world: int) -> list[int]:
 
 
 def _small_ints(numel: int, offset: int, modulus: int, dtype):
-    """``(arange(numel) + offset) % modulus``: data whose sums are exact in any float type."""
+    """``(arange(numel) + offset) % modulus``: small integers, whose sums over a
+    few ranks are exact in fp32 and bf16 alike."""
     import torch
 
     return ((torch.arange(numel) + offset) % modulus).to(dtype)

@@ -51,6 +51,10 @@ VARS = {
             "has more ranks than this machine has cores"),
         Var("HSDP_SHM_ONESHOT_BYTES", str(32 << 10), _int(0),
             "all-reduces up to this size read every peer's buffer in one round instead of two"),
+        Var("HSDP_SHM_DIRECT_READ_BYTES", str(256 << 10), _int(0),
+            "all-gathers and broadcasts of at least this many bytes per rank read peers' "
+            "buffers directly (process_vm_readv: one copy instead of two) when the ranks may "
+            "read each other's memory; 0 disables"),
         Var("HSDP_TIMEOUT_MS", "group", lambda t: t if t == "group" else _int(1)(t),
             "deadline of every shared-memory wait; group: the process group's timeout"),
     ]

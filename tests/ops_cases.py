@@ -506,3 +506,33 @@ def engine_in_use(rank, world, ref):
 
     expected = os.environ.get("HSDP_ENGINE", "auto")
     assert hsdp_backend.cpu_engine() == ("shm" if expected == "auto" else expected)
+
+
+@case
+def large_messages(rank, world, ref):
+    """Sizes past one pipeline slot and past the direct-read threshold."""
+    import os
+
+    from hsdp_backend import _C
+
+    if os.environ.get("HSDP_ENGINE", "auto") != "gloo" and world > 1:
+        engine, _, direct = _C.cpu_engine(hsdp_backend.get_hsdp_backend())
+        assert engine == "shm" and direct, "direct reads should be on for ranks of one user"
+    n = (5 << 20) // 4 + 3  # 5 MiB + 12 bytes of fp32: more than one 4 MiB slot
+    out = torch.empty(world * n)
+    dist.all_gather_into_tensor(out, data(rank, n, torch.float32))
+    check(out, torch.cat([data(r, n, torch.float32) for r in range(world)]), "large all_gather")
+    out.zero_()
+    shard = out.narrow(0, rank * n, n)
+    shard.copy_(data(rank, n, torch.float32))
+    dist.all_gather_into_tensor(out, shard)
+    check(out, torch.cat([data(r, n, torch.float32) for r in range(world)]), "large in-place all_gather")
+    t = data(rank, n, torch.bfloat16)
+    dist.broadcast(t, src=world - 1)
+    check(t, data(world - 1, n, torch.bfloat16), "large broadcast")
+    t = data(rank, n, torch.float32)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    check(t, reduce_ref(dist.ReduceOp.AVG, world, n, torch.float32), "large all_reduce")
+    o = torch.empty(n)
+    dist.reduce_scatter_tensor(o, rs_input(rank, world, n, torch.float32))
+    check(o, rs_expected(dist.ReduceOp.SUM, world, rank, n, torch.float32), "large reduce_scatter")

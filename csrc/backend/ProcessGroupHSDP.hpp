@@ -163,6 +163,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::string cpuEngine() const {
     return engine_ ? "shm" : "gloo";
   }
+  bool shmDirectReads() const {
+    return engine_ && engine_->directReads();
+  }
   const std::string& shmUnavailableReason() const {
     return shmWhyNot_;
   }

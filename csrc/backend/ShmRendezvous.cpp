@@ -2,6 +2,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
 namespace hsdp {
 
 namespace {
@@ -10,6 +12,32 @@ const std::string kPrefix = "hsdp/shm/";
 
 std::string rankKey(const char* what, int rank) {
   return kPrefix + what + "/" + std::to_string(rank);
+}
+
+// Whether every rank may read rank 0's memory with process_vm_readv (it
+// needs ptrace rights over the peer: same user, and no Yama restriction or
+// seccomp filter in the way). All ranks decide alike from the same keys.
+bool probeDirectReads(c10d::Store& store, int rank, int size) {
+  static const uint64_t probe = 0x70726f6265ull; // read by peers, never written
+  if (rank == 0) {
+    store.set(kPrefix + "probe",
+              std::to_string(getpid()) + ":" + std::to_string(reinterpret_cast<uint64_t>(&probe)));
+  } else {
+    const std::string where = store.get_to_str(kPrefix + "probe");
+    const auto colon = where.find(':');
+    uint64_t got = 0;
+    const bool ok = colon != std::string::npos &&
+        shm::canReadProcess(std::stoi(where.substr(0, colon)),
+                            std::stoull(where.substr(colon + 1)), &got, sizeof got) &&
+        got == probe;
+    store.set(rankKey("direct", rank), ok ? "1" : "0");
+  }
+  for (int q = 1; q < size; ++q) {
+    if (store.get_to_str(rankKey("direct", q)) != "1") {
+      return false;
+    }
+  }
+  return true;
 }
 
 } // namespace
@@ -86,7 +114,11 @@ std::unique_ptr<shm::Engine> connectShm(
     }
     return give_up(firstError);
   }
-  return std::make_unique<shm::Engine>(std::move(*segment), rank, options.engine);
+  auto engine = std::make_unique<shm::Engine>(std::move(*segment), rank, options.engine);
+  if (options.engine.directReadBytes > 0 && probeDirectReads(store, rank, size)) {
+    engine->enableDirectReads();
+  }
+  return engine;
 }
 
 } // namespace hsdp

@@ -6,6 +6,7 @@
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -86,6 +87,16 @@ size_t ceilDiv(size_t a, size_t b) {
 }
 
 } // namespace
+
+bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
+  struct iovec local {
+    out, bytes
+  };
+  struct iovec remote {
+    reinterpret_cast<void*>(address), bytes
+  };
+  return process_vm_readv(pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(bytes);
+}
 
 Engine::Engine(Segment segment, int rank, EngineConfig config)
     : segment_(std::move(segment)),
@@ -242,6 +253,43 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
   }
 }
 
+void Engine::readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes) {
+  const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
+                          ->load(std::memory_order_acquire);
+  size_t doneBytes = 0;
+  while (doneBytes < bytes) {
+    struct iovec local {
+      static_cast<char*>(dst) + doneBytes, bytes - doneBytes
+    };
+    struct iovec remote {
+      reinterpret_cast<void*>(address + doneBytes), bytes - doneBytes
+    };
+    const ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (n <= 0) {
+      fail(op, "reading " + std::to_string(bytes) + " bytes from rank " + std::to_string(q) +
+               " (pid " + std::to_string(pid) + ") failed: " + std::strerror(errno));
+    }
+    doneBytes += static_cast<size_t>(n);
+  }
+}
+
+void Engine::directStep(
+    OpState& op,
+    const void* source,
+    const std::function<void(int)>& readFrom) {
+  const uint64_t s = step_ + 1;
+  op.sig.sourceAddress = reinterpret_cast<uint64_t>(source);
+  post(op, s, nullptr);
+  for (int i = 1; i < size_; ++i) {
+    readFrom((rank_ + i) % size_);
+  }
+  publish(Counter::Done, s);
+  // Peers read my buffer in place: it must stay untouched until they are
+  // done, so the call returns only then.
+  waitAll(op, Counter::Done, s);
+  step_ = s;
+}
+
 int Engine::post(OpState& op, uint64_t step, const std::function<void(char*)>& fill) {
   const int slot = static_cast<int>(step % kSlots);
   // Slot `slot` was last used by step - 2: reuse it once everyone is done.
@@ -266,6 +314,16 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   auto* out = static_cast<char*>(output);
   // FSDP2 gathers in place: the input is this rank's slice of the output.
   const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
+  if (directReads_ && n >= config_.directReadBytes) {
+    if (!inPlace) {
+      std::memcpy(out + static_cast<size_t>(rank_) * n, in, n);
+    }
+    const int slot = static_cast<int>((step_ + 1) % kSlots);
+    directStep(op, in, [&](int q) {
+      readPeer(op, q, segment_.control(q).sig[slot].sourceAddress, out + static_cast<size_t>(q) * n, n);
+    });
+    return;
+  }
   const size_t piece = slotBytes();
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
   for (size_t k = 0; k < steps; ++k) {
@@ -381,6 +439,15 @@ void Engine::allReduce(
 void Engine::broadcast(const char* name, void* data, size_t n, int root) {
   auto op = begin(name, Kind::Broadcast, n, DType::U8, RedOp::Sum, root);
   auto* buf = static_cast<char*>(data);
+  if (directReads_ && n >= config_.directReadBytes) {
+    const int slot = static_cast<int>((step_ + 1) % kSlots);
+    directStep(op, buf, [&](int q) {
+      if (q == root) {
+        readPeer(op, q, segment_.control(q).sig[slot].sourceAddress, buf, n);
+      }
+    });
+    return;
+  }
   const size_t piece = slotBytes();
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
   for (size_t k = 0; k < steps; ++k) {

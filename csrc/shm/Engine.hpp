@@ -45,7 +45,15 @@ struct EngineConfig {
   // All-reduces up to this many bytes read every peer's whole buffer in one
   // round (one synchronisation instead of two).
   size_t oneShotBytes = 32 * 1024;
+  // All-gathers and broadcasts of at least this many bytes per rank read
+  // peers' buffers directly with process_vm_readv (one copy instead of two:
+  // no staging through the slots), when every rank may read every other's
+  // memory (checked at rendezvous). 0 disables it.
+  size_t directReadBytes = 256 * 1024;
 };
+
+// Whether this process may read `pid`'s memory: reads `bytes` at `address`.
+bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes);
 
 class Engine {
  public:
@@ -80,6 +88,15 @@ class Engine {
   void broadcast(const char* op, void* data, size_t bytes, int root);
   void barrier(const char* op);
 
+  // Enables direct reads (see EngineConfig::directReadBytes); every rank of
+  // the group must call it alike, after a successful rendezvous probe.
+  void enableDirectReads() {
+    directReads_ = config_.directReadBytes > 0;
+  }
+  bool directReads() const {
+    return directReads_;
+  }
+
  private:
   enum class Kind : uint32_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier };
   enum class Counter { Posted, Reduced, Done };
@@ -98,6 +115,11 @@ class Engine {
   void checkSignatures(const OpState& op, uint64_t step);
   [[noreturn]] void fail(const OpState& op, const std::string& what);
   std::string prefix(const char* op) const;
+  // Copies `bytes` at `address` in rank q's memory to `dst`.
+  void readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes);
+  // Publishes `source`'s address, waits for every peer's, and lets `read`
+  // copy from them; returns only after every peer finished reading mine.
+  void directStep(OpState& op, const void* source, const std::function<void(int)>& readSlotOf);
   void wake();
 
   Segment segment_;
@@ -106,6 +128,7 @@ class Engine {
   const EngineConfig config_;
   uint64_t step_ = 0; // last step this rank finished
   uint64_t opSeq_ = 0;
+  bool directReads_ = false;
   std::vector<int32_t> pids_;
 };
 
