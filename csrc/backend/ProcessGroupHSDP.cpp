@@ -444,7 +444,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   auto pending = std::make_shared<std::vector<Pending>>();
   for (const auto& members : groupByDtype(tensors)) {
     auto plan = planReduce(c, op, tensors[members[0]].scalar_type(), size_);
-    for (auto& bucket : packBuckets(tensors, members, bucketBytes)) {
+    for (auto& bucket : packBuckets(tensors, members, bucketBytes, *staging_)) {
       pending->push_back({std::move(bucket), plan});
     }
   }
@@ -462,6 +462,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
             "all_reduce_coalesced", p.bucket.flat.data_ptr(), p.bucket.flat.numel(), red.dtype,
             red.op, red.scale);
         p.bucket.unpack(tensors);
+        staging_->release(p.bucket.staging);
       }
     }));
   }
@@ -477,10 +478,11 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
       OpType::ALLREDUCE_COALESCED,
       works,
       tensors,
-      [pending, tensors] {
+      [pending, tensors, staging = staging_] {
         for (const auto& p : *pending) {
           p.plan.post.apply(p.bucket.flat);
           p.bucket.unpack(tensors);
+          staging->release(p.bucket.staging);
         }
       }));
 }
@@ -590,7 +592,7 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     checkContiguous(c, outputs[i], "an output");
   }
   auto& inner = route(c, inputs[0]);
-  auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, size_));
+  auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, rank_, size_, *staging_));
   stats_.record(c.op, 1, bytesOf(inputs));
   if (onShm(inputs) && onShm(outputs)) {
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pack, outputs] {
@@ -598,6 +600,7 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
           "all_gather_into_tensor_coalesced", pack->input.data_ptr(), pack->output.data_ptr(),
           pack->input.nbytes());
       pack->unpack(outputs, size_);
+      staging_->release(pack->staging);
     }));
   }
   auto work = inner._allgather_base(pack->output, pack->input, opts);
@@ -606,7 +609,10 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
       OpType::COALESCED,
       {work},
       outputs,
-      [pack, outputs, size = size_] { pack->unpack(outputs, size); }));
+      [pack, outputs, size = size_, staging = staging_] {
+        pack->unpack(outputs, size);
+        staging->release(pack->staging);
+      }));
 }
 
 WorkPtr ProcessGroupHSDP::gather(
@@ -792,7 +798,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
       ins.push_back(inputs[i]);
       outs.push_back(outputs[i]);
     }
-    pending->push_back({packReduceScatter(ins, outs, size_), std::move(outs), plan});
+    pending->push_back({packReduceScatter(ins, outs, size_, *staging_), std::move(outs), plan});
   }
   stats_.record(c.op, pending->size(), bytesOf(inputs));
   if (shmServes) {
@@ -803,6 +809,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
             "reduce_scatter_tensor_coalesced", p.pack.input.data_ptr(), p.pack.output.data_ptr(),
             p.pack.output.numel(), red.dtype, red.op, red.scale);
         p.pack.unpack(p.outputs);
+        staging_->release(p.pack.staging);
       }
     }));
   }
@@ -813,10 +820,11 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     works.push_back(inner._reduce_scatter_base(p.pack.output, p.pack.input, innerOpts));
   }
   return track(WorkHSDP::chain(
-      rank_, OpType::COALESCED, works, outputs, [pending] {
+      rank_, OpType::COALESCED, works, outputs, [pending, staging = staging_] {
         for (const auto& p : *pending) {
           p.plan.post.apply(p.pack.output);
           p.pack.unpack(p.outputs);
+          staging->release(p.pack.staging);
         }
       }));
 }

@@ -27,6 +27,7 @@
 #include "backend/ShmRendezvous.hpp"
 #include "common/Errors.hpp"
 #include "fusion/ReducePlan.hpp"
+#include "fusion/StagingPool.hpp"
 
 #include <mutex>
 
@@ -202,6 +203,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Backend> cpu_;
   c10::intrusive_ptr<c10d::Backend> cuda_; // null without CUDA
   CommStats stats_;
+  std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::string shmWhyNot_;
   // Declared in this order so the queue (whose tasks use the engine) is
   // drained and joined before the engine is unmapped.

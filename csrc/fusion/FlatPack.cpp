@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+
 namespace hsdp {
 
 std::optional<at::Tensor> adjacentFlatView(
@@ -41,29 +43,52 @@ at::Tensor asBytes(const at::Tensor& t) {
   return t.reshape({-1}).view(at::kByte);
 }
 
+// Contiguous CPU tensors are copied with memcpy: with hundreds of small
+// tensors per call, ATen's per-op dispatch (several per tensor) would cost
+// more than the bytes. Other devices take the ATen path.
+bool plainCpu(const at::Tensor& t) {
+  return t.device().is_cpu() && t.is_contiguous();
+}
+
+char* bytePtr(const at::Tensor& t) {
+  return static_cast<char*>(t.data_ptr());
+}
+
+int64_t nbytes(const at::Tensor& t) {
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
 } // namespace
 
 AllGatherPack packAllGather(
     const std::vector<at::Tensor>& inputs,
-    int worldSize) {
+    int rank,
+    int worldSize,
+    StagingPool& pool) {
   AllGatherPack pack;
   pack.offsets.reserve(inputs.size());
   for (const auto& t : inputs) {
     pack.offsets.push_back(pack.rowBytes);
-    pack.rowBytes += t.numel() * static_cast<int64_t>(t.element_size());
+    pack.rowBytes += nbytes(t);
   }
   const auto byteOptions = inputs.front().options().dtype(at::kByte);
+  pack.output = pool.acquire(worldSize * pack.rowBytes, byteOptions);
+  pack.staging.push_back(pack.output);
   if (auto view = adjacentFlatView(inputs, inputs.front().scalar_type())) {
     pack.input = view->view(at::kByte);
-  } else {
-    pack.input = at::empty({pack.rowBytes}, byteOptions);
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const int64_t bytes =
-          inputs[i].numel() * static_cast<int64_t>(inputs[i].element_size());
+    return pack;
+  }
+  // Pack straight into this rank's row of the output: the all-gather is
+  // then in place and copies nothing for this rank's own row.
+  pack.input = pack.output.narrow(0, rank * pack.rowBytes, pack.rowBytes);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const int64_t bytes = nbytes(inputs[i]);
+    if (plainCpu(inputs[i]) && bytes > 0) {
+      std::memcpy(bytePtr(pack.input) + pack.offsets[i], bytePtr(inputs[i]), bytes);
+    } else if (bytes > 0) {
       pack.input.narrow(0, pack.offsets[i], bytes).copy_(asBytes(inputs[i].contiguous()));
     }
   }
-  pack.output = at::empty({worldSize * pack.rowBytes}, byteOptions);
   return pack;
 }
 
@@ -72,18 +97,26 @@ void AllGatherPack::unpack(
     int worldSize) const {
   const auto rows = output.view({worldSize, rowBytes});
   for (size_t i = 0; i < outputs.size(); ++i) {
-    const int64_t bytes =
-        outputs[i].numel() * static_cast<int64_t>(outputs[i].element_size()) /
-        worldSize;
-    asBytes(outputs[i]).view({worldSize, bytes}).copy_(
-        rows.narrow(1, offsets[i], bytes));
+    const int64_t bytes = nbytes(outputs[i]) / worldSize;
+    if (bytes == 0) {
+      continue;
+    }
+    if (plainCpu(outputs[i]) && output.device().is_cpu()) {
+      for (int r = 0; r < worldSize; ++r) {
+        std::memcpy(
+            bytePtr(outputs[i]) + r * bytes, bytePtr(output) + r * rowBytes + offsets[i], bytes);
+      }
+    } else {
+      asBytes(outputs[i]).view({worldSize, bytes}).copy_(rows.narrow(1, offsets[i], bytes));
+    }
   }
 }
 
 ReduceScatterPack packReduceScatter(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
-    int worldSize) {
+    int worldSize,
+    StagingPool& pool) {
   ReduceScatterPack pack;
   int64_t rowElems = 0;
   for (const auto& out : outputs) {
@@ -94,19 +127,33 @@ ReduceScatterPack packReduceScatter(
   if (inputs.size() == 1 && inputs.front().is_contiguous()) {
     pack.input = inputs.front().view({-1});
   } else {
-    pack.input = at::empty({worldSize * rowElems}, options);
+    pack.input = pool.acquire(worldSize * rowElems, options);
+    pack.staging.push_back(pack.input);
     const auto rows = pack.input.view({worldSize, rowElems});
+    const int64_t es = static_cast<int64_t>(pack.input.element_size());
     for (size_t i = 0; i < inputs.size(); ++i) {
       const int64_t n = outputs[i].numel();
-      rows.narrow(1, pack.offsets[i], n)
-          .copy_(inputs[i].reshape({worldSize, n}));
+      if (n == 0) {
+        continue;
+      }
+      if (plainCpu(inputs[i])) {
+        for (int q = 0; q < worldSize; ++q) {
+          std::memcpy(
+              bytePtr(pack.input) + (q * rowElems + pack.offsets[i]) * es,
+              bytePtr(inputs[i]) + q * n * es,
+              n * es);
+        }
+      } else {
+        rows.narrow(1, pack.offsets[i], n).copy_(inputs[i].reshape({worldSize, n}));
+      }
     }
   }
   if (auto view = adjacentFlatView(outputs, options.dtype().toScalarType())) {
     pack.output = *view;
     pack.outputIsCallers = true;
   } else {
-    pack.output = at::empty({rowElems}, options);
+    pack.output = pool.acquire(rowElems, options);
+    pack.staging.push_back(pack.output);
   }
   return pack;
 }
@@ -116,14 +163,21 @@ void ReduceScatterPack::unpack(const std::vector<at::Tensor>& outputs) const {
     return;
   }
   for (size_t i = 0; i < outputs.size(); ++i) {
-    outputs[i].view({-1}).copy_(output.narrow(0, offsets[i], outputs[i].numel()));
+    if (plainCpu(outputs[i]) && output.device().is_cpu()) {
+      std::memcpy(
+          bytePtr(outputs[i]), bytePtr(output) + offsets[i] * output.element_size(),
+          nbytes(outputs[i]));
+    } else {
+      outputs[i].view({-1}).copy_(output.narrow(0, offsets[i], outputs[i].numel()));
+    }
   }
 }
 
 std::vector<Bucket> packBuckets(
     const std::vector<at::Tensor>& tensors,
     const std::vector<size_t>& members,
-    int64_t bucketBytes) {
+    int64_t bucketBytes,
+    StagingPool& pool) {
   // Split the member list into runs of at most bucketBytes each.
   std::vector<std::vector<size_t>> groups;
   int64_t filled = 0;
@@ -152,10 +206,15 @@ std::vector<Bucket> packBuckets(
       bucket.flat = *view;
       bucket.isCallers = true;
     } else {
-      bucket.flat = at::empty({total}, ts.front().options());
+      bucket.flat = pool.acquire(total, ts.front().options());
+      bucket.staging.push_back(bucket.flat);
       int64_t off = 0;
       for (const auto& t : ts) {
-        bucket.flat.narrow(0, off, t.numel()).copy_(t.reshape({-1}));
+        if (plainCpu(t)) {
+          std::memcpy(bytePtr(bucket.flat) + off * t.element_size(), bytePtr(t), nbytes(t));
+        } else {
+          bucket.flat.narrow(0, off, t.numel()).copy_(t.reshape({-1}));
+        }
         off += t.numel();
       }
     }
@@ -171,7 +230,11 @@ void Bucket::unpack(const std::vector<at::Tensor>& tensors) const {
   int64_t off = 0;
   for (size_t idx : members) {
     const auto& t = tensors[idx];
-    t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+    if (plainCpu(t) && flat.device().is_cpu()) {
+      std::memcpy(bytePtr(t), bytePtr(flat) + off * t.element_size(), nbytes(t));
+    } else {
+      t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
+    }
     off += t.numel();
   }
 }

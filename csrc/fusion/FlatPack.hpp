@@ -15,6 +15,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "fusion/StagingPool.hpp"
+
 #include <optional>
 #include <vector>
 
@@ -27,7 +29,8 @@ std::optional<at::Tensor> adjacentFlatView(
     at::ScalarType asType);
 
 struct AllGatherPack {
-  at::Tensor input; // uint8 [N]
+  std::vector<at::Tensor> staging; // buffers to give back to the pool
+  at::Tensor input; // uint8 [N], this rank's row of `output` when packed
   at::Tensor output; // uint8 [W * N]
   std::vector<int64_t> offsets; // byte offset of tensor i in a row
   int64_t rowBytes = 0; // N
@@ -36,9 +39,16 @@ struct AllGatherPack {
   void unpack(const std::vector<at::Tensor>& outputs, int worldSize) const;
 };
 
-AllGatherPack packAllGather(const std::vector<at::Tensor>& inputs, int worldSize);
+// The packed input is this rank's row of the packed output (an in-place
+// all-gather), unless the inputs already are one flat buffer.
+AllGatherPack packAllGather(
+    const std::vector<at::Tensor>& inputs,
+    int rank,
+    int worldSize,
+    StagingPool& pool);
 
 struct ReduceScatterPack {
+  std::vector<at::Tensor> staging; // buffers to give back to the pool
   at::Tensor input; // [W * N], all one dtype
   at::Tensor output; // [N]; a view of the callers' outputs when adjacent
   std::vector<int64_t> offsets; // element offset of tensor i in the output
@@ -51,9 +61,11 @@ struct ReduceScatterPack {
 ReduceScatterPack packReduceScatter(
     const std::vector<at::Tensor>& inputs,
     const std::vector<at::Tensor>& outputs,
-    int worldSize);
+    int worldSize,
+    StagingPool& pool);
 
 struct Bucket {
+  std::vector<at::Tensor> staging; // buffers to give back to the pool
   std::vector<size_t> members; // indices into the caller's tensor list
   at::Tensor flat; // one dtype, [sum numel]
   bool isCallers = false; // flat aliases the caller's tensors: no copy-back
@@ -66,6 +78,7 @@ struct Bucket {
 std::vector<Bucket> packBuckets(
     const std::vector<at::Tensor>& tensors,
     const std::vector<size_t>& members,
-    int64_t bucketBytes);
+    int64_t bucketBytes,
+    StagingPool& pool);
 
 } // namespace hsdp
