@@ -178,7 +178,7 @@ def numerics_body(rank, world):
     # bf16/fp16 AVG: the sum in fp32 in rank order, divided in fp32, rounded
     # once. The reference does exactly that, so the match is bitwise.
     for dtype in (torch.bfloat16, torch.float16):
-        for n in (5, 100_000):  # one-shot and two-round all-reduce
+        for n in (5, 100_000, 300_000):  # one-shot, two rounds via slots, two rounds with direct reads
             g = [torch.Generator().manual_seed(100 * r + n) for r in range(world)]
             data = [torch.randn(n, generator=g[r]).to(dtype) for r in range(world)]
             t = data[rank].clone()

@@ -406,12 +406,47 @@ void Engine::allReduce(
     step_ = s;
     return;
   }
-  // Two rounds per step: rank q reduces part q of the step's piece in place
-  // in its own slot (nobody else reads that part of its slot), then everyone
-  // copies every part out. Parts are whole cache lines.
+  // Two rounds per step: rank q reduces part q of the step's piece, then
+  // everyone collects every part. Parts are whole cache lines.
   const size_t piece = slotBytes() / es;
   const size_t unit = std::max<size_t>(1, kCacheLine / es);
   const size_t steps = ceilDiv(n, piece);
+  if (directReads_ && n * es >= config_.directReadBytes) {
+    // Part q of my data is read by nobody but me, so it is not copied in;
+    // I reduce it in place in my own buffer, and peers read the result
+    // from there directly. The call returns once they have.
+    uint64_t last = step_;
+    for (size_t k = 0; k < steps; ++k) {
+      const size_t off = k * piece;
+      const size_t len = std::min(piece, n - off);
+      const size_t units = ceilDiv(len, unit);
+      auto partBegin = [&](int q) { return std::min(len, units * q / size_ * unit); };
+      const size_t a = partBegin(rank_), b = partBegin(rank_ + 1);
+      const uint64_t s = step_ + 1;
+      char* mine = buf + off * es;
+      op.sig.sourceAddress = reinterpret_cast<uint64_t>(mine);
+      const int slot = post(op, s, [&](char* dst) {
+        std::memcpy(dst, mine, a * es);
+        std::memcpy(dst + b * es, mine + b * es, (len - b) * es);
+      });
+      for (int r = 0; r < size_; ++r) {
+        srcs[r] = r == rank_ ? mine + a * es : segment_.slot(r, slot) + a * es;
+      }
+      reduce(mine + a * es, srcs.data(), size_, b - a, dtype, redop, scale);
+      publish(Counter::Reduced, s);
+      waitAll(op, Counter::Reduced, s);
+      for (int i = 1; i < size_; ++i) {
+        const int q = (rank_ + i) % size_;
+        const size_t qa = partBegin(q), qb = partBegin(q + 1);
+        readPeer(op, q, segment_.control(q).sig[slot].sourceAddress + qa * es, mine + qa * es,
+                 (qb - qa) * es);
+      }
+      publish(Counter::Done, s);
+      step_ = last = s;
+    }
+    waitAll(op, Counter::Done, last);
+    return;
+  }
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
