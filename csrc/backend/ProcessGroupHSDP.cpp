@@ -95,6 +95,30 @@ void checkNumel(
       expected);
 }
 
+// `lists` must be one list of one tensor per rank, each with `like`'s
+// dtype and element count: the per-rank side of all_gather, gather, scatter
+// and reduce_scatter.
+void checkPerRankList(
+    const OpContext& ctx,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const at::Tensor& like,
+    const char* what) {
+  HSDP_CHECK_VALUE(
+      lists.size() == 1 && lists[0].size() == static_cast<size_t>(ctx.size),
+      ctx,
+      "expected one list of ",
+      ctx.size,
+      " ",
+      what,
+      "s (one per rank), got ",
+      lists.empty() ? 0 : lists[0].size());
+  for (const auto& t : lists[0]) {
+    checkSameDtype(ctx, like, t, what);
+    checkSameDevice(ctx, like, t, what);
+    checkNumel(ctx, t, like.numel(), what);
+  }
+}
+
 void checkContiguous(const OpContext& ctx, const at::Tensor& t, const char* what) {
   HSDP_CHECK_VALUE(t.is_contiguous(), ctx, what, " must be contiguous");
 }
@@ -521,18 +545,7 @@ WorkPtr ProcessGroupHSDP::allgather(
     const c10d::AllgatherOptions& opts) {
   const auto c = ctx("all_gather");
   checkOne(c, inputs);
-  HSDP_CHECK_VALUE(
-      outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_),
-      c,
-      "expected one output list of ",
-      size_,
-      " tensors (one per rank), got ",
-      outputs.empty() ? 0 : outputs[0].size());
-  for (const auto& out : outputs[0]) {
-    checkSameDtype(c, inputs[0], out, "an output tensor");
-    checkSameDevice(c, inputs[0], out, "an output tensor");
-    checkNumel(c, out, inputs[0].numel(), "an output tensor");
-  }
+  checkPerRankList(c, outputs, inputs[0], "output tensor");
   auto& inner = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
   if (onShm(inputs) && onShm(outputs[0])) {
@@ -623,16 +636,7 @@ WorkPtr ProcessGroupHSDP::gather(
   checkOne(c, inputs);
   checkRank(c, opts.rootRank, "root");
   if (rank_ == opts.rootRank) {
-    HSDP_CHECK_VALUE(
-        outputs.size() == 1 && outputs[0].size() == static_cast<size_t>(size_),
-        c,
-        "the root expects one output list of ",
-        size_,
-        " tensors");
-    for (const auto& out : outputs[0]) {
-      checkSameDtype(c, inputs[0], out, "an output tensor");
-      checkNumel(c, out, inputs[0].numel(), "an output tensor");
-    }
+    checkPerRankList(c, outputs, inputs[0], "output tensor");
   }
   auto& inner = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
@@ -647,16 +651,7 @@ WorkPtr ProcessGroupHSDP::scatter(
   checkOne(c, outputs);
   checkRank(c, opts.rootRank, "root");
   if (rank_ == opts.rootRank) {
-    HSDP_CHECK_VALUE(
-        inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
-        c,
-        "the root expects one input list of ",
-        size_,
-        " tensors");
-    for (const auto& in : inputs[0]) {
-      checkSameDtype(c, outputs[0], in, "an input tensor");
-      checkNumel(c, in, outputs[0].numel(), "an input tensor");
-    }
+    checkPerRankList(c, inputs, outputs[0], "input tensor");
   }
   auto& inner = route(c, outputs[0]);
   stats_.record(c.op, 1, bytesOf(outputs));
@@ -669,17 +664,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const auto c = ctx("reduce_scatter");
   checkOne(c, outputs);
-  HSDP_CHECK_VALUE(
-      inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
-      c,
-      "expected one input list of ",
-      size_,
-      " tensors (one per rank)");
-  for (const auto& in : inputs[0]) {
-    checkSameDtype(c, outputs[0], in, "an input tensor");
-    checkSameDevice(c, outputs[0], in, "an input tensor");
-    checkNumel(c, in, outputs[0].numel(), "an input tensor");
-  }
+  checkPerRankList(c, inputs, outputs[0], "input tensor");
   auto& inner = route(c, outputs[0]);
   auto plan = planReduce(c, opts.reduceOp, outputs[0].scalar_type(), size_);
   stats_.record(c.op, 1, bytesOf(inputs[0]));
