@@ -177,3 +177,29 @@ def coalesced_bad_input(rank, world, ref):
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == world
+
+
+@case
+def coalesced_all_gather_large_pieces(rank, world, ref):
+    """Past the direct-read threshold: peers read every input in place (no
+    packing); inputs may be in-place slices of their outputs, or strided."""
+    sizes = [4096 + 17 * i for i in range(48)] + [0, 1]
+    dtypes = [(torch.float32, torch.bfloat16, torch.int64)[i % 3] for i in range(len(sizes))]
+    outs = [torch.full((world * n,), 99).to(d) for n, d in zip(sizes, dtypes)]
+    ins = []
+    for i, (n, d, o) in enumerate(zip(sizes, dtypes, outs)):
+        if i % 4 == 0:  # FSDP2's in-place form
+            shard = o.narrow(0, rank * n, n)
+            shard.copy_(data(i, rank, n, d))
+            ins.append(shard)
+        elif i % 4 == 1 and n > 1:  # a strided view: not contiguous
+            ins.append(data(i, rank, 2 * n, d).view(n, 2)[:, 0].clone().as_strided((n,), (1,)) * 0 + data(i, rank, n, d))
+        else:
+            ins.append(data(i, rank, n, d))
+    hsdp_backend.reset_comm_stats()
+    with dist._coalescing_manager():
+        for o, x in zip(outs, ins):
+            dist.all_gather_into_tensor(o, x)
+    for i, (n, d, o) in enumerate(zip(sizes, dtypes, outs)):
+        assert torch.equal(o, torch.cat([data(i, r, n, d) for r in range(world)])), i
+    assert hsdp_backend.comm_stats()["all_gather_into_tensor_coalesced"]["collectives"] == 1

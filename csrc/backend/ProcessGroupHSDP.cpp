@@ -605,8 +605,23 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     checkContiguous(c, outputs[i], "an output");
   }
   auto& inner = route(c, inputs[0]);
-  auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, rank_, size_, *staging_));
   stats_.record(c.op, 1, bytesOf(inputs));
+  if (onShm(inputs) && onShm(outputs) && engine_->gathersPieces(inputs.size(), bytesOf(inputs))) {
+    // Peers read every input where it is and write it where it goes.
+    return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, inputs, outputs] {
+      std::vector<shm::Span> mine;
+      std::vector<std::vector<shm::Span>> dests(size_);
+      for (size_t i = 0; i < inputs.size(); ++i) {
+        const size_t bytes = inputs[i].nbytes();
+        mine.push_back({static_cast<char*>(inputs[i].data_ptr()), bytes});
+        for (int q = 0; q < size_; ++q) {
+          dests[q].push_back({static_cast<char*>(outputs[i].data_ptr()) + q * bytes, bytes});
+        }
+      }
+      engine_->allGatherPieces("all_gather_into_tensor_coalesced", mine, dests);
+    }));
+  }
+  auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, rank_, size_, *staging_));
   if (onShm(inputs) && onShm(outputs)) {
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pack, outputs] {
       engine_->allGather(

@@ -65,6 +65,8 @@ const char* kindName(uint32_t kind) {
       return "broadcast";
     case 5:
       return "barrier";
+    case 6:
+      return "all_gather_coalesced";
     default:
       return "an unknown collective";
   }
@@ -78,6 +80,9 @@ std::string describe(const Signature& s) {
   }
   if (s.kind == 4) {
     out += ", root=" + std::to_string(s.root);
+  }
+  if (s.kind == 6) {
+    out += ", pieces=" + std::to_string(s.pieces);
   }
   return out + ") as collective #" + std::to_string(s.opSeq);
 }
@@ -245,7 +250,8 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
     const Signature s = segment_.control(q).sig[slot];
     const Signature& mine = op.sig;
     if (s.step != step || s.opSeq != mine.opSeq || s.kind != mine.kind || s.count != mine.count ||
-        s.dtype != mine.dtype || s.redop != mine.redop || s.root != mine.root) {
+        s.dtype != mine.dtype || s.redop != mine.redop || s.root != mine.root ||
+        s.pieces != mine.pieces) {
       Signature expected = mine;
       fail(op, "ranks called different collectives: rank " + std::to_string(q) + " called " +
                describe(s) + ", this rank called " + describe(expected));
@@ -271,6 +277,99 @@ void Engine::readPeer(const OpState& op, int q, uint64_t address, void* dst, siz
     }
     doneBytes += static_cast<size_t>(n);
   }
+}
+
+void Engine::readPeerPieces(
+    const OpState& op,
+    int q,
+    const uint64_t* remote,
+    const std::vector<Span>& local) {
+  const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
+                          ->load(std::memory_order_acquire);
+  for (size_t i = 0; i < local.size(); ++i) {
+    if (remote[2 * i + 1] != local[i].bytes) {
+      fail(op, "rank " + std::to_string(q) + "'s piece " + std::to_string(i) + " has " +
+               std::to_string(remote[2 * i + 1]) + " bytes; this rank expects " +
+               std::to_string(local[i].bytes));
+    }
+  }
+  // Batches of up to IOV_MAX pieces; a short read resumes mid-piece.
+  constexpr size_t kMaxIov = 1024;
+  size_t piece = 0, offset = 0;
+  std::vector<struct iovec> l, r;
+  while (piece < local.size()) {
+    l.clear();
+    r.clear();
+    for (size_t i = piece; i < local.size() && l.size() < kMaxIov; ++i) {
+      const size_t skip = i == piece ? offset : 0;
+      if (local[i].bytes > skip) {
+        l.push_back({local[i].data + skip, local[i].bytes - skip});
+        r.push_back({reinterpret_cast<void*>(remote[2 * i] + skip), local[i].bytes - skip});
+      }
+    }
+    if (l.empty()) {
+      break;
+    }
+    ssize_t n = process_vm_readv(pid, l.data(), l.size(), r.data(), r.size(), 0);
+    if (n <= 0) {
+      fail(op, "reading pieces from rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
+               ") failed: " + std::strerror(errno));
+    }
+    // Advance past what was read.
+    size_t left = static_cast<size_t>(n);
+    while (left > 0 && piece < local.size()) {
+      const size_t rest = local[piece].bytes - offset;
+      if (left >= rest) {
+        left -= rest;
+        ++piece;
+        offset = 0;
+      } else {
+        offset += left;
+        left = 0;
+      }
+    }
+    while (piece < local.size() && local[piece].bytes == 0) {
+      ++piece;
+    }
+  }
+}
+
+void Engine::allGatherPieces(
+    const char* name,
+    const std::vector<Span>& inputs,
+    const std::vector<std::vector<Span>>& outputs) {
+  size_t total = 0;
+  for (const auto& in : inputs) {
+    total += in.bytes;
+  }
+  auto op = begin(name, Kind::AllGatherPieces, total, DType::U8, RedOp::Sum, -1);
+  op.sig.pieces = inputs.size();
+  if (!gathersPieces(inputs.size(), total)) {
+    throw std::logic_error(prefix(name) + "allGatherPieces called where gathersPieces is false");
+  }
+  const uint64_t s = step_ + 1;
+  // My slot lists where my pieces are; peers read them from there.
+  const int slot = post(op, s, [&](char* dst) {
+    auto* table = reinterpret_cast<uint64_t*>(dst);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      table[2 * i] = reinterpret_cast<uint64_t>(inputs[i].data);
+      table[2 * i + 1] = inputs[i].bytes;
+    }
+  });
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Span& mine = outputs[rank_][i];
+    if (mine.data != inputs[i].data && inputs[i].bytes > 0) {
+      std::memcpy(mine.data, inputs[i].data, inputs[i].bytes);
+    }
+  }
+  for (int k = 1; k < size_; ++k) {
+    const int q = (rank_ + k) % size_;
+    readPeerPieces(op, q, reinterpret_cast<const uint64_t*>(segment_.slot(q, slot)), outputs[q]);
+  }
+  publish(Counter::Done, s);
+  // Peers read my pieces in place: return only when they are done.
+  waitAll(op, Counter::Done, s);
+  step_ = s;
 }
 
 void Engine::directStep(

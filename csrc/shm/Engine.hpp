@@ -88,6 +88,20 @@ class Engine {
   void broadcast(const char* op, void* data, size_t bytes, int root);
   void barrier(const char* op);
 
+  // An all-gather of many pieces that stay where they are: rank q's
+  // `inputs[i]` lands in every rank's `outputs[q][i]`, read by peers
+  // directly from q's memory: no packing, no staging, one copy. Piece sizes
+  // must match across ranks (checked). Only with direct reads, and only for
+  // as many pieces as a slot can list: see gathersPieces.
+  void allGatherPieces(
+      const char* op,
+      const std::vector<Span>& inputs,
+      const std::vector<std::vector<Span>>& outputs);
+  bool gathersPieces(size_t pieces, size_t totalBytes) const {
+    return directReads_ && totalBytes >= config_.directReadBytes &&
+        pieces * 2 * sizeof(uint64_t) <= slotBytes();
+  }
+
   // Enables direct reads (see EngineConfig::directReadBytes); every rank of
   // the group must call it alike, after a successful rendezvous probe.
   void enableDirectReads() {
@@ -98,7 +112,14 @@ class Engine {
   }
 
  private:
-  enum class Kind : uint32_t { AllGather = 1, ReduceScatter, AllReduce, Broadcast, Barrier };
+  enum class Kind : uint32_t {
+    AllGather = 1,
+    ReduceScatter,
+    AllReduce,
+    Broadcast,
+    Barrier,
+    AllGatherPieces
+  };
   enum class Counter { Posted, Reduced, Done };
 
   struct OpState {
@@ -117,6 +138,12 @@ class Engine {
   std::string prefix(const char* op) const;
   // Copies `bytes` at `address` in rank q's memory to `dst`.
   void readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes);
+  // Copies rank q's pieces `remote` (address, bytes pairs) into `local`.
+  void readPeerPieces(
+      const OpState& op,
+      int q,
+      const uint64_t* remote,
+      const std::vector<Span>& local);
   // Publishes `source`'s address, waits for every peer's, and lets `read`
   // copy from them; returns only after every peer finished reading mine.
   void directStep(OpState& op, const void* source, const std::function<void(int)>& readSlotOf);

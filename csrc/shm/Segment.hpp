@@ -21,7 +21,7 @@
 namespace hsdp::shm {
 
 constexpr uint64_t kMagic = 0x68736470'73686d31ull; // "hsdpshm1"
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 constexpr size_t kCacheLine = 64;
 constexpr int kSlots = 2; // double buffering: step s uses slot s % 2
 
@@ -36,6 +36,8 @@ struct Signature {
   uint32_t dtype;
   uint32_t redop;
   int32_t root;
+  // Pieces of a piecewise all-gather (0 otherwise).
+  uint64_t pieces;
   // Where this rank's input lives in its own address space, for peers that
   // read it directly (cross-memory attach); not compared.
   uint64_t sourceAddress;

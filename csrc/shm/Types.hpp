@@ -25,6 +25,12 @@ struct Scale {
   double value = 1.0;
 };
 
+// A piece of a piecewise collective, where it lives in this process.
+struct Span {
+  char* data;
+  size_t bytes;
+};
+
 // A failure of the group (timeout, dead peer, ranks that called different
 // collectives): the group cannot be used again and must be recreated. The
 // torch-facing layer turns it into torch.distributed.DistBackendError.
