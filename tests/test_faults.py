@@ -126,7 +126,7 @@ def slot_size_mismatch_body(rank, world):
     # every rank falls back to gloo together, and says why.
     os.environ["HSDP_SHM_SLOT_BYTES"] = str((1 << 20) * (rank + 1))
     dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=60))
-    engine, why = _C.cpu_engine(get_hsdp_backend())
+    engine, why, _direct = _C.cpu_engine(get_hsdp_backend())
     assert engine == "gloo", engine
     assert "HSDP_SHM_SLOT_BYTES" in why, why
 

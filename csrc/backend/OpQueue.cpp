@@ -2,62 +2,74 @@
 
 namespace hsdp {
 
-OpQueue::OpQueue() : worker_([this] { loop(); }) {}
+OpQueue::OpQueue() : worker_([state = state_] { loop(state); }) {}
 
 OpQueue::~OpQueue() {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stop = true;
   }
-  cv_.notify_all();
-  worker_.join();
+  state_->cv.notify_all();
+  if (worker_.get_id() == std::this_thread::get_id()) {
+    // The last reference went away in a completion callback on the worker
+    // itself, which cannot join itself: it drains the queue and exits on
+    // its own, keeping the state alive through its shared_ptr.
+    worker_.detach();
+  } else {
+    worker_.join();
+  }
 }
 
-void OpQueue::submit(std::function<void()> task) {
+void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    tasks_.push_back(std::move(task));
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->tasks.push_back({std::move(task), std::move(then)});
   }
-  cv_.notify_all();
+  state_->cv.notify_all();
 }
 
 bool OpQueue::runInlineIfIdle(const std::function<void()>& task) {
+  State& s = *state_;
   {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (busy_ || !tasks_.empty()) {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    if (s.busy || !s.tasks.empty()) {
       return false;
     }
-    busy_ = true;
+    s.busy = true;
   }
   struct Release {
-    OpQueue* q;
+    State& s;
     ~Release() {
       {
-        std::lock_guard<std::mutex> lock(q->mutex_);
-        q->busy_ = false;
+        std::lock_guard<std::mutex> lock(s.mutex);
+        s.busy = false;
       }
-      q->cv_.notify_all();
+      s.cv.notify_all();
     }
-  } release{this};
+  } release{s};
   task();
   return true;
 }
 
-void OpQueue::loop() {
-  std::unique_lock<std::mutex> lock(mutex_);
+void OpQueue::loop(const std::shared_ptr<State>& state) {
+  State& s = *state;
+  std::unique_lock<std::mutex> lock(s.mutex);
   while (true) {
-    cv_.wait(lock, [&] { return (!tasks_.empty() && !busy_) || (stop_ && tasks_.empty() && !busy_); });
-    if (tasks_.empty()) {
-      return; // stop_ and nothing left
+    s.cv.wait(lock, [&] { return (!s.tasks.empty() && !s.busy) || (s.stop && s.tasks.empty() && !s.busy); });
+    if (s.tasks.empty()) {
+      return; // stopped and drained
     }
-    auto task = std::move(tasks_.front());
-    tasks_.pop_front();
-    busy_ = true;
+    auto entry = std::move(s.tasks.front());
+    s.tasks.pop_front();
+    s.busy = true;
     lock.unlock();
-    task(); // tasks catch their own exceptions
+    entry.task(); // tasks catch their own exceptions
     lock.lock();
-    busy_ = false;
-    cv_.notify_all();
+    s.busy = false;
+    s.cv.notify_all();
+    lock.unlock();
+    entry.then(); // may run user callbacks, may even destroy the OpQueue
+    lock.lock();
   }
 }
 

@@ -221,6 +221,20 @@ std::optional<ShmReduction> shmReduction(const ReducePlan& plan, at::ScalarType 
   return ShmReduction{*d, *op, shmScale(plan.post)};
 }
 
+// Runs `fn` on `t`, or on a contiguous copy that is copied back into `t`.
+// Routing never depends on a tensor's layout (that can differ between
+// ranks, which would split them between engines); staging absorbs it.
+template <typename F>
+void onContiguous(const at::Tensor& t, F&& fn) {
+  if (t.is_contiguous()) {
+    fn(t);
+  } else {
+    at::Tensor c = t.contiguous();
+    fn(c);
+    t.copy_(c);
+  }
+}
+
 [[noreturn]] void rethrowAsDistBackendError(const shm::CommError& e) {
   C10_THROW_ERROR(DistBackendError, e.what());
 }
@@ -247,15 +261,27 @@ ProcessGroupHSDP::ProcessGroupHSDP(
   init();
 }
 
-ProcessGroupHSDP::~ProcessGroupHSDP() = default;
+ProcessGroupHSDP::~ProcessGroupHSDP() {
+  leaveShm("left the process group");
+}
+
+void ProcessGroupHSDP::leaveShm(const char* why) {
+  if (engine_) {
+    // Peers that still wait on this rank fail now instead of at their
+    // deadline, and so does anything still queued here. A correct program
+    // has nothing left to wait for from a rank that finished all its
+    // collectives, so this only speeds up failures.
+    engine_->abort(why);
+  }
+  queue_.reset(); // joins the worker once the queue is drained
+}
 
 bool ProcessGroupHSDP::onShm(std::initializer_list<const at::Tensor*> tensors) const {
   if (!engine_) {
     return false;
   }
   for (const at::Tensor* t : tensors) {
-    if (!t->device().is_cpu() || !t->is_contiguous() || !shmDtype(t->scalar_type()) ||
-        t->is_sparse()) {
+    if (!t->device().is_cpu() || !shmDtype(t->scalar_type()) || t->is_sparse()) {
       return false;
     }
   }
@@ -276,6 +302,12 @@ WorkPtr ProcessGroupHSDP::runShm(
     bool asyncOp,
     std::vector<at::Tensor> outputs,
     std::function<void()> body) {
+  if (!queue_) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
+            "] the process group was shut down");
+  }
   if (!asyncOp) {
     bool ran = false;
     try {
@@ -289,18 +321,27 @@ WorkPtr ProcessGroupHSDP::runShm(
   }
   auto future = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()));
-  queue_->submit([body = std::move(body), future, outputs = std::move(outputs)]() {
-    try {
-      try {
-        body();
-      } catch (const shm::CommError& e) {
-        rethrowAsDistBackendError(e);
-      }
-      future->markCompleted(c10::IValue(outputs));
-    } catch (...) {
-      future->setError(std::current_exception());
-    }
-  });
+  auto error = std::make_shared<std::exception_ptr>();
+  queue_->submit(
+      [body = std::move(body), error]() {
+        try {
+          try {
+            body();
+          } catch (const shm::CommError& e) {
+            rethrowAsDistBackendError(e);
+          }
+        } catch (...) {
+          *error = std::current_exception();
+        }
+      },
+      // Completing the future runs user callbacks: after the queue is free.
+      [future, error, outputs = std::move(outputs)]() {
+        if (*error) {
+          future->setError(*error);
+        } else {
+          future->markCompleted(c10::IValue(outputs));
+        }
+      });
   return c10::make_intrusive<WorkHSDP>(rank_, type, std::move(future));
 }
 
@@ -347,6 +388,9 @@ uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {
 }
 
 void ProcessGroupHSDP::abort() {
+  if (engine_) {
+    engine_->abort("aborted its process group");
+  }
   cpu_->abort();
   if (cuda_) {
     cuda_->abort();
@@ -354,6 +398,7 @@ void ProcessGroupHSDP::abort() {
 }
 
 void ProcessGroupHSDP::shutdown() {
+  leaveShm("shut down its process group");
   cpu_->shutdown();
   if (cuda_) {
     cuda_->shutdown();
@@ -395,7 +440,9 @@ WorkPtr ProcessGroupHSDP::broadcast(
   if (onShm(tensors)) {
     auto t = tensors[0];
     return track(runShm(OpType::BROADCAST, opts.asyncOp, {t}, [this, t, root = opts.rootRank] {
-      engine_->broadcast("broadcast", t.data_ptr(), t.nbytes(), static_cast<int>(root));
+      onContiguous(t, [&](const at::Tensor& c) {
+        engine_->broadcast("broadcast", c.data_ptr(), c.nbytes(), static_cast<int>(root));
+      });
     }));
   }
   auto& inner = route(c, tensors[0]);
@@ -432,7 +479,9 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   if (auto red = shmReduction(plan, tensors[0].scalar_type()); red && onShm(tensors)) {
     auto t = tensors[0];
     return track(runShm(OpType::ALLREDUCE, opts.asyncOp, {t}, [this, t, red = *red] {
-      engine_->allReduce("all_reduce", t.data_ptr(), t.numel(), red.dtype, red.op, red.scale);
+      onContiguous(t, [&](const at::Tensor& c) {
+        engine_->allReduce("all_reduce", c.data_ptr(), c.numel(), red.dtype, red.op, red.scale);
+      });
     }));
   }
   c10d::AllreduceOptions innerOpts = opts;
@@ -553,7 +602,8 @@ WorkPtr ProcessGroupHSDP::allgather(
     auto outs = outputs[0];
     return track(runShm(OpType::ALLGATHER, opts.asyncOp, outs, [this, in, outs] {
       auto flat = at::empty({size_ * in.numel()}, in.options());
-      engine_->allGather("all_gather", in.data_ptr(), flat.data_ptr(), in.nbytes());
+      const auto c = in.contiguous();
+      engine_->allGather("all_gather", c.data_ptr(), flat.data_ptr(), c.nbytes());
       for (int r = 0; r < size_; ++r) {
         outs[r].copy_(flat.narrow(0, r * in.numel(), in.numel()).view(outs[r].sizes()));
       }
@@ -575,7 +625,8 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
   stats_.record(c.op, 1, bytesOf(input));
   if (onShm({&input, &output})) {
     return track(runShm(OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [this, input, output] {
-      engine_->allGather("all_gather_into_tensor", input.data_ptr(), output.data_ptr(), input.nbytes());
+      const auto in = input.contiguous(); // output is contiguous (checked)
+      engine_->allGather("all_gather_into_tensor", in.data_ptr(), output.data_ptr(), in.nbytes());
     }));
   }
   return track(inner._allgather_base(output, input, opts));
@@ -611,9 +662,11 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, inputs, outputs] {
       std::vector<shm::Span> mine;
       std::vector<std::vector<shm::Span>> dests(size_);
+      std::vector<at::Tensor> staged; // keeps contiguous copies alive
       for (size_t i = 0; i < inputs.size(); ++i) {
         const size_t bytes = inputs[i].nbytes();
-        mine.push_back({static_cast<char*>(inputs[i].data_ptr()), bytes});
+        staged.push_back(inputs[i].contiguous());
+        mine.push_back({static_cast<char*>(staged.back().data_ptr()), bytes});
         for (int q = 0; q < size_; ++q) {
           dests[q].push_back({static_cast<char*>(outputs[i].data_ptr()) + q * bytes, bytes});
         }
@@ -689,8 +742,10 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
     auto ins = inputs[0];
     return track(runShm(OpType::REDUCE_SCATTER, opts.asyncOp, {out}, [this, out, ins, red = *red] {
       auto flat = at::cat(ins);
-      engine_->reduceScatter(
-          "reduce_scatter", flat.data_ptr(), out.data_ptr(), out.numel(), red.dtype, red.op, red.scale);
+      onContiguous(out, [&](const at::Tensor& o) {
+        engine_->reduceScatter(
+            "reduce_scatter", flat.data_ptr(), o.data_ptr(), o.numel(), red.dtype, red.op, red.scale);
+      });
     }));
   }
   c10d::ReduceScatterOptions innerOpts = opts;
@@ -740,9 +795,11 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   stats_.record(c.op, 1, bytesOf(input));
   if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
     return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
-      engine_->reduceScatter(
-          "reduce_scatter_tensor", input.data_ptr(), output.data_ptr(), output.numel(), red.dtype,
-          red.op, red.scale);
+      onContiguous(output, [&](const at::Tensor& o) { // input is contiguous (checked)
+        engine_->reduceScatter(
+            "reduce_scatter_tensor", input.data_ptr(), o.data_ptr(), o.numel(), red.dtype, red.op,
+            red.scale);
+      });
     }));
   }
   c10d::ReduceScatterOptions innerOpts = opts;

@@ -196,6 +196,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       bool asyncOp,
       std::vector<at::Tensor> outputs,
       std::function<void()> body);
+  // Drains the engine's queue and tells peers this rank is gone.
+  void leaveShm(const char* why);
   // Records `work` when called between startCoalescing and endCoalescing.
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
 

@@ -8,6 +8,9 @@
 // segment, the others map it, the last rank to map it unlinks the name, and
 // a final round makes every rank agree that all succeeded: if any rank could
 // not map it, every rank falls back to the inner CPU backend together.
+// Settings that shape the protocol (one-shot and direct-read thresholds)
+// are rank 0's on every rank; direct reads are on only if every rank can
+// read every other's memory.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -30,7 +33,7 @@ std::unique_ptr<shm::Engine> connectShm(
     c10d::Store& store,
     int rank,
     int size,
-    const ShmOptions& options,
+    ShmOptions options,
     std::string* whyNot);
 
 } // namespace hsdp

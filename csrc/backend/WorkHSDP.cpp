@@ -2,6 +2,9 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <condition_variable>
+#include <mutex>
+
 namespace hsdp {
 
 namespace {
@@ -49,10 +52,30 @@ void WorkHSDP::synchronize() {
   future_->wait();
 }
 
-bool WorkHSDP::wait(std::chrono::milliseconds /*timeout*/) {
-  // The inner collective enforces the group's timeout and completes the
-  // future with an error when it expires, so an unbounded wait here cannot
-  // outlive it.
+bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
+  // Without a timeout the wait is still bounded: the engine or the inner
+  // collective enforces the group's deadline and completes the future with
+  // an error when it expires.
+  if (timeout != kNoTimeout && !future_->completed()) {
+    struct Signal {
+      std::mutex mutex;
+      std::condition_variable cv;
+      bool done = false;
+    };
+    auto signal = std::make_shared<Signal>();
+    future_->addCallback([signal](c10::ivalue::Future&) {
+      std::lock_guard<std::mutex> lock(signal->mutex);
+      signal->done = true;
+      signal->cv.notify_all();
+    });
+    std::unique_lock<std::mutex> lock(signal->mutex);
+    if (!signal->cv.wait_for(lock, timeout, [&] { return signal->done; })) {
+      C10_THROW_ERROR(
+          DistBackendError,
+          "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
+              std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) + ")");
+    }
+  }
   future_->waitAndThrow();
   return true;
 }

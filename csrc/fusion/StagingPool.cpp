@@ -5,6 +5,12 @@
 namespace hsdp {
 
 at::Tensor StagingPool::acquire(int64_t numel, const at::TensorOptions& options) {
+  if (!options.device().is_cpu()) {
+    // CUDA's caching allocator already reuses memory, and it knows the
+    // streams a buffer is used on; a pool here would hand out a buffer the
+    // GPU may still be reading.
+    return at::empty({numel}, options);
+  }
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
   at::Tensor buffer;
   {
@@ -30,6 +36,9 @@ at::Tensor StagingPool::acquire(int64_t numel, const at::TensorOptions& options)
 void StagingPool::release(const std::vector<at::Tensor>& tensors) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& t : tensors) {
+    if (!t.device().is_cpu()) {
+      continue; // never pooled (see acquire)
+    }
     const auto& storage = t.storage();
     at::Tensor whole = at::empty({0}, t.options().dtype(at::kByte));
     whole.set_(storage, 0, {static_cast<int64_t>(storage.nbytes())}, {1});

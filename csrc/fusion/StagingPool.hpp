@@ -6,7 +6,7 @@
 // costs more than the copies the buffer is for. Buffers are handed out as
 // typed views of cached byte buffers and given back when the collective is
 // complete. Shared (shared_ptr) with the callbacks that give them back, so
-// it outlives any in-flight Work.
+// it outlives any in-flight Work. CPU only: other devices allocate afresh.
 
 #include <ATen/core/Tensor.h>
 

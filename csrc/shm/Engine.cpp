@@ -123,13 +123,9 @@ Engine::OpState Engine::begin(
     DType dtype,
     RedOp redop,
     int root) {
-  const Header& h = segment_.header();
-  if (const uint32_t by = h.brokenBy.load(std::memory_order_acquire)) {
-    char reason[sizeof h.brokenReason];
-    std::memcpy(reason, h.brokenReason, sizeof reason);
-    reason[sizeof reason - 1] = '\0';
-    throw CommError(prefix(op) + "the group is unusable after rank " + std::to_string(by - 1) +
-                    " failed (" + reason + "); create a new process group");
+  if (const std::string broken = brokenBy(); !broken.empty()) {
+    throw CommError(prefix(op) + "the group is unusable after " + broken +
+                    "; create a new process group");
   }
   OpState st;
   st.name = op;
@@ -154,15 +150,39 @@ void Engine::publish(Counter which, uint64_t step) {
   wake();
 }
 
-void Engine::fail(const OpState& op, const std::string& what) {
+void Engine::markBroken(const std::string& reason) {
   Header& h = segment_.header();
   uint32_t expected = 0;
   // The first failing rank records why, so every other rank can say it.
+  // UINT32_MAX marks "being written" until the rank number is published.
   if (h.brokenBy.compare_exchange_strong(expected, UINT32_MAX, std::memory_order_acq_rel)) {
-    std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", (prefix(op.name) + what).c_str());
+    std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", reason.c_str());
     h.brokenBy.store(static_cast<uint32_t>(rank_) + 1, std::memory_order_release);
   }
   wake();
+}
+
+std::string Engine::brokenBy() const {
+  const Header& h = segment_.header();
+  const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
+  if (by == 0) {
+    return "";
+  }
+  if (by == UINT32_MAX) {
+    return "a rank failed (its reason is being written)";
+  }
+  char reason[sizeof h.brokenReason];
+  std::memcpy(reason, h.brokenReason, sizeof reason);
+  reason[sizeof reason - 1] = '\0';
+  return "rank " + std::to_string(by - 1) + " failed (" + reason + ")";
+}
+
+void Engine::abort(const std::string& why) {
+  markBroken(prefix("abort") + why);
+}
+
+void Engine::fail(const OpState& op, const std::string& what) {
+  markBroken(prefix(op.name) + what);
   throw CommError(prefix(op.name) + what);
 }
 
@@ -184,12 +204,8 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   Header& h = segment_.header();
   auto checkBroken = [&]() {
     const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
-    if (by != 0 && by != UINT32_MAX && static_cast<int>(by) - 1 != rank_) {
-      char reason[sizeof h.brokenReason];
-      std::memcpy(reason, h.brokenReason, sizeof reason);
-      reason[sizeof reason - 1] = '\0';
-      throw CommError(prefix(op.name) + "rank " + std::to_string(by - 1) +
-                      " failed, so this collective cannot complete: " + reason);
+    if (by != 0 && static_cast<int>(by) - 1 != rank_) {
+      throw CommError(prefix(op.name) + "this collective cannot complete: " + brokenBy());
     }
   };
   if (ready()) {

@@ -111,6 +111,11 @@ class Engine {
     return directReads_;
   }
 
+  // Marks the group broken (if it is not already) and wakes every waiter:
+  // peers blocked on this rank fail at once, naming `why`, instead of at
+  // their deadline. For abort, and for a rank that leaves the group.
+  void abort(const std::string& why);
+
  private:
   enum class Kind : uint32_t {
     AllGather = 1,
@@ -135,6 +140,10 @@ class Engine {
   void waitAll(OpState& op, Counter which, uint64_t target);
   void checkSignatures(const OpState& op, uint64_t step);
   [[noreturn]] void fail(const OpState& op, const std::string& what);
+  // Records the first failure of the group (later ones keep the first).
+  void markBroken(const std::string& reason);
+  // "rank r failed: reason" once the group is broken, else empty.
+  std::string brokenBy() const;
   std::string prefix(const char* op) const;
   // Copies `bytes` at `address` in rank q's memory to `dst`.
   void readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes);

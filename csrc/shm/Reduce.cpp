@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 
 namespace hsdp::shm {
 
@@ -99,7 +100,13 @@ struct Acc<F16> {
 
 template <RedOp op, typename A>
 inline A combine(A a, A b) {
-  if constexpr (op == RedOp::Sum) {
+  if constexpr (std::is_integral_v<A> && (op == RedOp::Sum || op == RedOp::Prod)) {
+    // Wrap around like torch's integer arithmetic, without the undefined
+    // behaviour of signed overflow: compute in the unsigned type.
+    using U = std::make_unsigned_t<A>;
+    return static_cast<A>(op == RedOp::Sum ? static_cast<U>(static_cast<U>(a) + static_cast<U>(b))
+                                           : static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+  } else if constexpr (op == RedOp::Sum) {
     return a + b;
   } else if constexpr (op == RedOp::Prod) {
     return a * b;
@@ -129,7 +136,10 @@ __attribute__((always_inline)) inline void reduceBlocks(
   using A = typename Acc<T>::type;
   constexpr size_t kBlock = 512;
   A acc[kBlock];
-  const A factor = static_cast<A>(scale.value);
+  // Integers divide as int64 (truncating, as torch does): a divisor wider
+  // than the element type must not be narrowed into it.
+  using Factor = std::conditional_t<std::is_integral_v<A>, int64_t, A>;
+  const Factor factor = static_cast<Factor>(scale.value);
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t n = std::min(kBlock, count - base);
     const T* s0 = srcs[0] + base;
@@ -144,11 +154,11 @@ __attribute__((always_inline)) inline void reduceBlocks(
     }
     if (scale.kind == Scale::Kind::Multiply) {
       for (size_t i = 0; i < n; ++i) {
-        acc[i] = acc[i] * factor;
+        acc[i] = static_cast<A>(acc[i] * factor);
       }
     } else if (scale.kind == Scale::Kind::Divide) {
       for (size_t i = 0; i < n; ++i) {
-        acc[i] = acc[i] / factor; // integers: truncation toward zero
+        acc[i] = static_cast<A>(acc[i] / factor); // integers: truncation toward zero
       }
     }
     T* d = dst + base;
