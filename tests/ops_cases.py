@@ -536,3 +536,66 @@ def large_messages(rank, world, ref):
     o = torch.empty(n)
     dist.reduce_scatter_tensor(o, rs_input(rank, world, n, torch.float32))
     check(o, rs_expected(dist.ReduceOp.SUM, world, rank, n, torch.float32), "large reduce_scatter")
+
+
+@case
+def layouts_differ_between_ranks(rank, world, ref):
+    """Ranks may pass differently laid out tensors (a transposed view here,
+    a contiguous one there): every rank must still take the same engine."""
+    def shaped(t):  # rank-dependent layout, same values
+        if rank % 2:
+            return t.reshape(4, -1).t().contiguous().t()  # same shape, column-major
+        return t.reshape(4, -1)
+    base = data(rank, 4 * 3000, torch.float32)
+    t = shaped(base.clone())
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    check(t.reshape(-1), reduce_ref(dist.ReduceOp.AVG, world, 4 * 3000, torch.float32), "all_reduce, mixed layouts")
+    t = shaped(data(rank, 4 * 3000, torch.float32))
+    dist.broadcast(t, src=0)
+    check(t.reshape(-1), data(0, 4 * 3000, torch.float32), "broadcast, mixed layouts")
+    outs = [shaped(torch.zeros(4 * 3000)) for _ in range(world)]
+    dist.all_gather(outs, shaped(data(rank, 4 * 3000, torch.float32)))
+    for r in range(world):
+        check(outs[r].reshape(-1), data(r, 4 * 3000, torch.float32), f"all_gather list from {r}")
+    out = shaped(torch.zeros(4 * 3000))
+    dist.reduce_scatter_tensor(out, rs_input(rank, world, 4 * 3000, torch.float32))
+    check(out.reshape(-1), rs_expected(dist.ReduceOp.SUM, world, rank, 4 * 3000, torch.float32), "reduce_scatter output layout")
+
+
+@case
+def completion_callback_issues_a_collective(rank, world, ref):
+    """A future's callback runs after the group's queue is free, so it may
+    call a collective on the same group (here: synchronously)."""
+    t = torch.ones(8)
+    u = torch.full((8,), float(rank))
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    chained = fut.then(lambda f: dist.all_reduce(u))
+    chained.wait()
+    check(t, torch.full((8,), float(world)), "first")
+    check(u, torch.full((8,), float(sum(range(world)))), "issued from the callback")
+
+
+@case
+def work_wait_honours_its_timeout(rank, world, ref):
+    import datetime
+    import time
+
+    if world == 1:
+        return
+    g = dist.new_group(backend="hsdp")
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(4), group=g, async_op=True)  # nobody else joins
+        start = time.monotonic()
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=500))
+        except RuntimeError as exc:  # DistBackendError is a RuntimeError
+            assert "timed out" in str(exc).lower(), exc  # gloo says "Operation timed out!"
+        else:
+            raise AssertionError("wait(timeout) must raise")
+        assert time.monotonic() - start < 5
+    dist.barrier(group=ref)
+    # Leaving the broken group fails its pending work at once (no 60 s drain).
+    dist.destroy_process_group(g)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == world

@@ -133,3 +133,28 @@ def slot_size_mismatch_body(rank, world):
 
 def test_ranks_disagreeing_on_segment_size_fall_back_together():
     run_ranks(slot_size_mismatch_body, 2, backend=None)
+
+
+def settings_differ_body(rank, world):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    # Rank 1 asks for other protocol thresholds; rank 0's are used by all,
+    # so every collective still matches up (no hang, no wrong data).
+    if rank == 1:
+        os.environ["HSDP_SHM_ONESHOT_BYTES"] = "0"
+        os.environ["HSDP_SHM_DIRECT_READ_BYTES"] = "0"
+    dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=30))
+    for n in (100, 5000, 300_000):
+        t = torch.full((n,), float(rank + 1))
+        dist.all_reduce(t)
+        assert torch.equal(t, torch.full((n,), 3.0)), n
+        out = torch.empty(2 * n)
+        dist.all_gather_into_tensor(out, torch.full((n,), float(rank)))
+        assert torch.equal(out, torch.cat([torch.zeros(n), torch.ones(n)])), n
+
+
+def test_ranks_with_different_protocol_settings_use_rank_zeros():
+    run_ranks(settings_differ_body, 2, backend=None)

@@ -235,6 +235,27 @@ void onContiguous(const at::Tensor& t, F&& fn) {
   }
 }
 
+// What the inner backends get for a caller's tensor: they read and write
+// raw memory, and Gloo's *_base ops insist on 1-D shapes (a fatal check
+// otherwise), so they get a flat contiguous tensor: a view of the caller's
+// when it is contiguous, else a staged copy written back afterwards.
+struct FlatArg {
+  at::Tensor user;
+  at::Tensor flat;
+
+  static FlatArg of(const at::Tensor& t) {
+    return {t, t.is_contiguous() ? t.view({-1}) : t.contiguous().view({-1})};
+  }
+  bool staged() const {
+    return !flat.is_alias_of(user);
+  }
+  void copyBack() const {
+    if (staged()) {
+      user.copy_(flat.view(user.sizes()));
+    }
+  }
+};
+
 [[noreturn]] void rethrowAsDistBackendError(const shm::CommError& e) {
   C10_THROW_ERROR(DistBackendError, e.what());
 }
@@ -446,7 +467,13 @@ WorkPtr ProcessGroupHSDP::broadcast(
     }));
   }
   auto& inner = route(c, tensors[0]);
-  return track(inner.broadcast(tensors, opts));
+  auto arg = FlatArg::of(tensors[0]);
+  std::vector<at::Tensor> io{arg.flat};
+  auto work = inner.broadcast(io, opts);
+  if (!arg.staged()) {
+    return track(work);
+  }
+  return track(WorkHSDP::chain(rank_, OpType::BROADCAST, {work}, {arg.user}, [arg] { arg.copyBack(); }));
 }
 
 WorkPtr ProcessGroupHSDP::allreduce(
@@ -486,14 +513,16 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   }
   c10d::AllreduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  auto work = inner.allreduce(tensors, innerOpts);
-  if (plan.post.isNone()) {
+  auto arg = FlatArg::of(tensors[0]);
+  std::vector<at::Tensor> io{arg.flat};
+  auto work = inner.allreduce(io, innerOpts);
+  if (plan.post.isNone() && !arg.staged()) {
     return track(work);
   }
-  auto t = tensors[0];
   return track(WorkHSDP::chain(
-      rank_, OpType::ALLREDUCE, {work}, {t}, [t, post = plan.post] {
-        post.apply(t);
+      rank_, OpType::ALLREDUCE, {work}, {arg.user}, [arg, post = plan.post] {
+        post.apply(arg.flat);
+        arg.copyBack();
       }));
 }
 
@@ -577,14 +606,19 @@ WorkPtr ProcessGroupHSDP::reduce(
   c10d::ReduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
   stats_.record(c.op, 1, bytesOf(tensors));
-  auto work = inner.reduce(tensors, innerOpts);
-  if (plan.post.isNone() || rank_ != opts.rootRank) {
+  auto arg = FlatArg::of(tensors[0]);
+  std::vector<at::Tensor> io{arg.flat};
+  auto work = inner.reduce(io, innerOpts);
+  const bool scale = !plan.post.isNone() && rank_ == opts.rootRank;
+  if (!scale && !arg.staged()) {
     return track(work);
   }
-  auto t = tensors[0];
   return track(WorkHSDP::chain(
-      rank_, OpType::REDUCE, {work}, {t}, [t, post = plan.post] {
-        post.apply(t);
+      rank_, OpType::REDUCE, {work}, {arg.user}, [arg, scale, post = plan.post] {
+        if (scale) {
+          post.apply(arg.flat);
+        }
+        arg.copyBack();
       }));
 }
 
@@ -609,7 +643,24 @@ WorkPtr ProcessGroupHSDP::allgather(
       }
     }));
   }
-  return track(inner.allgather(outputs, inputs, opts));
+  std::vector<FlatArg> args;
+  std::vector<std::vector<at::Tensor>> flatOutputs(1);
+  bool staged = false;
+  for (const auto& out : outputs[0]) {
+    args.push_back(FlatArg::of(out));
+    flatOutputs[0].push_back(args.back().flat);
+    staged = staged || args.back().staged();
+  }
+  std::vector<at::Tensor> flatInput{inputs[0].contiguous().view({-1})};
+  auto work = inner.allgather(flatOutputs, flatInput, opts);
+  if (!staged) {
+    return track(work);
+  }
+  return track(WorkHSDP::chain(rank_, OpType::ALLGATHER, {work}, outputs[0], [args] {
+    for (const auto& a : args) {
+      a.copyBack();
+    }
+  }));
 }
 
 WorkPtr ProcessGroupHSDP::_allgather_base(
@@ -629,7 +680,9 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
       engine_->allGather("all_gather_into_tensor", in.data_ptr(), output.data_ptr(), in.nbytes());
     }));
   }
-  return track(inner._allgather_base(output, input, opts));
+  auto in = input.contiguous().view({-1}); // output is contiguous (checked)
+  auto out = output.view({-1});
+  return track(inner._allgather_base(out, in, opts));
 }
 
 WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
@@ -804,14 +857,16 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   }
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  auto work = inner._reduce_scatter_base(output, input, innerOpts);
-  if (plan.post.isNone()) {
+  auto in = input.view({-1}); // contiguous (checked)
+  auto arg = FlatArg::of(output);
+  auto work = inner._reduce_scatter_base(arg.flat, in, innerOpts);
+  if (plan.post.isNone() && !arg.staged()) {
     return track(work);
   }
-  auto t = output;
   return track(WorkHSDP::chain(
-      rank_, OpType::_REDUCE_SCATTER_BASE, {work}, {t}, [t, post = plan.post] {
-        post.apply(t);
+      rank_, OpType::_REDUCE_SCATTER_BASE, {work}, {arg.user}, [arg, post = plan.post] {
+        post.apply(arg.flat);
+        arg.copyBack();
       }));
 }
 

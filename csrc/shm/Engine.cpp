@@ -202,9 +202,12 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
     return true;
   };
   Header& h = segment_.header();
+  // A failure of this rank's own op has already thrown; anything else that
+  // broke the group (a peer's failure, or this rank's abort from another
+  // thread) ends this wait too.
   auto checkBroken = [&]() {
     const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
-    if (by != 0 && static_cast<int>(by) - 1 != rank_) {
+    if (by != 0) {
       throw CommError(prefix(op.name) + "this collective cannot complete: " + brokenBy());
     }
   };
