@@ -68,6 +68,31 @@ def test_eight_ranks_on_two_cores_make_progress():
     assert time.monotonic() - start < 120
 
 
+def sixteen_ranks_body(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import hsdp_backend
+
+    assert hsdp_backend.cpu_engine() == "shm"
+    for seed, n in enumerate([3, 70_000]):  # one round / two rounds, direct reads
+        t = inputs(seed, rank, n, torch.bfloat16)
+        dist.all_reduce(t, op=dist.ReduceOp.AVG)
+        torch.testing.assert_close(t, reference(seed, world, n, torch.bfloat16, avg=True))
+        out = torch.empty(world * n)
+        dist.all_gather_into_tensor(out, inputs(seed, rank, n, torch.float32))
+        assert torch.equal(out, torch.cat([inputs(seed, r, n, torch.float32) for r in range(world)]))
+        o = torch.empty(n)
+        dist.reduce_scatter_tensor(o, inputs(seed + 9, rank, world * n, torch.float32))
+        assert torch.equal(o, reference(seed + 9, world, world * n, torch.float32)[rank * n:(rank + 1) * n])
+    dist.barrier()
+    return True
+
+
+def test_sixteen_ranks():
+    run_ranks(sixteen_ranks_body, 16, timeout_s=300)
+
+
 def concurrent_groups_body(rank, world):
     import torch
     import torch.distributed as dist
