@@ -123,6 +123,35 @@ void checkContiguous(const OpContext& ctx, const at::Tensor& t, const char* what
   HSDP_CHECK_VALUE(t.is_contiguous(), ctx, what, " must be contiguous");
 }
 
+// The (input, output) pairs of a fused all-gather (`gather`: each output is
+// world size x its input) or reduce-scatter (each input is world size x its
+// output), all on one device, outputs contiguous.
+void checkCoalescedPairs(
+    const OpContext& ctx,
+    const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs,
+    bool gather) {
+  HSDP_CHECK_VALUE(
+      outputs.size() == inputs.size(),
+      ctx,
+      "got ",
+      inputs.size(),
+      " inputs but ",
+      outputs.size(),
+      " outputs; expected one output per input");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameDtype(ctx, inputs[i], outputs[i], "an output");
+    checkSameDevice(ctx, inputs[0], inputs[i], "an input");
+    checkSameDevice(ctx, inputs[0], outputs[i], "an output");
+    if (gather) {
+      checkNumel(ctx, outputs[i], inputs[i].numel() * ctx.size, "an output (world size x input)");
+    } else {
+      checkNumel(ctx, inputs[i], outputs[i].numel() * ctx.size, "an input (world size x output)");
+    }
+    checkContiguous(ctx, outputs[i], "an output");
+  }
+}
+
 // Tensors grouped by dtype, in order of first appearance; one fused
 // collective runs per group.
 std::vector<std::vector<size_t>> groupByDtype(const std::vector<at::Tensor>& ts) {
@@ -690,23 +719,9 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const auto c = ctx("all_gather_into_tensor_coalesced");
-  HSDP_CHECK_VALUE(
-      outputs.size() == inputs.size(),
-      c,
-      "got ",
-      inputs.size(),
-      " inputs but ",
-      outputs.size(),
-      " outputs; expected one output per input");
+  checkCoalescedPairs(c, inputs, outputs, /*gather=*/true);
   if (inputs.empty()) {
     return WorkHSDP::completed(rank_, OpType::COALESCED, {});
-  }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkSameDtype(c, inputs[i], outputs[i], "an output");
-    checkSameDevice(c, inputs[0], inputs[i], "an input");
-    checkSameDevice(c, inputs[0], outputs[i], "an output");
-    checkNumel(c, outputs[i], inputs[i].numel() * size_, "an output (world size x input)");
-    checkContiguous(c, outputs[i], "an output");
   }
   auto& inner = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
@@ -875,23 +890,9 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   const auto c = ctx("reduce_scatter_tensor_coalesced");
-  HSDP_CHECK_VALUE(
-      outputs.size() == inputs.size(),
-      c,
-      "got ",
-      inputs.size(),
-      " inputs but ",
-      outputs.size(),
-      " outputs; expected one output per input");
+  checkCoalescedPairs(c, inputs, outputs, /*gather=*/false);
   if (inputs.empty()) {
     return WorkHSDP::completed(rank_, OpType::COALESCED, {});
-  }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    checkSameDtype(c, inputs[i], outputs[i], "an output");
-    checkSameDevice(c, inputs[0], inputs[i], "an input");
-    checkSameDevice(c, inputs[0], outputs[i], "an output");
-    checkNumel(c, inputs[i], outputs[i].numel() * size_, "an input (world size x output)");
-    checkContiguous(c, outputs[i], "an output");
   }
   auto& inner = route(c, inputs[0]);
   struct Pending {
