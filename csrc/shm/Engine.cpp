@@ -394,12 +394,13 @@ void Engine::allGatherPieces(
 void Engine::directStep(
     OpState& op,
     const void* source,
-    const std::function<void(int)>& readFrom) {
+    const std::function<void(int, uint64_t)>& readFrom) {
   const uint64_t s = step_ + 1;
   op.sig.sourceAddress = reinterpret_cast<uint64_t>(source);
-  post(op, s, nullptr);
+  const int slot = post(op, s, nullptr);
   for (int i = 1; i < size_; ++i) {
-    readFrom((rank_ + i) % size_);
+    const int q = (rank_ + i) % size_;
+    readFrom(q, segment_.control(q).sig[slot].sourceAddress);
   }
   publish(Counter::Done, s);
   // Peers read my buffer in place: it must stay untouched until they are
@@ -436,27 +437,40 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
     if (!inPlace) {
       std::memcpy(out + static_cast<size_t>(rank_) * n, in, n);
     }
-    const int slot = static_cast<int>((step_ + 1) % kSlots);
-    directStep(op, in, [&](int q) {
-      readPeer(op, q, segment_.control(q).sig[slot].sourceAddress, out + static_cast<size_t>(q) * n, n);
+    directStep(op, in, [&](int q, uint64_t address) {
+      readPeer(op, q, address, out + static_cast<size_t>(q) * n, n);
     });
     return;
   }
+  pipelineBytes(
+      op,
+      n,
+      [&](char* dst, size_t off, size_t len) { std::memcpy(dst, in + off, len); },
+      [&](int slot, size_t off, size_t len) {
+        if (!inPlace) {
+          std::memcpy(out + static_cast<size_t>(rank_) * n + off, in + off, len);
+        }
+        // Start with the next rank so ranks do not all read rank 0 first.
+        for (int i = 1; i < size_; ++i) {
+          const int q = (rank_ + i) % size_;
+          std::memcpy(out + static_cast<size_t>(q) * n + off, segment_.slot(q, slot), len);
+        }
+      });
+}
+
+void Engine::pipelineBytes(
+    OpState& op,
+    size_t n,
+    const std::function<void(char*, size_t, size_t)>& fill,
+    const std::function<void(int, size_t, size_t)>& drain) {
   const size_t piece = slotBytes();
-  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
+  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece)); // >= 1: an empty call still syncs
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
     const uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) { std::memcpy(dst, in + off, len); });
-    if (!inPlace) {
-      std::memcpy(out + static_cast<size_t>(rank_) * n + off, in + off, len);
-    }
-    // Start with the next rank so ranks do not all read rank 0 first.
-    for (int i = 1; i < size_; ++i) {
-      const int q = (rank_ + i) % size_;
-      std::memcpy(out + static_cast<size_t>(q) * n + off, segment_.slot(q, slot), len);
-    }
+    const int slot = post(op, s, [&](char* dst) { fill(dst, off, len); });
+    drain(slot, off, len);
     publish(Counter::Done, s);
     step_ = s;
   }
@@ -593,31 +607,26 @@ void Engine::broadcast(const char* name, void* data, size_t n, int root) {
   auto op = begin(name, Kind::Broadcast, n, DType::U8, RedOp::Sum, root);
   auto* buf = static_cast<char*>(data);
   if (directReads_ && n >= config_.directReadBytes) {
-    const int slot = static_cast<int>((step_ + 1) % kSlots);
-    directStep(op, buf, [&](int q) {
+    directStep(op, buf, [&](int q, uint64_t address) {
       if (q == root) {
-        readPeer(op, q, segment_.control(q).sig[slot].sourceAddress, buf, n);
+        readPeer(op, q, address, buf, n);
       }
     });
     return;
   }
-  const size_t piece = slotBytes();
-  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
-  for (size_t k = 0; k < steps; ++k) {
-    const size_t off = k * piece;
-    const size_t len = std::min(piece, n - off);
-    const uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) {
-      if (rank_ == root) {
-        std::memcpy(dst, buf + off, len);
-      }
-    });
-    if (rank_ != root) {
-      std::memcpy(buf + off, segment_.slot(root, slot), len);
-    }
-    publish(Counter::Done, s);
-    step_ = s;
-  }
+  pipelineBytes(
+      op,
+      n,
+      [&](char* dst, size_t off, size_t len) {
+        if (rank_ == root) {
+          std::memcpy(dst, buf + off, len);
+        }
+      },
+      [&](int slot, size_t off, size_t len) {
+        if (rank_ != root) {
+          std::memcpy(buf + off, segment_.slot(root, slot), len);
+        }
+      });
 }
 
 void Engine::barrier(const char* name) {

@@ -153,9 +153,21 @@ class Engine {
       int q,
       const uint64_t* remote,
       const std::vector<Span>& local);
-  // Publishes `source`'s address, waits for every peer's, and lets `read`
-  // copy from them; returns only after every peer finished reading mine.
-  void directStep(OpState& op, const void* source, const std::function<void(int)>& readSlotOf);
+  // Publishes `source`'s address, waits for every peer's, and calls
+  // `readFrom(q, q's address)` for each peer; returns only after every peer
+  // finished reading mine.
+  void directStep(
+      OpState& op,
+      const void* source,
+      const std::function<void(int, uint64_t)>& readFrom);
+  // Moves an n-byte message through the slots, a slot-sized piece a step:
+  // `fill(mySlot, offset, length)` writes this rank's piece, then
+  // `drain(slot, offset, length)` reads the peers' slots of that step.
+  void pipelineBytes(
+      OpState& op,
+      size_t n,
+      const std::function<void(char*, size_t, size_t)>& fill,
+      const std::function<void(int, size_t, size_t)>& drain);
   void wake();
 
   Segment segment_;
