@@ -147,13 +147,15 @@ PYBIND11_MODULE(_C, m) {
          std::vector<at::Tensor> tensors,
          const c10d::ReduceOp& op,
          int64_t bucketBytes,
-         bool asyncOp) {
-        return asHSDP(backend).allreduceBucketed(tensors, op, bucketBytes, asyncOp);
+         bool asyncOp,
+         double divideBy) {
+        return asHSDP(backend).allreduceBucketed(tensors, op, bucketBytes, asyncOp, divideBy);
       },
       py::arg("backend"),
       py::arg("tensors"),
       py::arg("op"),
       py::arg("bucket_bytes"),
       py::arg("async_op"),
+      py::arg("divide_by") = 1.0,
       py::call_guard<py::gil_scoped_release>());
 }

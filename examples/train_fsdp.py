@@ -304,11 +304,14 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> No
     Args:
         model: the unsharded model, identical on every rank.
         mesh: 1-D or 2-D CPU device mesh.
-        mixed_precision: ``"none"`` or ``"bf16"`` (bf16 compute, fp32
+        mixed_precision: ``"none"``, ``"bf16"`` (bf16 compute, fp32
+            gradient reduction) or ``"bf16-reduce"`` (bf16 compute and
             gradient reduction).
     """
     if mixed_precision == "bf16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif mixed_precision == "bf16-reduce":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     else:
         mp_policy = MixedPrecisionPolicy()
     layers = list(model.layers.values())
@@ -432,7 +435,8 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, di
         loss_avg = mean_across_ranks(loss).item()
         if rank == 0:
             print(
-                f"step {step:3d}  loss {loss_avg:.6f}  {tokens_per_step / elapsed:8.0f} tok/s{comms}",
+                f"step {step:3d}  loss {loss_avg:.6f}  {elapsed * 1e3:8.1f} ms  "
+                f"{tokens_per_step / elapsed:8.0f} tok/s{comms}",
                 flush=True,
             )
     if rank == 0:
@@ -465,9 +469,10 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     parser.add_argument(
         "--mixed-precision",
-        choices=("none", "bf16"),
+        choices=("none", "bf16", "bf16-reduce"),
         default="none",
-        help="bf16: bf16 parameters/compute with fp32 gradient reduction",
+        help="bf16: bf16 parameters/compute with fp32 gradient reduction; "
+        "bf16-reduce: gradients reduced in bf16 too",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
     return parser

@@ -34,7 +34,7 @@ def _create_backend(opts, backend_options):
     import torch
     import torch.distributed as dist
 
-    from hsdp_backend import _C, config
+    from hsdp_backend import _C, config, fsdp
 
     store, rank, size, timeout = (
         opts.store,
@@ -59,6 +59,7 @@ def _create_backend(opts, backend_options):
     engine_timeout = config.read("HSDP_TIMEOUT_MS")
     if engine_timeout == "group":
         engine_timeout = int(timeout.total_seconds() * 1000)
+    fsdp.install_automatically()
     return _C.create_backend(
         store,
         rank,

@@ -55,6 +55,7 @@ def all_reduce_coalesced(
     group: dist.ProcessGroup | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     async_op: bool = False,
+    divide_by: float = 1.0,
 ):
     """All-reduces ``tensors`` in place, packed into buckets.
 
@@ -70,9 +71,11 @@ def all_reduce_coalesced(
         bucket_bytes: the most bytes one collective carries; <= 0 packs each
             dtype into a single bucket.
         async_op: return the Work instead of waiting for it.
+        divide_by: also divide the result by this, in the op's one scaling
+            step (see :func:`all_reduce`).
     """
     work = _C.all_reduce_bucketed(
-        get_hsdp_backend(group), list(tensors), op, int(bucket_bytes), bool(async_op)
+        get_hsdp_backend(group), list(tensors), op, int(bucket_bytes), bool(async_op), float(divide_by)
     )
     return _finish(work, async_op)
 

@@ -55,6 +55,12 @@ VARS = {
             "all-gathers and broadcasts of at least this many bytes per rank read peers' "
             "buffers directly (process_vm_readv: one copy instead of two) when the ranks may "
             "read each other's memory; 0 disables"),
+        Var("HSDP_FSDP", "auto", _choice("auto", "off"),
+            "auto: FSDP2 modules on hsdp meshes use hsdp_backend.fsdp (HSDP gradients divided once, "
+            "replicate all-reduces bucketed across param groups); off: FSDP2's own reduction path"),
+        Var("HSDP_FSDP_BUCKET_BYTES", str(25 << 20), _int(1),
+            "capacity of one replicate all-reduce bucket of the FSDP2 shim (param groups' gradient "
+            "shards collected into one collective)"),
         Var("HSDP_TIMEOUT_MS", "group", lambda t: t if t == "group" else _int(1)(t),
             "deadline of every shared-memory wait; group: the process group's timeout"),
     ]

@@ -559,7 +559,8 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
     std::vector<at::Tensor>& tensors,
     const c10d::ReduceOp& op,
     int64_t bucketBytes,
-    bool asyncOp) {
+    bool asyncOp,
+    double divideBy) {
   const auto c = ctx("all_reduce_coalesced");
   if (tensors.empty()) {
     return WorkHSDP::completed(rank_, OpType::ALLREDUCE_COALESCED, {});
@@ -574,7 +575,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   };
   auto pending = std::make_shared<std::vector<Pending>>();
   for (const auto& members : groupByDtype(tensors)) {
-    auto plan = planReduce(c, op, tensors[members[0]].scalar_type(), size_);
+    auto plan = planReduce(c, op, tensors[members[0]].scalar_type(), size_, divideBy);
     for (auto& bucket : packBuckets(tensors, members, bucketBytes, *staging_)) {
       pending->push_back({std::move(bucket), plan});
     }

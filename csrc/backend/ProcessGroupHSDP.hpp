@@ -134,12 +134,14 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // hsdp's own API (bound in bindings.cpp).
 
   // Bucketed all-reduce: tensors grouped by dtype, packed into buckets of at
-  // most bucketBytes (<= 0: one bucket per dtype), one collective a bucket.
+  // most bucketBytes (<= 0: one bucket per dtype), one collective a bucket;
+  // the result is also divided by `divideBy`, in the op's one scaling step.
   c10::intrusive_ptr<c10d::Work> allreduceBucketed(
       std::vector<at::Tensor>& tensors,
       const c10d::ReduceOp& op,
       int64_t bucketBytes,
-      bool asyncOp);
+      bool asyncOp,
+      double divideBy = 1.0);
 
   // all_reduce / reduce_scatter_tensor whose result is also divided by
   // `divideBy`, fused with the op's own scale into one step (one rounding):

@@ -1,0 +1,480 @@
+"""FSDP2 (``fully_shard``) on hsdp: HSDP gradients with one division and
+replicate all-reduces bucketed across param groups.
+
+What FSDP2 does on its own, per param group and backward (``foreach_reduce``
+in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+
+* 1-D FSDP: one reduce-scatter with AVG (or PREMUL_SUM for a custom divide
+  factor). On hsdp that already is the fused primitive: one collective over
+  the group's flat gradient buffer, the division folded into the reduction's
+  single scaling step. The shim leaves this path alone.
+* HSDP (2-D mesh): a reduce-scatter with AVG over the shard group, then an
+  all-reduce with AVG over the replicate group, per param group: two
+  divisions (two roundings) and one small replicate all-reduce per group.
+
+What the shim changes, for HSDP on CPU when both groups run on hsdp:
+
+1. FSDP2's own reduce-scatter runs with SUM (its force-sum path with the
+   division withheld) and its output is allocated straight inside a
+   replicate bucket: a flat buffer of ``HSDP_FSDP_BUCKET_BYTES`` that
+   collects consecutive param groups' gradient shards.
+2. A full bucket is all-reduced (SUM) over the replicate group at once, as
+   one asynchronous collective in place; hsdp runs it on its own thread while
+   autograd computes the next blocks' gradients.
+3. After the backward's last param group (an autograd final callback, queued
+   behind FSDP2's own) the last bucket is flushed, every bucket is waited for
+   and each param group's gradient is finished as FSDP2 would: viewed out of
+   the bucket, cast to the gradient dtype, assigned or accumulated into
+   ``.grad``. The division by shard x replicate size (or the factor from
+   ``set_gradient_divide_factor``) happens once, folded into the all-reduce's
+   scaling step (fp32 arithmetic, one rounding). Gradients are complete when
+   ``loss.backward()`` returns.
+
+FSDP2 offers no public hook that can defer a param group's gradients to a
+later bucket (``set_all_reduce_hook`` runs after the native all-reduce, and
+FSDP2 assigns ``.grad`` as soon as it returns), so the shim wraps the one
+internal function FSDP2 calls per param group, ``foreach_reduce``, as
+imported by ``_fsdp_param_group``. It checks that function's parameters and
+the ``FSDPParam`` attributes it uses when it installs; when they differ
+(another torch version) it warns once and leaves FSDP2's native path, which
+is correct on hsdp. Per call it also takes FSDP2's path, unchanged, when:
+the device is not CPU, a user all-reduce hook is set, the reduce dtype is
+fp16 (FSDP2 pre-divides to avoid overflow), parameters are offloaded, or the
+mesh mixes hsdp with another backend (warned once).
+
+The shim is installed automatically when an hsdp process group is created
+(``HSDP_FSDP=off`` disables it), or explicitly with :func:`enable`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hsdp_backend import _post_import, config
+
+_PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
+# foreach_reduce's parameters as of torch 2.9-2.14; the shim calls the
+# original by these names.
+_FOREACH_REDUCE_PARAMS = (
+    "fsdp_params",
+    "unsharded_grads",
+    "reduce_scatter_group",
+    "reduce_scatter_stream",
+    "reduce_scatter_comm",
+    "orig_dtype",
+    "reduce_dtype",
+    "device",
+    "gradient_divide_factor",
+    "all_reduce_group",
+    "all_reduce_stream",
+    "all_reduce_grads",
+    "partial_reduce_output",
+    "all_reduce_hook",
+    "force_sum_reduction_for_comms",
+)
+# What the shim reads from each FSDPParam to finish a gradient.
+_FSDP_PARAM_ATTRS = (
+    "sharded_size",
+    "contiguous_sharded_stride",
+    "sharded_param",
+    "to_sharded_dtensor",
+    "offload_to_cpu",
+    "fsdp_placement",
+)
+TESTED_TORCH = "2.14"
+
+
+class _Shim:
+    """Process-wide state: the original function and the open buckets."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.original = None  # FSDP2's foreach_reduce while the shim is installed
+        self.disabled_reason: str | None = None
+        self.bucket_bytes = 0
+        self.warned: set[str] = set()
+        self.buckets = _ReplicateBuckets()
+
+
+
+def enable(bucket_bytes: int | None = None) -> bool:
+    """Installs the shim for every FSDP2 module in this process.
+
+    Args:
+        bucket_bytes: capacity of one replicate all-reduce bucket (default:
+            ``HSDP_FSDP_BUCKET_BYTES``).
+
+    Returns:
+        True when installed; False (with a warning) when this torch's FSDP2
+        internals differ from those the shim was written for, in which case
+        FSDP2 keeps its native reduction path, which is correct on hsdp.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+
+    _shim.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else config.read("HSDP_FSDP_BUCKET_BYTES"))
+    with _shim.lock:
+        if _shim.original is not None:
+            return True
+        problem = _incompatibility(module)
+        if problem is not None:
+            _shim.disabled_reason = problem
+            _warn_once(
+                "incompatible",
+                f"hsdp_backend.fsdp: {problem} (the shim was written for torch {TESTED_TORCH}, this is "
+                f"torch {torch.__version__}). FSDP2 keeps its native reduction, which is correct on hsdp "
+                "but all-reduces each param group separately and divides twice under HSDP.",
+            )
+            return False
+        _shim.original = module.foreach_reduce
+        _shim.disabled_reason = None
+        module.foreach_reduce = _foreach_reduce
+    return True
+
+
+def disable() -> None:
+    """Restores FSDP2's own ``foreach_reduce``. Call between iterations."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+
+    with _shim.lock:
+        if _shim.original is not None:
+            module.foreach_reduce = _shim.original
+            _shim.original = None
+
+
+def is_enabled() -> bool:
+    """Whether the shim is installed in this process."""
+    return _shim.original is not None
+
+
+def install_automatically() -> None:
+    """Called for every hsdp process group: enables the shim once FSDP2 is
+    imported (now, or when the process imports it), unless ``HSDP_FSDP=off``."""
+    if config.read("HSDP_FSDP") == "off":
+        return
+    _post_import.when_imported(_PARAM_GROUP_MODULE, lambda _module: enable())
+
+
+def _incompatibility(module) -> str | None:
+    function = getattr(module, "foreach_reduce", None)
+    if function is None:
+        return "FSDP2's _fsdp_param_group.foreach_reduce is missing"
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return "FSDP2's foreach_reduce has no inspectable signature"
+    if names != _FOREACH_REDUCE_PARAMS:
+        return f"FSDP2's foreach_reduce takes {names}, expected {_FOREACH_REDUCE_PARAMS}"
+    fsdp_param_cls = getattr(module, "FSDPParam", None)
+    if fsdp_param_cls is None or not hasattr(fsdp_param_cls, "to_sharded_dtensor"):
+        return "FSDP2's FSDPParam lacks to_sharded_dtensor"
+    return None
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _shim.warned:
+        _shim.warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------
+# The wrapped foreach_reduce
+# ---------------------------------------------------------------------------
+
+
+def _foreach_reduce(
+    fsdp_params,
+    unsharded_grads,
+    reduce_scatter_group,
+    reduce_scatter_stream,
+    reduce_scatter_comm,
+    orig_dtype,
+    reduce_dtype,
+    device,
+    gradient_divide_factor,
+    all_reduce_group,
+    all_reduce_stream,
+    all_reduce_grads,
+    partial_reduce_output,
+    all_reduce_hook,
+    force_sum_reduction_for_comms=False,
+):
+    args = dict(
+        fsdp_params=fsdp_params,
+        unsharded_grads=unsharded_grads,
+        reduce_scatter_group=reduce_scatter_group,
+        reduce_scatter_stream=reduce_scatter_stream,
+        reduce_scatter_comm=reduce_scatter_comm,
+        orig_dtype=orig_dtype,
+        reduce_dtype=reduce_dtype,
+        device=device,
+        gradient_divide_factor=gradient_divide_factor,
+        all_reduce_group=all_reduce_group,
+        all_reduce_stream=all_reduce_stream,
+        all_reduce_grads=all_reduce_grads,
+        partial_reduce_output=partial_reduce_output,
+        all_reduce_hook=all_reduce_hook,
+        force_sum_reduction_for_comms=force_sum_reduction_for_comms,
+    )
+    original = _shim.original
+    on_hsdp = _runs_on_hsdp(reduce_scatter_group, all_reduce_group)
+    if on_hsdp:
+        _check_uniform_grad_dtype(fsdp_params, unsharded_grads)
+    if not on_hsdp or not _bucketable(args):
+        return original(**args)
+
+    shard_size = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
+    shard_numels = [_padded_shard_numel(p, g, shard_size) for p, g in zip(fsdp_params, unsharded_grads)]
+    divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
+    reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
+    buckets = _shim.buckets
+    if all_reduce_grads:
+        buckets.begin_add()
+        key, out = buckets.reserve(all_reduce_group, divide_by, reduce_dtype, sum(shard_numels))
+        comm = _OutputInto(reduce_scatter_comm, out)
+    else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
+        out, comm = None, reduce_scatter_comm
+    # FSDP2's own copy-in and reduce-scatter with SUM and no division: the
+    # partial-output path returns the reduced shard instead of finishing it.
+    result = original(
+        **{
+            **args,
+            "reduce_scatter_comm": comm,
+            "gradient_divide_factor": None,
+            "all_reduce_grads": False,
+            "all_reduce_hook": None,
+            "force_sum_reduction_for_comms": True,
+        }
+    )
+    reduced = result[-1]
+    if not isinstance(reduced, torch.Tensor):
+        raise RuntimeError(
+            "hsdp_backend.fsdp: FSDP2's foreach_reduce did not return the reduced gradient shard "
+            f"last (got {type(reduced).__name__}); set HSDP_FSDP=off to use FSDP2's native path"
+        )
+    if not all_reduce_grads:
+        return result
+    if reduced.data_ptr() != out.data_ptr():  # accumulated into an earlier partial
+        out.copy_(reduced)
+    buckets.add(key, _PendingGrads(fsdp_params, shard_numels, orig_dtype, out))
+    # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
+    return (*result[:-1], None)
+
+
+def _runs_on_hsdp(reduce_scatter_group, all_reduce_group) -> bool:
+    groups = [g for g in (reduce_scatter_group, all_reduce_group) if g is not None]
+    names = [dist.get_backend(g) for g in groups]
+    if all(n == "hsdp" for n in names):
+        return bool(names)
+    if any(n == "hsdp" for n in names):
+        _warn_once(
+            "mixed-mesh",
+            f"hsdp_backend.fsdp: this FSDP2 mesh mixes backends {names} (shard, replicate); the shim "
+            "needs both on hsdp and leaves FSDP2's native reduction in place. Create the mesh's "
+            "groups with backend='hsdp' (e.g. init_process_group('hsdp') before init_device_mesh).",
+        )
+    return False
+
+
+def _bucketable(args: dict[str, Any]) -> bool:
+    """Whether this call can take the bucketed HSDP path (see module docs)."""
+    if args["all_reduce_group"] is None or args["device"].type != "cpu" or args["all_reduce_hook"] is not None:
+        return False
+    reduce_dtype = args["reduce_dtype"] or args["unsharded_grads"][0].dtype
+    if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return False
+    return not any(p.offload_to_cpu for p in args["fsdp_params"])
+
+
+def _check_uniform_grad_dtype(fsdp_params, unsharded_grads) -> None:
+    dtypes = {g.dtype for g in unsharded_grads}
+    if len(dtypes) <= 1:
+        return
+    listing = ", ".join(
+        f"{getattr(p, '_param_fqn', None) or '?'} ({g.dtype})" for p, g in zip(fsdp_params, unsharded_grads)
+    )
+    raise TypeError(
+        f"hsdp: one fully_shard param group has gradients of several dtypes: {listing}. FSDP2 reduces a "
+        "group's gradients as one flat buffer of one dtype. Give the module's parameters one dtype "
+        "(module.to(dtype)), set MixedPrecisionPolicy(param_dtype=...) so their gradients share one, or "
+        "call fully_shard separately on the submodules of each dtype."
+    )
+
+
+def _padded_shard_numel(fsdp_param, unsharded_grad: torch.Tensor, shard_size: int) -> int:
+    """Elements of this gradient in the reduce-scatter output (FSDP2 pads
+    dim 0 to a multiple of the shard size; Shard(i > 0) is even)."""
+    numel = unsharded_grad.numel()
+    if numel == 0:
+        return 0
+    if fsdp_param.fsdp_placement.dim != 0:
+        return numel // shard_size
+    dim0 = unsharded_grad.size(0)
+    return math.ceil(dim0 / shard_size) * (numel // dim0)
+
+
+class _OutputInto:
+    """FSDP2's reduce-scatter comm, except that the reduce-scatter output (the
+    second allocation of a foreach_reduce call; the first is the input) is a
+    slice of a replicate bucket, so the bucket needs no packing."""
+
+    def __init__(self, comm, out: torch.Tensor):
+        self._comm = comm
+        self._out = out
+        self._allocations = 0
+
+    def allocate(self, size, *, dtype, device):
+        self._allocations += 1
+        if self._allocations == 2 and math.prod(size) == self._out.numel() and dtype == self._out.dtype:
+            return self._out
+        return self._comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args, **kwargs):
+        return self._comm(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# Replicate buckets
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _PendingGrads:
+    """One param group's reduced gradient shard, waiting for its bucket."""
+
+    fsdp_params: list
+    shard_numels: list[int]
+    orig_dtype: torch.dtype | None
+    flat: torch.Tensor  # a slice of the bucket's buffer
+
+    def finish(self) -> None:
+        """FSDP2's tail: cast, view out per parameter, assign or accumulate."""
+        grads = self.flat
+        if self.orig_dtype is not None and grads.dtype != self.orig_dtype:
+            grads = grads.to(self.orig_dtype)
+        offset = grads.storage_offset()
+        for fsdp_param, numel in zip(self.fsdp_params, self.shard_numels):
+            grad = torch.as_strided(
+                grads,
+                size=fsdp_param.sharded_size,
+                stride=fsdp_param.contiguous_sharded_stride,
+                storage_offset=offset,
+            )
+            param = fsdp_param.sharded_param
+            if param.grad is not None:
+                param.grad._local_tensor += grad
+            else:
+                param.grad = fsdp_param.to_sharded_dtensor(grad)
+            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(param)
+            offset += numel
+
+
+@dataclass
+class _Bucket:
+    group: Any
+    divide_by: float
+    buffer: torch.Tensor
+    used: int = 0
+    pending: list[_PendingGrads] = field(default_factory=list)
+
+
+class _ReplicateBuckets:
+    """Buckets of one backward pass, keyed by (replicate group, divisor, dtype).
+
+    ``reserve`` hands out the next slice of the open bucket (flushing it first
+    when the slice does not fit); ``add`` records the param group that filled
+    it; ``finish`` (the autograd final callback) flushes the rest, waits for
+    every all-reduce and finishes the gradients.
+    """
+
+    def __init__(self) -> None:
+        self.open: dict[tuple, _Bucket] = {}
+        self.in_flight: list[tuple[Any, _Bucket]] = []
+        self.callback_task: int | None = None  # graph task whose final callback will finish
+
+    def begin_add(self) -> None:
+        task = torch._C._current_graph_task_id()
+        if self.callback_task is not None and self.callback_task != task:
+            # The backward that queued our callback raised before running it:
+            # its gradients are lost (as FSDP2's own are), so drop them.
+            self.abandon()
+        if self.callback_task is None:
+            if task != -1:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                self.callback_task = task
+
+    def reserve(self, group, divide_by: float, dtype: torch.dtype, numel: int) -> tuple[tuple, torch.Tensor]:
+        """The bucket key and a ``numel`` slice of that bucket's buffer."""
+        key = (group.group_name, divide_by, dtype)
+        bucket = self.open.get(key)
+        if bucket is not None and bucket.used + numel > bucket.buffer.numel():
+            self.flush(key)
+            bucket = None
+        if bucket is None:
+            capacity = max(numel, _shim.bucket_bytes // dtype.itemsize)
+            bucket = _Bucket(group, divide_by, torch.empty(capacity, dtype=dtype))
+            self.open[key] = bucket
+        start = bucket.used
+        bucket.used += numel
+        return key, bucket.buffer[start : bucket.used]
+
+    def add(self, key: tuple, pending: _PendingGrads) -> None:
+        """Records the param group that filled its reserved slice."""
+        bucket = self.open[key]
+        bucket.pending.append(pending)
+        if bucket.used * bucket.buffer.itemsize >= _shim.bucket_bytes:
+            self.flush(key)
+        if self.callback_task is None:  # outside autograd: no final callback would finish it
+            self.finish()
+
+    def flush(self, key) -> None:
+        from hsdp_backend import api
+
+        bucket = self.open.pop(key)
+        if not bucket.pending:
+            return
+        work = api.all_reduce(
+            bucket.buffer[: bucket.used],
+            op=dist.ReduceOp.SUM,
+            group=bucket.group,
+            divide_by=bucket.divide_by,
+            async_op=True,
+        )
+        self.in_flight.append((work, bucket))
+
+    def finish(self) -> None:
+        try:
+            for key in list(self.open):
+                self.flush(key)
+            in_flight, self.in_flight = self.in_flight, []
+            for work, _ in in_flight:
+                work.wait()
+            for _, bucket in in_flight:
+                for pending in bucket.pending:
+                    pending.finish()
+        finally:
+            self.open.clear()
+            self.in_flight.clear()
+            self.callback_task = None
+
+    def abandon(self) -> None:
+        in_flight, self.in_flight = self.in_flight, []
+        self.open.clear()
+        self.callback_task = None
+        for work, _ in in_flight:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the failure was reported by the backward that raised
+                pass
+
+
+_shim = _Shim()
