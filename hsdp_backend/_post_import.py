@@ -1,25 +1,24 @@
 """Run a callback right after a module is imported, without importing it.
 
-hsdp adapts a few torch modules (FSDP2's reduction path, ``init_process_group``
-under ``python -m hsdp_backend.run``) only in processes that use them.
-Importing them eagerly would cost every process about a second of CPU, so the
-adaptation waits for the process's own import. Standard library only: this
-runs from a ``sitecustomize`` before torch exists.
+hsdp adapts two torch modules only in processes that use them: FSDP2's
+reduction path (hsdp_backend.fsdp) and, under ``python -m hsdp_backend.run``,
+``init_process_group``. Importing them eagerly would cost every process about
+a second of CPU, so the adaptation waits for the process's own import.
+
+Standard library built-ins only, and no import of the hsdp_backend package:
+the launcher's ``sitecustomize`` loads this file by path in every process it
+starts, before torch exists, and registers it under this module's name so
+that the package later shares the same hook.
 """
 
-from __future__ import annotations
-
-import importlib.abc
-import importlib.machinery
+import _thread
 import sys
-import threading
-from typing import Callable
 
-_lock = threading.Lock()
-_pending: dict[str, list[Callable]] = {}
+_lock = _thread.allocate_lock()
+_pending = {}  # module name -> [callback(module)]
 
 
-def when_imported(name: str, callback: Callable) -> None:
+def when_imported(name, callback):
     """Calls ``callback(module)`` once ``name`` has been imported: now if it
     already is, otherwise right after its body has run (before any
     ``from name import *`` elsewhere copies its names)."""
@@ -33,10 +32,10 @@ def when_imported(name: str, callback: Callable) -> None:
     callback(module)
 
 
-class _Loader(importlib.abc.Loader):
+class _Loader:
     """Delegates to the real loader, then runs the callbacks."""
 
-    def __init__(self, loader, name: str):
+    def __init__(self, loader, name):
         self._loader = loader
         self._name = name
 
@@ -44,6 +43,11 @@ class _Loader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        # Put the real loader back first, so nothing that inspects the module
+        # later sees this wrapper.
+        module.__loader__ = self._loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self._loader
         self._loader.exec_module(module)
         with _lock:
             callbacks = _pending.pop(self._name, [])
@@ -54,20 +58,26 @@ class _Loader(importlib.abc.Loader):
         return getattr(self._loader, attr)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
+class _Finder:
+    """Answers only for modules with pending callbacks: asks the finders after
+    it for the real spec and wraps that spec's loader."""
+
+    def find_spec(self, fullname, path=None, target=None):
         if fullname not in _pending:
             return None
-        # Let the rest of sys.meta_path find the real spec, then wrap its loader.
         for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
                 continue
-            spec = finder.find_spec(fullname, path, target)
+            spec = find(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None and hasattr(spec.loader, "exec_module"):
                     spec.loader = _Loader(spec.loader, fullname)
                 return spec
         return None
+
+    def invalidate_caches(self):
+        pass
 
 
 _FINDER = _Finder()

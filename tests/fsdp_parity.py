@@ -1,0 +1,336 @@
+"""FSDP2 training scenarios for the parity tests (test_fsdp.py).
+
+A scenario trains the examples' transformer (tiny) for a few steps with
+fully_shard per block, then the root. ``train_ranks`` runs it inside the
+ranks of a launch on whatever backend the default group has; ``reference``
+runs the same arithmetic in one process without torch.distributed: every
+rank's micro-batches, losses averaged over ranks, gradients summed over
+micro-batches, so FSDP's averaged gradients are the reference's exactly up
+to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+from dataclasses import dataclass
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(0, str(EXAMPLES))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One training configuration.
+
+    Args:
+        mesh: (shard,) for FSDP or (replicate, shard) for HSDP.
+        mp: "none", "bf16" (bf16 params, fp32 reduce) or "bf16-reduce".
+        micro_batches: backward passes per optimizer step.
+        accumulate: how the micro-batches before the last skip communication:
+            "no_sync" (set_requires_gradient_sync(False): nothing reduced) or
+            "no_all_reduce" (set_requires_all_reduce(False): reduce-scatter,
+            no replicate all-reduce).
+        divide_factor: set_gradient_divide_factor on every module.
+        reshard: reshard_after_forward for the blocks (True, False or an int).
+        explicit_prefetch: set_modules_to_forward/backward_prefetch.
+        clip: clip_grad_norm_ max norm.
+        checkpoint_at: save with torch.distributed.checkpoint after this
+            step, rebuild everything from a different seed, load, continue.
+        shim: "auto" (as installed), "off" (hsdp_backend.fsdp.disable()) or
+            "incompatible" (FSDP2's foreach_reduce replaced by a function of
+            another signature before enabling: the shim must refuse).
+        bucket_bytes: replicate bucket capacity for the shim.
+    """
+
+    mesh: tuple[int, ...]
+    steps: int = 10
+    mp: str = "none"
+    micro_batches: int = 1
+    accumulate: str = "no_sync"
+    divide_factor: float | None = None
+    reshard: bool | int = True
+    explicit_prefetch: bool = False
+    clip: float | None = None
+    checkpoint_at: int | None = None
+    shim: str = "auto"
+    bucket_bytes: int | None = None
+    dim: int = 32
+    layers: int = 3
+    heads: int = 2
+    vocab: int = 128
+    seq_len: int = 16
+    batch_size: int = 2
+    lr: float = 1e-2
+    seed: int = 0
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.mesh)
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "fsdp_w2": Scenario(mesh=(2,), explicit_prefetch=True),
+    "fsdp_w2_bf16": Scenario(mesh=(2,), mp="bf16"),
+    "fsdp_w4_reshard_int": Scenario(mesh=(4,), reshard=2),
+    "hsdp_2x2": Scenario(mesh=(2, 2), reshard=False, clip=0.5),
+    "hsdp_2x2_bf16": Scenario(mesh=(2, 2), mp="bf16"),
+    "hsdp_2x2_bf16_reduce": Scenario(mesh=(2, 2), mp="bf16-reduce"),
+    "hsdp_2x2_accumulate_no_sync": Scenario(mesh=(2, 2), micro_batches=3, accumulate="no_sync"),
+    "hsdp_2x2_accumulate_no_all_reduce": Scenario(mesh=(2, 2), micro_batches=3, accumulate="no_all_reduce"),
+    "hsdp_2x2_divide_factor": Scenario(mesh=(2, 2), divide_factor=3.0),
+    "hsdp_2x2_checkpoint": Scenario(mesh=(2, 2), checkpoint_at=5),
+    "hsdp_2x2_small_buckets": Scenario(mesh=(2, 2), bucket_bytes=8 << 10, explicit_prefetch=True),
+    "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
+    "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
+    "hsdp_2x2_shim_incompatible": Scenario(mesh=(2, 2), shim="incompatible"),
+}
+
+
+def model_args(s: Scenario):
+    import argparse
+
+    return argparse.Namespace(dim=s.dim, layers=s.layers, heads=s.heads, vocab=s.vocab, seed=s.seed)
+
+
+def batches(s: Scenario, rank: int, count: int):
+    """``count`` micro-batches of data-parallel rank ``rank``."""
+    from train_fsdp import SyntheticData
+
+    data = SyntheticData(s.vocab, s.seq_len, s.batch_size, s.seed, rank)
+    return [data.next_batch() for _ in range(count)]
+
+
+def loss_of(model, inputs, labels):
+    import torch.nn.functional as F
+
+    logits = model(inputs)
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1))
+
+
+def make_optimizer(params, s: Scenario):
+    import torch
+
+    # SGD with momentum: the update is linear in the gradient, so parameter
+    # differences measure gradient differences (Adam would renormalise them).
+    return torch.optim.SGD(params, lr=s.lr, momentum=0.9)
+
+
+def num_param_groups(s: Scenario) -> int:
+    return s.layers + 1  # one per block, plus the root
+
+
+# ---------------------------------------------------------------------------
+# Single-process reference
+# ---------------------------------------------------------------------------
+
+
+def reference(s: Scenario) -> dict:
+    """Losses (mean over ranks, per step) and final parameters, computed in one
+    process in fp32."""
+    import torch
+
+    from train_fsdp import build_model
+
+    torch.manual_seed(s.seed)
+    model = build_model(model_args(s))
+    optimizer = make_optimizer(model.parameters(), s)
+    data = [batches(s, r, s.steps * s.micro_batches) for r in range(s.world)]
+    divisor = s.divide_factor if s.divide_factor is not None else s.world
+    losses = []
+    for step in range(s.steps):
+        optimizer.zero_grad()
+        step_loss = 0.0
+        for m in range(s.micro_batches):
+            total = 0.0
+            for r in range(s.world):
+                inputs, labels = data[r][step * s.micro_batches + m]
+                loss = loss_of(model, inputs, labels)
+                (loss / divisor).backward()
+                total += loss.item()
+            step_loss = total / s.world  # the last micro-batch's, as the ranks report
+        if s.clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+        optimizer.step()
+        losses.append(step_loss)
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+# ---------------------------------------------------------------------------
+# Inside the ranks
+# ---------------------------------------------------------------------------
+
+
+def _build_sharded(s: Scenario, mesh, seed: int):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from train_fsdp import build_model
+
+    args = model_args(s)
+    args.seed = seed
+    model = build_model(args)
+    if s.mp == "bf16":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif s.mp == "bf16-reduce":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    else:
+        policy = MixedPrecisionPolicy()
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=s.reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if s.explicit_prefetch:
+        for i, block in enumerate(blocks):
+            if i + 1 < len(blocks):
+                block.set_modules_to_forward_prefetch([blocks[i + 1]])
+            if i > 0:
+                block.set_modules_to_backward_prefetch([blocks[i - 1]])
+    if s.divide_factor is not None:
+        for module in [*blocks, model]:
+            module.set_gradient_divide_factor(s.divide_factor)
+    return model, make_optimizer(model.parameters(), s)
+
+
+def _comm_counts(groups: dict) -> dict:
+    import hsdp_backend
+
+    out = {}
+    for label, group in groups.items():
+        stats = hsdp_backend.comm_stats(group)
+        out[label] = {op: (c["calls"], c["collectives"], c["bytes"]) for op, c in stats.items() if c["calls"]}
+    return out
+
+
+def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = None) -> dict:
+    """Runs scenario ``name`` on the default group's backend. Returns the
+    per-step losses (mean over ranks), per-step hsdp comm counts, warnings
+    raised by the shim, and (rank 0) the full final parameters."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import hsdp_backend
+    from hsdp_backend import fsdp as shim
+
+    s = SCENARIOS[name]
+    assert world == s.world, (world, s.world)
+    on_hsdp = dist.get_backend() == "hsdp"
+    names = ("shard",) if len(s.mesh) == 1 else ("replicate", "shard")
+    mesh = init_device_mesh("cpu", s.mesh, mesh_dim_names=names)
+    groups = {n: mesh.get_group(n) for n in names}
+    caught: list[str] = []
+
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group_module
+
+    original_foreach_reduce = None
+    if on_hsdp:
+        assert shim.is_enabled(), "the shim should be installed automatically on hsdp"
+        if s.bucket_bytes is not None:
+            shim.enable(bucket_bytes=s.bucket_bytes)
+        if s.shim in ("off", "incompatible"):
+            shim.disable()
+        if s.shim == "incompatible":
+            original_foreach_reduce = param_group_module.foreach_reduce
+            param_group_module.foreach_reduce = lambda *args, **kwargs: original_foreach_reduce(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                assert shim.enable() is False
+            caught += [str(w.message) for w in record]
+    try:
+        model, optimizer = _build_sharded(s, mesh, s.seed)
+        if not on_hsdp:
+            # gloo: SUM collectives and one division (torch versions whose gloo
+            # AVG reduce-scatter sums would otherwise make a bad reference).
+            for module in model.modules():
+                if hasattr(module, "set_force_sum_reduction_for_comms"):
+                    module.set_force_sum_reduction_for_comms(True)
+        dp_rank = rank  # every rank is its own data-parallel rank
+        data = batches(s, dp_rank, s.steps * s.micro_batches)
+        losses, comms = [], []
+        for step in range(s.steps):
+            if s.checkpoint_at is not None and step == s.checkpoint_at:
+                model, optimizer = _reload(s, mesh, model, optimizer, checkpoint_dir)
+            if on_hsdp:
+                for g in groups.values():
+                    hsdp_backend.reset_comm_stats(g)
+            optimizer.zero_grad()
+            for m in range(s.micro_batches):
+                last = m == s.micro_batches - 1
+                if s.micro_batches > 1:
+                    if s.accumulate == "no_sync":
+                        model.set_requires_gradient_sync(last)
+                    else:
+                        model.set_requires_all_reduce(last)
+                inputs, labels = data[step * s.micro_batches + m]
+                loss = loss_of(model, inputs, labels)
+                loss.backward()
+            # Gradients must be complete here, with no extra call. (Counted
+            # before clipping, whose norm all-reduces are not gradient traffic.)
+            if on_hsdp:
+                comms.append(_comm_counts(groups))
+            if s.clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
+            optimizer.step()
+            reported = loss.detach().clone()
+            dist.all_reduce(reported, op=dist.ReduceOp.SUM)
+            losses.append(reported.item() / world)
+        reduce_itemsize = 2 if s.mp == "bf16-reduce" else 4
+        grad_bytes = sum(p.to_local().numel() * reduce_itemsize for p in model.parameters())
+        # numpy, not tensors: torch pickles tensors through file descriptors
+        # that die with this process.
+        params = {n: p.full_tensor().detach().float().numpy().copy() for n, p in model.named_parameters()}
+        return {
+            "losses": losses,
+            "comms": comms,
+            "warnings": caught,
+            "params": params if rank == 0 else None,
+            "grad_bytes_per_rank": grad_bytes,
+            "shim_enabled": shim.is_enabled() if on_hsdp else None,
+        }
+    finally:
+        if original_foreach_reduce is not None:
+            param_group_module.foreach_reduce = original_foreach_reduce
+        if on_hsdp:
+            shim.enable(bucket_bytes=None)  # back to the defaults for the next scenario
+
+
+def _reload(s: Scenario, mesh, model, optimizer, checkpoint_dir: str):
+    """Saves model and optimizer with DCP, rebuilds both from another seed
+    (so a load that does nothing would show) and loads them back."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
+    fresh_model, fresh_optimizer = _build_sharded(s, mesh, s.seed + 1000)
+    model_sd, optim_sd = get_state_dict(fresh_model, fresh_optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    set_state_dict(fresh_model, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return fresh_model, fresh_optimizer
+
+
+def run_scenarios(rank: int, world: int, names: list[str], checkpoint_root: str) -> dict:
+    """Rank body of one launch: every scenario in ``names``, in order.
+    Returns {name: result dict, or the traceback text}."""
+    import os
+    import traceback
+
+    import torch.distributed as dist
+
+    out = {}
+    for name in names:
+        try:
+            checkpoint_dir = os.path.join(checkpoint_root, f"{name}-{dist.get_backend()}")
+            out[name] = train_ranks(rank, world, name, checkpoint_dir)
+        except BaseException:  # noqa: BLE001 - reported per scenario
+            out[name] = traceback.format_exc()
+            break
+    for name in names:
+        out.setdefault(name, "not run: an earlier scenario failed on this rank")
+    return out

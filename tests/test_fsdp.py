@@ -1,0 +1,119 @@
+"""FSDP2 parity on hsdp: every scenario of fsdp_parity.py trained on hsdp (with
+the shim), on gloo, and in a single process; losses and parameters must agree,
+and hsdp's comm_stats must show the promised shape."""
+
+import math
+
+import pytest
+import torch
+
+import fsdp_parity
+from fsdp_parity import SCENARIOS, Scenario
+from harness import run_ranks
+
+# Scenarios that exercise the shim itself; gloo has nothing to compare there.
+HSDP_ONLY = {"hsdp_2x2_small_buckets", "hsdp_2x2_shim_off", "hsdp_2x2_shim_incompatible"}
+# fp32: the issue's bar. bf16 compute (params and activations in bf16) drifts
+# from the fp32 reference by rounding, but hsdp and gloo run the same bf16
+# arithmetic and must stay close to each other.
+FP32 = dict(rtol=1e-5, atol=1e-6)
+BF16_VS_REFERENCE = dict(rtol=2e-2, atol=2e-3)
+BF16_VS_GLOO = dict(rtol=2e-3, atol=2e-4)
+
+
+class Launches:
+    """One launch per (world size, backend) runs all its scenarios."""
+
+    def __init__(self, tmp_root):
+        self.tmp_root = tmp_root
+        self.results = {}
+        self.references = {}
+
+    def result(self, name: str, backend: str) -> dict:
+        world = SCENARIOS[name].world
+        key = (world, backend)
+        if key not in self.results:
+            names = [n for n, s in SCENARIOS.items() if s.world == world and (backend == "hsdp" or n not in HSDP_ONLY)]
+            per_rank = run_ranks(
+                fsdp_parity.run_scenarios, world, backend=backend, timeout_s=900,
+                names=names, checkpoint_root=str(self.tmp_root),
+            )
+            self.results[key] = per_rank
+        per_rank = self.results[key]
+        failures = [f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(per_rank) if isinstance(res[name], str)]
+        if failures:
+            pytest.fail("\n".join(failures), pytrace=False)
+        return per_rank[0][name]
+
+    def reference(self, name: str) -> dict:
+        if name not in self.references:
+            self.references[name] = fsdp_parity.reference(SCENARIOS[name])
+        return self.references[name]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory):
+    return Launches(tmp_path_factory.mktemp("dcp"))
+
+
+def as_tensor(x) -> torch.Tensor:
+    return x.float() if isinstance(x, torch.Tensor) else torch.from_numpy(x).float()
+
+
+def assert_same_training(got: dict, want: dict, tol: dict, what: str):
+    assert len(got["losses"]) == len(want["losses"])
+    torch.testing.assert_close(
+        torch.tensor(got["losses"], dtype=torch.float64),
+        torch.tensor(want["losses"], dtype=torch.float64),
+        **tol, msg=lambda m: f"losses differ from {what}: {got['losses']} vs {want['losses']}\n{m}",
+    )
+    assert got["params"].keys() == want["params"].keys()
+    for n in want["params"]:
+        torch.testing.assert_close(as_tensor(got["params"][n]), as_tensor(want["params"][n]), **tol,
+                                   msg=lambda m: f"parameter {n} differs from {what}\n{m}")
+
+
+def assert_comm_shape(name: str, s: Scenario, got: dict):
+    """One reduce-scatter per param group per backward that reduces, and
+    replicate all-reduces per step within ceil(grad bytes / bucket) + 1."""
+    groups = fsdp_parity.num_param_groups(s)
+    shard = s.mesh[-1]
+    reducing_backwards = s.micro_batches if s.accumulate == "no_all_reduce" else 1
+    bucket = s.bucket_bytes or (25 << 20)
+    native = s.shim in ("off", "incompatible")
+    for step, counts in enumerate(got["comms"]):
+        rs = counts["shard"].get("reduce_scatter_tensor", (0, 0, 0))
+        if shard > 1:
+            assert rs[0] == rs[1] == groups * reducing_backwards, (name, step, counts)
+        else:
+            assert rs[0] == 0, (name, step, counts)
+        if len(s.mesh) == 1:
+            continue
+        ar = counts["replicate"].get("all_reduce", (0, 0, 0))
+        if native:
+            assert ar[0] == groups, (name, step, counts)  # FSDP2's own: one per param group
+        else:
+            bound = math.ceil(got["grad_bytes_per_rank"] / bucket) + 1
+            assert 1 <= ar[1] <= bound, (name, step, counts, bound)
+            if s.bucket_bytes is not None and got["grad_bytes_per_rank"] > 2 * s.bucket_bytes:
+                assert ar[1] > 1, (name, step, counts)  # small buckets really split
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_fsdp_parity(launches, name):
+    s = SCENARIOS[name]
+    hsdp = launches.result(name, "hsdp")
+    reference = launches.reference(name)
+    bf16 = s.mp != "none"
+    assert_same_training(hsdp, reference, BF16_VS_REFERENCE if bf16 else FP32, "the single-process reference")
+    if name not in HSDP_ONLY:
+        gloo = launches.result(name, "gloo")
+        assert_same_training(hsdp, gloo, BF16_VS_GLOO if bf16 else FP32, "gloo")
+    assert_comm_shape(name, s, hsdp)
+    if s.shim == "incompatible":
+        assert not hsdp["shim_enabled"]
+        assert any("FSDP2 keeps its native reduction" in w for w in hsdp["warnings"]), hsdp["warnings"]
+    elif s.shim == "off":
+        assert not hsdp["shim_enabled"]
+    else:
+        assert hsdp["shim_enabled"]
