@@ -91,6 +91,9 @@ _FSDP_PARAM_ATTRS = (
     "fsdp_placement",
 )
 TESTED_TORCH = "2.14"
+# FSDP2's custom-comm extension points, which foreach_reduce's signature above
+# assumes, arrived in 2.9; pyproject.toml requires the same.
+SUPPORTED_TORCH = ((2, 9), (2, 14))
 
 
 class _Shim:
@@ -99,6 +102,7 @@ class _Shim:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.original = None  # FSDP2's foreach_reduce while the shim is installed
+        self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
         self.disabled_reason: str | None = None
         self.bucket_bytes = 0
         self.warned: set[str] = set()
@@ -124,6 +128,7 @@ def enable(bucket_bytes: int | None = None) -> bool:
     with _shim.lock:
         if _shim.original is not None:
             return True
+        _check_torch_version(torch.__version__)
         problem = _incompatibility(module)
         if problem is not None:
             _shim.disabled_reason = problem
@@ -137,6 +142,10 @@ def enable(bucket_bytes: int | None = None) -> bool:
         _shim.original = module.foreach_reduce
         _shim.disabled_reason = None
         module.foreach_reduce = _foreach_reduce
+        param_group = module.FSDPParamGroup
+        if hasattr(param_group, "_init_mp_dtypes") and _shim.original_init_mp_dtypes is None:
+            _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
+            param_group._init_mp_dtypes = _init_mp_dtypes
     return True
 
 
@@ -148,6 +157,9 @@ def disable() -> None:
         if _shim.original is not None:
             module.foreach_reduce = _shim.original
             _shim.original = None
+        if _shim.original_init_mp_dtypes is not None:
+            module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
+            _shim.original_init_mp_dtypes = None
 
 
 def is_enabled() -> bool:
@@ -161,6 +173,26 @@ def install_automatically() -> None:
     if config.read("HSDP_FSDP") == "off":
         return
     _post_import.when_imported(_PARAM_GROUP_MODULE, lambda _module: enable())
+
+
+def _check_torch_version(version: str) -> bool:
+    """Warns once when ``version`` is outside the range hsdp was built and
+    tested for. The shim still decides by feature checks, not by version."""
+    try:
+        major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        major_minor = None
+    low, high = SUPPORTED_TORCH
+    if major_minor is not None and low <= major_minor <= high:
+        return True
+    _warn_once(
+        "torch-version",
+        f"hsdp_backend.fsdp: torch {version} is outside the supported range "
+        f"{low[0]}.{low[1]}-{high[0]}.{high[1]} (tested: {TESTED_TORCH}). The FSDP2 shim is used only if "
+        "FSDP2's internals match what it expects; install a supported torch, or set HSDP_FSDP=off to "
+        "keep FSDP2's own reduction path.",
+    )
+    return False
 
 
 def _incompatibility(module) -> str | None:
@@ -294,18 +326,32 @@ def _bucketable(args: dict[str, Any]) -> bool:
     return not any(p.offload_to_cpu for p in args["fsdp_params"])
 
 
+def _init_mp_dtypes(self, *args, **kwargs):
+    """FSDP2's check that a param group's parameters share one dtype, with an
+    error that says what to do when the group runs on hsdp."""
+    try:
+        return _shim.original_init_mp_dtypes(self, *args, **kwargs)
+    except AssertionError as exc:
+        groups = self.mesh_info.mesh.get_all_groups() if hasattr(self, "mesh_info") else []
+        if "uniform" not in str(exc) or not any(dist.get_backend(g) == "hsdp" for g in groups):
+            raise
+        listing = [(getattr(p, "_param_fqn", None) or "?", p.sharded_param.dtype) for p in self.fsdp_params]
+        raise TypeError(_mixed_dtype_message(listing) + f" (FSDP2: {exc})") from exc
+
+
 def _check_uniform_grad_dtype(fsdp_params, unsharded_grads) -> None:
-    dtypes = {g.dtype for g in unsharded_grads}
-    if len(dtypes) <= 1:
-        return
-    listing = ", ".join(
-        f"{getattr(p, '_param_fqn', None) or '?'} ({g.dtype})" for p, g in zip(fsdp_params, unsharded_grads)
-    )
-    raise TypeError(
-        f"hsdp: one fully_shard param group has gradients of several dtypes: {listing}. FSDP2 reduces a "
-        "group's gradients as one flat buffer of one dtype. Give the module's parameters one dtype "
-        "(module.to(dtype)), set MixedPrecisionPolicy(param_dtype=...) so their gradients share one, or "
-        "call fully_shard separately on the submodules of each dtype."
+    if len({g.dtype for g in unsharded_grads}) > 1:
+        listing = [(getattr(p, "_param_fqn", None) or "?", g.dtype) for p, g in zip(fsdp_params, unsharded_grads)]
+        raise TypeError(_mixed_dtype_message(listing))
+
+
+def _mixed_dtype_message(listing) -> str:
+    names = ", ".join(f"{name} ({dtype})" for name, dtype in listing)
+    return (
+        f"hsdp: one fully_shard param group mixes dtypes: {names}. FSDP2 reduces a group's gradients as one "
+        "flat buffer of one dtype. Give the module's parameters one dtype (module.to(dtype)), set "
+        "MixedPrecisionPolicy(param_dtype=...) so their gradients share one, or call fully_shard "
+        "separately on the submodules of each dtype."
     )
 
 
