@@ -62,8 +62,9 @@ Suites
 turns the CLI arguments into a picklable config in the parent, runs its
 measurement on every rank, and prints / serialises / plots the results of
 rank 0 in the parent; the launcher, deadline, JSON envelope and machine
-information are shared. New benchmarks (e.g. an FSDP2 training step) are
-new ``Suite`` subclasses added to ``SUITES``.
+information are shared. New benchmarks are new ``Suite`` subclasses added to
+``SUITES``; one that starts its own processes overrides ``Suite.run_all``
+(``training`` does).
 
 ``collectives`` (the default) is the method above.
 
@@ -93,6 +94,27 @@ rank's output are reported per (dtype, op, W), as a markdown table
 whether hsdp stays within 0.5 ulp (+1e-3 for its fp32 division) and at or
 below gloo. A backend that rejects AVG would run SUM and divide by W in the
 output type (the table's reduction column says which ran).
+
+``training`` (default 2, 4 ranks) times the FSDP2 example scripts of the
+repository (``examples/``, not installed with the package) end to end:
+``train_fsdp.py`` on 2 ranks (``--ranks 2``) and ``train_hsdp.py
+--replicate 2 --shard 2`` on 4 ranks (``--ranks 4``), each for a "small"
+model (10.6 M parameters, bandwidth-bound) and a "tiny" one (66 k
+parameters in 11 FSDP groups, latency-bound), plus ``train_fsdp.py`` on 1
+rank, where FSDP2 issues no collectives: the compute baseline. Every run is
+``python -m torch.distributed.run`` with ``OMP_NUM_THREADS=1`` (the 1-rank
+run too), a free ``--master-port`` and a per-run timeout; the parent parses
+rank 0's per-step ``NN.N ms`` lines, drops the first ``--warmup`` steps (3)
+and takes the median over the remaining steps of all ``--repeats`` runs.
+Runs are interleaved: per repeat and model the baseline, then hsdp and gloo
+per configuration, odd repeats in reverse order. Reported per
+(configuration, model): the step time on 1 rank, gloo and hsdp; exposed
+communication = step(W) - step(1 rank) per backend; gloo exposed / hsdp
+exposed (target >= 5 for the small model); communication share = exposed /
+step; the hsdp speedup of the whole step; hsdp's ``comm_stats`` of the last
+step. With more ranks than cpus the ranks' compute slows down, the baseline
+under-estimates it and exposed communication includes that slowdown (a
+printed caveat).
 """
 
 from __future__ import annotations
@@ -301,7 +323,8 @@ class Suite:
 
     Subclasses set ``name`` / ``help`` and implement the methods; their
     instances go into ``SUITES``. Order of calls in the parent: configure,
-    reference, then one launch of ``run_rank`` per world size, report, plot.
+    reference, ``run_all`` (by default one launch of ``run_rank`` per world
+    size), report, plot.
     ``default_ranks`` are the world sizes without ``--ranks``; the default
     ``--json`` / ``--plot`` files are ``bench_results/<output_stem>.json|png``.
     """
@@ -318,6 +341,33 @@ class Suite:
     def reference(self, config: dict) -> dict:
         """Parent-side reference measurements (e.g. memcpy), before the ranks start."""
         return {}
+
+    def run_all(
+        self, config: dict, ranks: list[int], env: dict, deadline: float, verbose: bool
+    ) -> tuple[dict[int, Any], dict[int, str], dict[int, float]]:
+        """Runs the measurement for every world size (parent).
+
+        Returns ``(per_world, engines, wall)``: what ``report`` gets, hsdp's
+        CPU engine and the wall time per world size. The default launches
+        ``run_rank`` on ``world`` fresh rank processes per world size (see
+        ``launch``); a suite that starts its own processes (``training``)
+        overrides this. Raises BenchFailure.
+        """
+        per_world: dict[int, Any] = {}
+        engines: dict[int, str] = {}
+        wall: dict[int, float] = {}
+        for world in ranks:
+            print(f"world size {world}: running {world} ranks...", flush=True)
+            t0 = time.monotonic()
+            out = launch(self, world, config, env, deadline, verbose)
+            per_world[world], engines[world] = out["result"], out["engine"]
+            wall[world] = time.monotonic() - t0
+            print(
+                f"world size {world}: done in {wall[world]:.1f} s "
+                f"(hsdp cpu engine: {engines[world]})",
+                flush=True,
+            )
+        return per_world, engines, wall
 
     def run_rank(self, ctx: RankContext, config: dict) -> Any:
         """The measurement, on every rank; rank 0's return value is reported."""
@@ -1434,8 +1484,645 @@ class NumericsSuite(Suite):
         plt.close(fig)
 
 
+# --- the training suite ----------------------------------------------------
+#
+# The repository's FSDP2 example scripts under torchrun, the same work on
+# hsdp and on gloo: rank 0's step time, its median after warm-up, against
+# the same script on 1 rank (no collectives) as the compute baseline.
+
+# name -> the scripts' model flags. FSDP2 groups = layers + 1 (each block and
+# the root, as in apply_fsdp).
+TRAINING_MODELS: dict[str, dict[str, int]] = {
+    # 10.6 M parameters (8.2 M of them outside the embedding): bandwidth-bound.
+    "small": {"dim": 256, "layers": 8, "heads": 8, "vocab": 8192},
+    # 66 k parameters in 11 groups: every collective is a latency.
+    "tiny": {"dim": 16, "layers": 10, "heads": 2, "vocab": 768},
+}
+TRAINING_QUICK_MODELS = ("tiny",)
+# Steps per run (default, --quick), warm-up included.
+TRAINING_STEPS = {"small": (12, 6), "tiny": (20, 8)}
+# Steps dropped from the start of each run (lazy init, first allocations).
+TRAINING_WARMUP_STEPS = 3
+# Runs per (configuration, backend) (default, --quick).
+TRAINING_REPEATS = (2, 1)
+# Tokens per rank per step: batch x seq-len; a small-model step takes a few
+# hundred ms on one core.
+TRAINING_SEQ_LEN = 64
+TRAINING_BATCH_SIZE = 2
+# gloo exposed / hsdp exposed should be at least this for the small model.
+TRAINING_TARGET_RATIO = 5.0
+# Wall-clock limit of one torchrun (capped by what is left of --timeout).
+TRAINING_RUN_TIMEOUT_S = 600.0
+# How long torchrun gets to stop its workers after SIGTERM.
+TRAINING_STOP_GRACE_S = 40.0
+# FSDP2 issues no collectives on a 1-rank mesh (unshard and reduce are local
+# copies), so the backend of the baseline does not matter; gloo, the neutral one.
+TRAINING_BASELINE_BACKEND = "gloo"
+
+
+@dataclass(frozen=True)
+class TrainingMesh:
+    """One configuration: the example script and its world size."""
+
+    name: str  # key in the JSON
+    label: str  # in the tables
+    world: int
+    script: str  # in examples/
+    extra: tuple[str, ...] = ()  # script flags
+
+
+TRAINING_MESHES = (
+    TrainingMesh("fsdp_2", "FSDP 2", 2, "train_fsdp.py"),
+    TrainingMesh("hsdp_2x2", "HSDP 2x2", 4, "train_hsdp.py", ("--replicate", "2", "--shard", "2")),
+)
+TRAINING_BASELINE = TrainingMesh("1_rank", "1 rank", 1, "train_fsdp.py")
+
+# Rank 0's lines: "step   3  loss 7.123456     45.6 ms     1234 tok/s<comm stats>",
+# "model: 10.62M params, ...", "final loss 7.1".
+_STEP_RE = re.compile(
+    r"^step\s+(\d+)\s+loss\s+(\S+)\s+([0-9.]+)\s*ms\s+([0-9.]+)\s*tok/s(.*)$", re.MULTILINE
+)
+_STEP_ANY_RE = re.compile(r"^step\s+\d+\s+loss", re.MULTILINE)
+_PARAMS_RE = re.compile(r"^model: ([0-9.]+)M params", re.MULTILINE)
+_FINAL_RE = re.compile(r"^final loss (\S+)", re.MULTILINE)
+
+
+def examples_dir() -> str:
+    """The repository's ``examples/`` (not installed with the package)."""
+    import hsdp_backend
+
+    root = os.path.dirname(os.path.dirname(os.path.realpath(hsdp_backend.__file__)))
+    return os.path.join(root, "examples")
+
+
+def training_param_counts(script: str, models: dict[str, dict[str, int]]) -> dict[str, int | None]:
+    """Exact parameter count of each model, built on the meta device from the
+    example's own ``Transformer``; None where that fails (the run's
+    ``model: X.XXM params`` line is used instead)."""
+    import importlib.util
+
+    import torch
+
+    name = "_hsdp_bench_train_fsdp"
+    counts: dict[str, int | None] = dict.fromkeys(models)
+    try:
+        spec = importlib.util.spec_from_file_location(name, script)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up
+        spec.loader.exec_module(module)
+        for model, a in models.items():
+            with torch.device("meta"):
+                net = module.Transformer(
+                    module.ModelArgs(
+                        dim=a["dim"], n_layers=a["layers"], n_heads=a["heads"], vocab_size=a["vocab"]
+                    )
+                )
+            counts[model] = sum(p.numel() for p in net.parameters())
+    except Exception:  # noqa: BLE001 - the printed count is the fallback
+        pass
+    finally:
+        sys.modules.pop(name, None)
+    return counts
+
+
+def parse_training_output(text: str) -> dict:
+    """Rank 0's output of a training script: per-step ms and losses, the last
+    step's comm-stats text (hsdp only, else ""), the printed parameter count
+    and the final loss. Raises ValueError when there is no step line with ms."""
+    steps = _STEP_RE.findall(text)
+    if not steps:
+        if _STEP_ANY_RE.search(text):
+            raise ValueError(
+                "the step lines carry no 'NN.N ms' field: examples/train_fsdp.py predates "
+                "per-step times"
+            )
+        raise ValueError("no 'step N  loss ...' lines in the output")
+    params = _PARAMS_RE.search(text)
+    final = _FINAL_RE.search(text)
+    return {
+        "step_ms": [float(s[2]) for s in steps],
+        "losses": [float(s[1]) for s in steps],
+        "comm_stats_last_step": steps[-1][4].strip(),
+        "params_printed": round(float(params.group(1)) * 1e6) if params else None,
+        "final_loss": float(final.group(1)) if final else None,
+    }
+
+
+def _free_port() -> int:
+    """A loopback TCP port nobody listens on right now (for torchrun's --master-port)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop_torchrun(proc) -> None:
+    """SIGTERM to torchrun (it stops its workers, which live in their own
+    sessions), SIGKILL to its process group if it does not exit in time."""
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TRAINING_STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(5)
+
+
+def run_torchrun(cmd: list[str], env: dict, timeout_s: float) -> tuple[int | None, str, str]:
+    """Runs ``cmd`` in its own session; ``(returncode or None on timeout, stdout, stderr)``.
+
+    torchrun is stopped on timeout and on any exception here (Ctrl-C, SIGTERM).
+    """
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # Ctrl-C reaches the parent only; it stops torchrun
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        _stop_torchrun(proc)
+        try:  # workers that outlived torchrun would hold the pipes open
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            out, err = "", "(output not collected: pipes still held open)"
+        return None, out or "", err or ""
+    finally:
+        _stop_torchrun(proc)
+
+
+class TrainingSuite(Suite):
+    name = "training"
+    help = (
+        "FSDP2 training step (examples/train_fsdp.py, train_hsdp.py) under torchrun on hsdp "
+        "and on gloo, against the same script on 1 rank"
+    )
+    default_ranks = (2, 4)
+    output_stem = "bench_training"
+
+    def configure(self, args: argparse.Namespace) -> dict:
+        examples = examples_dir()
+        missing = [
+            m.script
+            for m in (TRAINING_BASELINE, *TRAINING_MESHES)
+            if not os.path.isfile(os.path.join(examples, m.script))
+        ]
+        if missing:
+            raise ValueError(
+                f"the training suite runs the repository's example scripts, which are not "
+                f"installed with the package: {', '.join(sorted(set(missing)))} not found in "
+                f"{examples} (use a source checkout installed with pip install -e)"
+            )
+        known = {m.world: m for m in TRAINING_MESHES}
+        unknown = [w for w in args.ranks if w not in known]
+        if unknown:
+            raise ValueError(
+                f"training suite: no configuration for world size(s) {unknown}; choose from "
+                + ", ".join(f"{w} ({m.label})" for w, m in known.items())
+            )
+        meshes = [m for m in TRAINING_MESHES if m.world in args.ranks]
+        if args.models:
+            models = []
+            for item in args.models.split(","):
+                item = item.strip().lower()
+                if item not in TRAINING_MODELS:
+                    raise ValueError(
+                        f"unknown model {item!r}; choose from {', '.join(TRAINING_MODELS)}"
+                    )
+                if item not in models:
+                    models.append(item)
+        else:
+            models = list(TRAINING_QUICK_MODELS if args.quick else TRAINING_MODELS)
+        warmup = args.warmup if args.warmup is not None else TRAINING_WARMUP_STEPS
+        steps = {
+            m: args.steps if args.steps is not None else TRAINING_STEPS[m][1 if args.quick else 0]
+            for m in models
+        }
+        for m, n in steps.items():
+            if warmup < 0 or n - warmup < 1:
+                raise ValueError(
+                    f"{m} model: --steps {n} leaves no measured step after --warmup {warmup}"
+                )
+        repeats = (
+            args.repeats if args.repeats is not None else TRAINING_REPEATS[1 if args.quick else 0]
+        )
+        if repeats < 1:
+            raise ValueError("--repeats must be >= 1")
+        if args.seq_len < 1 or args.batch_size < 1:
+            raise ValueError("--seq-len and --batch-size must be >= 1")
+        script = os.path.join(examples, TRAINING_BASELINE.script)
+        params = training_param_counts(script, {m: TRAINING_MODELS[m] for m in models})
+        return {
+            "examples": examples,
+            "models": models,
+            "model_args": {m: dict(TRAINING_MODELS[m]) for m in models},
+            "params": params,
+            "meshes": meshes,
+            "steps": steps,
+            "warmup_steps": warmup,
+            "repeats": repeats,
+            "seq_len": args.seq_len,
+            "batch_size": args.batch_size,
+            "seed": args.seed,
+            "baseline_backend": TRAINING_BASELINE_BACKEND,
+        }
+
+    @staticmethod
+    def _plan(config: dict) -> list[tuple[int, str, TrainingMesh, str]]:
+        """``(repeat, model, mesh, backend)`` in run order.
+
+        Per repeat and model: the 1-rank baseline, then hsdp and gloo per
+        configuration; odd repeats run the same list backwards, so no
+        contender always goes first (as the other suites alternate).
+        """
+        plan = []
+        for rep in range(config["repeats"]):
+            for model in config["models"]:
+                seq = [(TRAINING_BASELINE, config["baseline_backend"])]
+                seq += [(mesh, b) for mesh in config["meshes"] for b in BACKENDS]
+                if rep % 2:
+                    seq.reverse()
+                plan += [(rep, model, mesh, b) for mesh, b in seq]
+        return plan
+
+    def _command(self, config: dict, model: str, mesh: TrainingMesh, backend: str) -> list[str]:
+        a = config["model_args"][model]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(mesh.world),
+            "--master-port",
+            str(_free_port()),
+            os.path.join(config["examples"], mesh.script),
+            "--backend",
+            backend,
+            "--steps",
+            str(config["steps"][model]),
+            "--dim",
+            str(a["dim"]),
+            "--layers",
+            str(a["layers"]),
+            "--heads",
+            str(a["heads"]),
+            "--vocab",
+            str(a["vocab"]),
+            "--seq-len",
+            str(config["seq_len"]),
+            "--batch-size",
+            str(config["batch_size"]),
+            "--mixed-precision",
+            "none",
+            "--seed",
+            str(config["seed"]),
+            *mesh.extra,
+        ]
+
+    def run_all(
+        self, config: dict, ranks: list[int], env: dict, deadline: float, verbose: bool
+    ) -> tuple[dict[int, Any], dict[int, str], dict[int, float]]:
+        # OMP_NUM_THREADS=1 everywhere, the 1-rank baseline included, so it
+        # computes as one rank of W does (an explicit --env may override).
+        run_env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+        plan = self._plan(config)
+        per_world: dict[int, Any] = {}
+        wall: dict[int, float] = {}
+        for i, (rep, model, mesh, backend) in enumerate(plan):
+            time_left = deadline - time.monotonic()
+            if time_left <= 0:
+                raise BenchFailure(
+                    f"no time left for run {i + 1} of {len(plan)} (see --timeout)"
+                )
+            what = f"{model} model, {mesh.label}, {backend}"
+            print(
+                f"[{i + 1}/{len(plan)}] repeat {rep + 1}/{config['repeats']}: {what} "
+                f"({config['steps'][model]} steps)...",
+                flush=True,
+            )
+            cmd = self._command(config, model, mesh, backend)
+            t0 = time.monotonic()
+            rc, out, err = run_torchrun(cmd, run_env, min(TRAINING_RUN_TIMEOUT_S, time_left))
+            elapsed = time.monotonic() - t0
+            if rc != 0:
+                why = "timed out" if rc is None else f"exited with code {rc}"
+                raise BenchFailure(
+                    f"{what}: torchrun {why} after {elapsed:.1f} s\ncommand: {' '.join(cmd)}\n"
+                    f"--- stdout (end) ---\n{out[-3000:].rstrip()}\n"
+                    f"--- stderr (end) ---\n{err[-4000:].rstrip()}"
+                )
+            try:
+                parsed = parse_training_output(out)
+            except ValueError as exc:
+                raise BenchFailure(
+                    f"{what}: {exc}\ncommand: {' '.join(cmd)}\n--- stdout ---\n{out[-3000:]}"
+                ) from None
+            if verbose:
+                for line in out.splitlines():
+                    if line.startswith("step"):
+                        print(f"  {line}", file=sys.stderr, flush=True)
+            measured = parsed["step_ms"][config["warmup_steps"] :]
+            if not measured:
+                raise BenchFailure(
+                    f"{what}: {len(parsed['step_ms'])} step lines, none after the "
+                    f"{config['warmup_steps']} warm-up steps"
+                )
+            run = {
+                "model": model,
+                "mesh": mesh.name,
+                "world": mesh.world,
+                "backend": backend,
+                "repeat": rep,
+                "command": cmd,
+                "wall_s": elapsed,
+                "measured_ms": measured,
+                "median_ms": statistics.median(measured),
+                **parsed,
+            }
+            print(
+                f"    median {run['median_ms']:.1f} ms over {len(measured)} steps "
+                f"(run {elapsed:.1f} s)",
+                flush=True,
+            )
+            per_world.setdefault(mesh.world, []).append(run)
+            wall[mesh.world] = wall.get(mesh.world, 0.0) + elapsed
+        return per_world, {}, wall
+
+    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
+        runs = [r for _, rs in sorted(per_world.items()) for r in rs]
+
+        def pooled(model: str, mesh: str, backend: str) -> list[float]:
+            return [
+                ms
+                for r in runs
+                if (r["model"], r["mesh"], r["backend"]) == (model, mesh, backend)
+                for ms in r["measured_ms"]
+            ]
+
+        def last_run(model: str, mesh: str, backend: str) -> dict:
+            return [
+                r for r in runs if (r["model"], r["mesh"], r["backend"]) == (model, mesh, backend)
+            ][-1]
+
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        models = {}
+        for m in config["models"]:
+            base = last_run(m, TRAINING_BASELINE.name, config["baseline_backend"])
+            params = config["params"][m] or base["params_printed"]
+            models[m] = {
+                **config["model_args"][m],
+                "params": params,
+                "params_exact": config["params"][m] is not None,
+                "fsdp_groups": config["model_args"][m]["layers"] + 1,
+                "steps": config["steps"][m],
+            }
+        rows = []
+        for mesh in config["meshes"]:
+            for m in config["models"]:
+                base_samples = pooled(m, TRAINING_BASELINE.name, config["baseline_backend"])
+                base_ms = statistics.median(base_samples)
+                row = {
+                    "mesh": mesh.name,
+                    "mesh_label": mesh.label,
+                    "world": mesh.world,
+                    "script": mesh.script,
+                    "model": m,
+                    "params": models[m]["params"],
+                    "fsdp_groups": models[m]["fsdp_groups"],
+                    "oversubscribed": mesh.world > (cpus or 1),
+                    "baseline": {
+                        "backend": config["baseline_backend"],
+                        "step_ms": base_ms,
+                        "spread": _spread(base_samples),
+                        "steps_measured": len(base_samples),
+                    },
+                }
+                for b in BACKENDS:
+                    samples = pooled(m, mesh.name, b)
+                    step = statistics.median(samples)
+                    exposed = step - base_ms
+                    row[b] = {
+                        "step_ms": step,
+                        "exposed_ms": exposed,
+                        "comm_share": exposed / step,
+                        "spread": _spread(samples),
+                        "steps_measured": len(samples),
+                        "per_run_median_ms": [
+                            r["median_ms"]
+                            for r in runs
+                            if (r["model"], r["mesh"], r["backend"]) == (m, mesh.name, b)
+                        ],
+                        "final_loss": last_run(m, mesh.name, b)["final_loss"],
+                    }
+                h, g = row["hsdp"], row["gloo"]
+                row["exposed_ratio_gloo_over_hsdp"] = (
+                    g["exposed_ms"] / h["exposed_ms"] if h["exposed_ms"] > 0 else None
+                )
+                row["speedup"] = g["step_ms"] / h["step_ms"]
+                row["spread"] = max(row[k]["spread"] for k in ("baseline", *BACKENDS))
+                row["hsdp_comm_stats_last_step"] = last_run(m, mesh.name, "hsdp")[
+                    "comm_stats_last_step"
+                ]
+                rows.append(row)
+
+        self._print_table(config, models, rows)
+        print(TRAINING_LEGEND)
+        print()
+        for r in rows:
+            # The same work on both backends: at fp32 the losses agree.
+            print(
+                f"{r['mesh_label']} {r['model']}: hsdp comm_stats, last step, rank 0: "
+                f"{r['hsdp_comm_stats_last_step'] or '(none printed)'}; final loss hsdp "
+                f"{r['hsdp']['final_loss']} / gloo {r['gloo']['final_loss']}"
+            )
+        verdicts = []
+        for r in rows:
+            if r["model"] != "small":
+                continue
+            ratio = r["exposed_ratio_gloo_over_hsdp"]
+            met = ratio is not None and ratio >= TRAINING_TARGET_RATIO
+            verdicts.append({"mesh": r["mesh"], "model": r["model"], "target_met": met})
+            shown = "n/a (hsdp exposed <= 0)" if ratio is None else f"{ratio:.1f}x"
+            print(
+                f"{r['mesh_label']} small: gloo exposed / hsdp exposed {shown}, target >= "
+                f"{TRAINING_TARGET_RATIO:g}x {'met' if met else 'NOT met'}"
+            )
+        caveats = []
+        for mesh in config["meshes"]:
+            if mesh.world > (cpus or 1):
+                caveats.append(
+                    f"caveat: {mesh.label} runs {mesh.world} ranks on {cpus} cpus: the ranks "
+                    f"share cores, so each rank computes slower than the 1-rank baseline; the "
+                    f"baseline under-estimates the compute of a {mesh.world}-rank step, and "
+                    f"that slowdown is counted as exposed communication for both backends "
+                    f"(which pulls the gloo/hsdp ratio towards 1)"
+                )
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if load > (cpus or 1) / 2:
+            caveats.append(
+                f"caveat: load average {load:.1f} on {cpus} cpus at the end: other processes "
+                "competed for the cores; the interleaving spreads that over both backends, "
+                "absolute times are noisy"
+            )
+        for c in caveats:
+            print(c)
+        return {
+            "examples": config["examples"],
+            "models": models,
+            "meshes": [dataclasses.asdict(m) for m in config["meshes"]],
+            "baseline": dataclasses.asdict(TRAINING_BASELINE),
+            "baseline_backend": config["baseline_backend"],
+            "seq_len": config["seq_len"],
+            "batch_size": config["batch_size"],
+            "mixed_precision": "none",
+            "seed": config["seed"],
+            "warmup_steps": config["warmup_steps"],
+            "repeats": config["repeats"],
+            "omp_num_threads": 1,
+            "cpus": cpus,
+            "target_exposed_ratio_small": TRAINING_TARGET_RATIO,
+            "results": rows,
+            "verdicts": verdicts,
+            "caveats": caveats,
+            "runs": runs,
+        }
+
+    @staticmethod
+    def _print_table(config: dict, models: dict, rows: list[dict]) -> None:
+        def params(n: int | None) -> str:
+            if n is None:
+                return "?"
+            return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k"
+
+        def ratio(r: dict) -> str:
+            x = r["exposed_ratio_gloo_over_hsdp"]
+            return "n/a" if x is None else f"{x:.1f}x"
+
+        print(
+            f"\ntraining step, rank 0, ms (median of the steps after {config['warmup_steps']} "
+            f"warm-up steps of each run, {config['repeats']} run(s) per backend and "
+            f"configuration, interleaved; fp32, seq-len {config['seq_len']}, batch "
+            f"{config['batch_size']} per rank, OMP_NUM_THREADS=1):"
+        )
+        for m, a in models.items():
+            print(
+                f"  {m}: {params(a['params'])} params ({a['params']} exact"
+                if a["params_exact"]
+                else f"  {m}: {params(a['params'])} params (as printed by the script",
+                end="",
+            )
+            print(
+                f"), dim {a['dim']}, {a['layers']} layers, {a['heads']} heads, vocab "
+                f"{a['vocab']}, {a['fsdp_groups']} FSDP groups, {a['steps']} steps per run"
+            )
+        cols = [
+            ("mesh", 8, lambda r: r["mesh_label"]),
+            ("model", 5, lambda r: r["model"]),
+            ("params", 7, lambda r: params(r["params"])),
+            ("1 rank", 8, lambda r: f"{r['baseline']['step_ms']:.1f}"),
+            ("gloo", 8, lambda r: f"{r['gloo']['step_ms']:.1f}"),
+            ("hsdp", 8, lambda r: f"{r['hsdp']['step_ms']:.1f}"),
+            ("gloo exp", 8, lambda r: f"{r['gloo']['exposed_ms']:.1f}"),
+            ("hsdp exp", 8, lambda r: f"{r['hsdp']['exposed_ms']:.1f}"),
+            ("gloo/hsdp exp", 13, ratio),
+            ("gloo share", 10, lambda r: f"{100 * r['gloo']['comm_share']:.0f}%"),
+            ("hsdp share", 10, lambda r: f"{100 * r['hsdp']['comm_share']:.0f}%"),
+            ("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
+            ("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
+        ]
+        print("  ".join(f"{h:<{w}}" if i < 2 else f"{h:>{w}}" for i, (h, w, _) in enumerate(cols)))
+        for r in rows:
+            print(
+                "  ".join(
+                    f"{f(r):<{w}}" if i < 2 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(cols)
+                )
+            )
+
+    def plot(self, section: dict, path: str) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        models = list(section["models"])
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for ax, m in zip(axes[0], models, strict=True):
+            rows = [r for r in section["results"] if r["model"] == m]
+            width = 0.25
+            for i, r in enumerate(rows):
+                base = r["baseline"]["step_ms"]
+                ax.bar(i - width, base, width, color="grey", label="1 rank" if i == 0 else None)
+                for k, b in enumerate(BACKENDS):
+                    x = i + k * width
+                    step = r[b]["step_ms"]
+                    c = colors[k]
+                    ax.bar(x, min(base, step), width, color=c, label=b if i == 0 else None)
+                    if step > base:
+                        ax.bar(
+                            x,
+                            step - base,
+                            width,
+                            bottom=base,
+                            color=c,
+                            alpha=0.4,
+                            hatch="//",
+                            label=f"{b} exposed comm" if i == 0 else None,
+                        )
+                ratio = r["exposed_ratio_gloo_over_hsdp"]
+                top = max(r[b]["step_ms"] for b in BACKENDS)
+                ax.annotate(
+                    f"exposed gloo/hsdp {'n/a' if ratio is None else f'{ratio:.1f}x'}",
+                    (i + width / 2, top),
+                    ha="center",
+                    va="bottom",
+                    fontsize="small",
+                )
+            ax.set_xticks(range(len(rows)), [r["mesh_label"] for r in rows])
+            ax.set_xlim(-0.75, len(rows) - 0.25)
+            ax.set_ylim(top=1.35 * max(r[b]["step_ms"] for r in rows for b in BACKENDS))
+            ax.set_ylabel("step time, rank 0, ms (median)")
+            a = section["models"][m]
+            n = a["params"]
+            shown = "?" if n is None else (f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k")
+            ax.set_title(f"{m} model ({shown} params, {a['fsdp_groups']} FSDP groups)")
+            ax.grid(True, axis="y", alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.suptitle(
+            f"FSDP2 training step, hsdp vs gloo (seq-len {section['seq_len']}, batch "
+            f"{section['batch_size']} per rank, fp32)"
+        )
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+TRAINING_LEGEND = """
+ms = rank 0's time of forward + backward + optimizer step, as the script prints it;
+1 rank = the same script on one rank (FSDP2 issues no collectives there: the compute);
+exp = exposed communication = step - 1 rank; gloo/hsdp exp = gloo exp / hsdp exp;
+share = exp / step; speedup = gloo step / hsdp step; spread = interquartile range /
+median of the pooled steps, the noisiest of the three. Per rank, a W-rank step does the
+same forward/backward as 1 rank, but the optimizer over 1/W of the parameters."""
+
+
 SUITES: dict[str, Suite] = {
-    s.name: s for s in (CollectivesSuite(), CoalescedSuite(), NumericsSuite())
+    s.name: s
+    for s in (CollectivesSuite(), CoalescedSuite(), NumericsSuite(), TrainingSuite())
 }
 
 # ---------------------------------------------------------------------------
@@ -1668,7 +2355,9 @@ def build_parser() -> argparse.ArgumentParser:
             "  python -m hsdp_backend.bench --ranks 2 --sizes 4K,64K,1M,16M\n"
             "  python -m hsdp_backend.bench --ops all_reduce --dtype bfloat16 -v\n"
             "  python -m hsdp_backend.bench --suite coalesced --dim 256\n"
-            "  python -m hsdp_backend.bench --suite numerics --ranks 2,4,8"
+            "  python -m hsdp_backend.bench --suite numerics --ranks 2,4,8\n"
+            "  python -m hsdp_backend.bench --suite training\n"
+            "  python -m hsdp_backend.bench --suite training --quick --ranks 2"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -1698,7 +2387,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="sizes up to 1 MiB, 0.1 s per point per backend, at most 50 samples (CI)",
+        help="sizes up to 1 MiB, 0.1 s per point per backend, at most 50 samples (CI); "
+        "training suite: tiny model only, 8 steps, 1 run per backend",
     )
     parser.add_argument(
         "--timeout",
@@ -1775,7 +2465,60 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: 256K; --quick: 16K)",
     )
     num.add_argument(
-        "--seed", type=int, default=0, metavar="S", help="base seed of the inputs (default: 0)"
+        "--seed",
+        type=int,
+        default=0,
+        metavar="S",
+        help="base seed of the inputs; training suite: the scripts' --seed (default: 0)",
+    )
+
+    tr = parser.add_argument_group(
+        "training suite (--ranks selects the configurations: "
+        + ", ".join(f"{m.world} = {m.label}" for m in TRAINING_MESHES)
+        + "; the 1-rank baseline always runs)"
+    )
+    tr.add_argument(
+        "--models",
+        default=None,
+        metavar="M[,M...]",
+        help="subset of "
+        + ",".join(TRAINING_MODELS)
+        + " (default: all; --quick: "
+        + ",".join(TRAINING_QUICK_MODELS)
+        + ")",
+    )
+    tr.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        metavar="N",
+        help="training steps per run, --warmup of them dropped (default: "
+        + ", ".join(f"{m} {n[0]}" for m, n in TRAINING_STEPS.items())
+        + "; --quick: "
+        + ", ".join(f"{m} {n[1]}" for m, n in TRAINING_STEPS.items())
+        + ")",
+    )
+    tr.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"runs per configuration and backend, interleaved (default: {TRAINING_REPEATS[0]}; "
+        f"--quick: {TRAINING_REPEATS[1]})",
+    )
+    tr.add_argument(
+        "--seq-len",
+        type=int,
+        default=TRAINING_SEQ_LEN,
+        metavar="N",
+        help="tokens per sample (default: %(default)s)",
+    )
+    tr.add_argument(
+        "--batch-size",
+        type=int,
+        default=TRAINING_BATCH_SIZE,
+        metavar="N",
+        help="samples per rank per step (default: %(default)s)",
     )
 
     samp = parser.add_argument_group(
@@ -1811,7 +2554,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="untimed calls per backend before measuring (default: 3; --quick: 2)",
+        help="untimed calls per backend before measuring (default: 3; --quick: 2); "
+        f"training suite: steps dropped from the start of each run (default: "
+        f"{TRAINING_WARMUP_STEPS})",
     )
     return parser
 
@@ -1854,20 +2599,9 @@ def main(argv: list[str] | None = None) -> int:
         info = machine_info()
         _print_header(suite, args, info, timeout)
         reference = suite.reference(config)
-        per_world: dict[int, Any] = {}
-        wall: dict[int, float] = {}
-        engines: dict[int, str] = {}
-        for world in args.ranks:
-            print(f"world size {world}: running {world} ranks...", flush=True)
-            t0 = time.monotonic()
-            out = launch(suite, world, config, dict(args.env), deadline, args.verbose)
-            per_world[world], engines[world] = out["result"], out["engine"]
-            wall[world] = time.monotonic() - t0
-            print(
-                f"world size {world}: done in {wall[world]:.1f} s "
-                f"(hsdp cpu engine: {engines[world]})",
-                flush=True,
-            )
+        per_world, engines, wall = suite.run_all(
+            config, args.ranks, dict(args.env), deadline, args.verbose
+        )
         section = suite.report(config, reference, per_world)
     except BenchFailure as exc:
         print(

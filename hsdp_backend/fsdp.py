@@ -295,6 +295,12 @@ def _foreach_reduce(
     if not all_reduce_grads:
         return result
     if reduced.data_ptr() != out.data_ptr():  # accumulated into an earlier partial
+        if reduced.shape != out.shape:
+            raise RuntimeError(
+                f"hsdp_backend.fsdp: FSDP2 reduced {reduced.numel()} gradient elements where the shim "
+                f"computed {out.numel()} from the parameters' layout; set HSDP_FSDP=off to use FSDP2's "
+                "native path, and please report this with your torch version"
+            )
         out.copy_(reduced)
     buckets.add(key, _PendingGrads(fsdp_params, shard_numels, orig_dtype, out))
     # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
