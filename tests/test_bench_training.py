@@ -1,0 +1,52 @@
+"""The bench's ``training`` suite in its quickest form: the tiny model, 2 ranks
+(FSDP) against the 1-rank baseline, 4 steps per run, one run per backend."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = [sys.executable, "-m", "hsdp_backend.bench"]
+
+
+def test_training_suite_quick(tmp_path):
+    out_json = tmp_path / "training.json"
+    cmd = [*BENCH, "--suite", "training", "--quick", "--ranks", "2", "--models", "tiny",
+           "--steps", "4", "--warmup", "1", "--seq-len", "32", "--timeout", "150",
+           "--json", str(out_json), "--plot", ""]
+    # Outside the repository root: the source tree has no compiled extension.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    assert "gloo/hsdp exp" in proc.stdout, proc.stdout
+
+    doc = json.loads(out_json.read_text())
+    assert doc["suite"] == "training"
+    section = doc["training"]
+    assert section["models"]["tiny"]["fsdp_groups"] == 11
+    assert 50_000 < section["models"]["tiny"]["params"] < 80_000
+
+    # Three runs, interleaved: the 1-rank baseline, then hsdp and gloo on 2 ranks.
+    runs = section["runs"]
+    assert [(r["world"], r["backend"]) for r in runs] == [(1, "gloo"), (2, "hsdp"), (2, "gloo")]
+    for r in runs:
+        assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3
+
+    [row] = section["results"]
+    assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
+    for key in ("baseline", "hsdp", "gloo"):
+        ms = row[key]["step_ms"]
+        assert math.isfinite(ms) and ms > 0, (key, row)
+    for b in ("hsdp", "gloo"):
+        assert row[b]["exposed_ms"] == pytest.approx(row[b]["step_ms"] - row["baseline"]["step_ms"])
+        assert row[b]["comm_share"] == pytest.approx(row[b]["exposed_ms"] / row[b]["step_ms"])
+    assert row["speedup"] == pytest.approx(row["gloo"]["step_ms"] / row["hsdp"]["step_ms"])
+    assert "exposed_ratio_gloo_over_hsdp" in row
+    # Same work on both backends: fp32 losses agree.
+    assert row["hsdp"]["final_loss"] == pytest.approx(row["gloo"]["final_loss"], rel=1e-5)
+    # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
+    assert "ag=" in row["hsdp_comm_stats_last_step"], row
+    assert "rs=11/" in row["hsdp_comm_stats_last_step"], row
