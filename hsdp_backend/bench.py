@@ -120,6 +120,7 @@ printed caveat).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import datetime
 import functools
@@ -1487,8 +1488,11 @@ class NumericsSuite(Suite):
 # --- the training suite ----------------------------------------------------
 #
 # The repository's FSDP2 example scripts under torchrun, the same work on
-# hsdp and on gloo: rank 0's step time, its median after warm-up, against
-# the same script on 1 rank (no collectives) as the compute baseline.
+# hsdp and on gloo: rank 0's step time, its median after warm-up. The
+# exposed communication is forward + backward (where FSDP2 communicates; the
+# optimizer step is local) minus the same on a compute-only baseline: W
+# independent 1-rank copies of the script running at once, so the baseline's
+# ranks compete for cores and memory bandwidth exactly as the W ranks do.
 
 # name -> the scripts' model flags. FSDP2 groups = layers + 1 (each block and
 # the root, as in apply_fsdp).
@@ -1529,18 +1533,28 @@ class TrainingMesh:
     world: int
     script: str  # in examples/
     extra: tuple[str, ...] = ()  # script flags
+    copies: int = 1  # independent runs started at once (the baseline: W copies of 1 rank)
 
 
 TRAINING_MESHES = (
     TrainingMesh("fsdp_2", "FSDP 2", 2, "train_fsdp.py"),
     TrainingMesh("hsdp_2x2", "HSDP 2x2", 4, "train_hsdp.py", ("--replicate", "2", "--shard", "2")),
 )
-TRAINING_BASELINE = TrainingMesh("1_rank", "1 rank", 1, "train_fsdp.py")
+TRAINING_BASELINE_SCRIPT = "train_fsdp.py"
 
-# Rank 0's lines: "step   3  loss 7.123456     45.6 ms     1234 tok/s<comm stats>",
-# "model: 10.62M params, ...", "final loss 7.1".
+
+def training_baseline(mesh: TrainingMesh) -> TrainingMesh:
+    """The compute-only baseline of ``mesh``: ``mesh.world`` concurrent
+    1-rank runs (FSDP2 issues no collectives on one rank)."""
+    return TrainingMesh(
+        f"1_rank_x{mesh.world}", f"1 rank x{mesh.world}", 1, TRAINING_BASELINE_SCRIPT, copies=mesh.world
+    )
+
+# Rank 0's lines: "step   3  loss 7.123456     45.6 ms  fwd+bwd     40.1 ms     1234 tok/s<comm
+# stats>", "model: 10.62M params, ...", "final loss 7.1".
 _STEP_RE = re.compile(
-    r"^step\s+(\d+)\s+loss\s+(\S+)\s+([0-9.]+)\s*ms\s+([0-9.]+)\s*tok/s(.*)$", re.MULTILINE
+    r"^step\s+(\d+)\s+loss\s+(\S+)\s+([0-9.]+)\s*ms\s+fwd\+bwd\s+([0-9.]+)\s*ms\s+([0-9.]+)\s*tok/s(.*)$",
+    re.MULTILINE,
 )
 _STEP_ANY_RE = re.compile(r"^step\s+\d+\s+loss", re.MULTILINE)
 _PARAMS_RE = re.compile(r"^model: ([0-9.]+)M params", re.MULTILINE)
@@ -1593,16 +1607,17 @@ def parse_training_output(text: str) -> dict:
     if not steps:
         if _STEP_ANY_RE.search(text):
             raise ValueError(
-                "the step lines carry no 'NN.N ms' field: examples/train_fsdp.py predates "
-                "per-step times"
+                "the step lines carry no 'NN.N ms  fwd+bwd NN.N ms' fields: examples/train_fsdp.py "
+                "predates per-step times"
             )
         raise ValueError("no 'step N  loss ...' lines in the output")
     params = _PARAMS_RE.search(text)
     final = _FINAL_RE.search(text)
     return {
         "step_ms": [float(s[2]) for s in steps],
+        "fwd_bwd_ms": [float(s[3]) for s in steps],
         "losses": [float(s[1]) for s in steps],
-        "comm_stats_last_step": steps[-1][4].strip(),
+        "comm_stats_last_step": steps[-1][5].strip(),
         "params_printed": round(float(params.group(1)) * 1e6) if params else None,
         "final_loss": float(final.group(1)) if final else None,
     }
@@ -1678,7 +1693,7 @@ class TrainingSuite(Suite):
         examples = examples_dir()
         missing = [
             m.script
-            for m in (TRAINING_BASELINE, *TRAINING_MESHES)
+            for m in (training_baseline(TRAINING_MESHES[0]), *TRAINING_MESHES)
             if not os.path.isfile(os.path.join(examples, m.script))
         ]
         if missing:
@@ -1724,7 +1739,7 @@ class TrainingSuite(Suite):
             raise ValueError("--repeats must be >= 1")
         if args.seq_len < 1 or args.batch_size < 1:
             raise ValueError("--seq-len and --batch-size must be >= 1")
-        script = os.path.join(examples, TRAINING_BASELINE.script)
+        script = os.path.join(examples, TRAINING_BASELINE_SCRIPT)
         params = training_param_counts(script, {m: TRAINING_MODELS[m] for m in models})
         return {
             "examples": examples,
@@ -1745,15 +1760,17 @@ class TrainingSuite(Suite):
     def _plan(config: dict) -> list[tuple[int, str, TrainingMesh, str]]:
         """``(repeat, model, mesh, backend)`` in run order.
 
-        Per repeat and model: the 1-rank baseline, then hsdp and gloo per
-        configuration; odd repeats run the same list backwards, so no
-        contender always goes first (as the other suites alternate).
+        Per repeat and model, per configuration: its baseline, then hsdp and
+        gloo; odd repeats run the same list backwards, so no contender always
+        goes first (as the other suites alternate).
         """
         plan = []
         for rep in range(config["repeats"]):
             for model in config["models"]:
-                seq = [(TRAINING_BASELINE, config["baseline_backend"])]
-                seq += [(mesh, b) for mesh in config["meshes"] for b in BACKENDS]
+                seq = []
+                for mesh in config["meshes"]:
+                    seq.append((training_baseline(mesh), config["baseline_backend"]))
+                    seq += [(mesh, b) for b in BACKENDS]
                 if rep % 2:
                     seq.reverse()
                 plan += [(rep, model, mesh, b) for mesh, b in seq]
@@ -1814,32 +1831,45 @@ class TrainingSuite(Suite):
                 f"({config['steps'][model]} steps)...",
                 flush=True,
             )
-            cmd = self._command(config, model, mesh, backend)
+            cmds = [self._command(config, model, mesh, backend) for _ in range(mesh.copies)]
             t0 = time.monotonic()
-            rc, out, err = run_torchrun(cmd, run_env, min(TRAINING_RUN_TIMEOUT_S, time_left))
-            elapsed = time.monotonic() - t0
-            if rc != 0:
-                why = "timed out" if rc is None else f"exited with code {rc}"
-                raise BenchFailure(
-                    f"{what}: torchrun {why} after {elapsed:.1f} s\ncommand: {' '.join(cmd)}\n"
-                    f"--- stdout (end) ---\n{out[-3000:].rstrip()}\n"
-                    f"--- stderr (end) ---\n{err[-4000:].rstrip()}"
+            # Copies start together (one thread each waits on its torchrun).
+            with concurrent.futures.ThreadPoolExecutor(len(cmds)) as pool:
+                finished = list(
+                    pool.map(
+                        lambda c: run_torchrun(c, run_env, min(TRAINING_RUN_TIMEOUT_S, time_left)),
+                        cmds,
+                    )
                 )
-            try:
-                parsed = parse_training_output(out)
-            except ValueError as exc:
-                raise BenchFailure(
-                    f"{what}: {exc}\ncommand: {' '.join(cmd)}\n--- stdout ---\n{out[-3000:]}"
-                ) from None
-            if verbose:
-                for line in out.splitlines():
-                    if line.startswith("step"):
-                        print(f"  {line}", file=sys.stderr, flush=True)
-            measured = parsed["step_ms"][config["warmup_steps"] :]
+            elapsed = time.monotonic() - t0
+            copies = []
+            for cmd, (rc, out, err) in zip(cmds, finished):
+                if rc != 0:
+                    why = "timed out" if rc is None else f"exited with code {rc}"
+                    raise BenchFailure(
+                        f"{what}: torchrun {why} after {elapsed:.1f} s\ncommand: {' '.join(cmd)}\n"
+                        f"--- stdout (end) ---\n{out[-3000:].rstrip()}\n"
+                        f"--- stderr (end) ---\n{err[-4000:].rstrip()}"
+                    )
+                try:
+                    copies.append(parse_training_output(out))
+                except ValueError as exc:
+                    raise BenchFailure(
+                        f"{what}: {exc}\ncommand: {' '.join(cmd)}\n--- stdout ---\n{out[-3000:]}"
+                    ) from None
+                if verbose:
+                    for line in out.splitlines():
+                        if line.startswith("step"):
+                            print(f"  {line}", file=sys.stderr, flush=True)
+            cmd = cmds[0]
+            parsed = copies[0]
+            warm = config["warmup_steps"]
+            measured = [ms for c in copies for ms in c["step_ms"][warm:]]
+            measured_fwd_bwd = [ms for c in copies for ms in c["fwd_bwd_ms"][warm:]]
             if not measured:
                 raise BenchFailure(
                     f"{what}: {len(parsed['step_ms'])} step lines, none after the "
-                    f"{config['warmup_steps']} warm-up steps"
+                    f"{warm} warm-up steps"
                 )
             run = {
                 "model": model,
@@ -1849,13 +1879,16 @@ class TrainingSuite(Suite):
                 "repeat": rep,
                 "command": cmd,
                 "wall_s": elapsed,
+                "copies": mesh.copies,
                 "measured_ms": measured,
+                "measured_fwd_bwd_ms": measured_fwd_bwd,
                 "median_ms": statistics.median(measured),
+                "median_fwd_bwd_ms": statistics.median(measured_fwd_bwd),
                 **parsed,
             }
             print(
-                f"    median {run['median_ms']:.1f} ms over {len(measured)} steps "
-                f"(run {elapsed:.1f} s)",
+                f"    median {run['median_ms']:.1f} ms, fwd+bwd {run['median_fwd_bwd_ms']:.1f} ms "
+                f"over {len(measured)} steps (run {elapsed:.1f} s)",
                 flush=True,
             )
             per_world.setdefault(mesh.world, []).append(run)
@@ -1865,12 +1898,12 @@ class TrainingSuite(Suite):
     def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
         runs = [r for _, rs in sorted(per_world.items()) for r in rs]
 
-        def pooled(model: str, mesh: str, backend: str) -> list[float]:
+        def pooled(model: str, mesh: str, backend: str, key: str = "measured_ms") -> list[float]:
             return [
                 ms
                 for r in runs
                 if (r["model"], r["mesh"], r["backend"]) == (model, mesh, backend)
-                for ms in r["measured_ms"]
+                for ms in r[key]
             ]
 
         def last_run(model: str, mesh: str, backend: str) -> dict:
@@ -1881,7 +1914,7 @@ class TrainingSuite(Suite):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         models = {}
         for m in config["models"]:
-            base = last_run(m, TRAINING_BASELINE.name, config["baseline_backend"])
+            base = last_run(m, training_baseline(config["meshes"][0]).name, config["baseline_backend"])
             params = config["params"][m] or base["params_printed"]
             models[m] = {
                 **config["model_args"][m],
@@ -1893,7 +1926,8 @@ class TrainingSuite(Suite):
         rows = []
         for mesh in config["meshes"]:
             for m in config["models"]:
-                base_samples = pooled(m, TRAINING_BASELINE.name, config["baseline_backend"])
+                baseline = training_baseline(mesh)
+                base_samples = pooled(m, baseline.name, config["baseline_backend"], "measured_fwd_bwd_ms")
                 base_ms = statistics.median(base_samples)
                 row = {
                     "mesh": mesh.name,
@@ -1906,17 +1940,21 @@ class TrainingSuite(Suite):
                     "oversubscribed": mesh.world > (cpus or 1),
                     "baseline": {
                         "backend": config["baseline_backend"],
-                        "step_ms": base_ms,
+                        "copies": baseline.copies,
+                        "step_ms": statistics.median(pooled(m, baseline.name, config["baseline_backend"])),
+                        "fwd_bwd_ms": base_ms,
                         "spread": _spread(base_samples),
                         "steps_measured": len(base_samples),
                     },
                 }
                 for b in BACKENDS:
-                    samples = pooled(m, mesh.name, b)
-                    step = statistics.median(samples)
-                    exposed = step - base_ms
+                    samples = pooled(m, mesh.name, b, "measured_fwd_bwd_ms")
+                    step = statistics.median(pooled(m, mesh.name, b))
+                    fwd_bwd = statistics.median(samples)
+                    exposed = fwd_bwd - base_ms
                     row[b] = {
                         "step_ms": step,
+                        "fwd_bwd_ms": fwd_bwd,
                         "exposed_ms": exposed,
                         "comm_share": exposed / step,
                         "spread": _spread(samples),
@@ -1965,11 +2003,11 @@ class TrainingSuite(Suite):
         for mesh in config["meshes"]:
             if mesh.world > (cpus or 1):
                 caveats.append(
-                    f"caveat: {mesh.label} runs {mesh.world} ranks on {cpus} cpus: the ranks "
-                    f"share cores, so each rank computes slower than the 1-rank baseline; the "
-                    f"baseline under-estimates the compute of a {mesh.world}-rank step, and "
-                    f"that slowdown is counted as exposed communication for both backends "
-                    f"(which pulls the gloo/hsdp ratio towards 1)"
+                    f"caveat: {mesh.label} runs {mesh.world} ranks on {cpus} cpus; its baseline runs "
+                    f"{mesh.world} 1-rank copies at once, so compute is slowed alike, but a rank "
+                    f"waiting in a collective also waits for descheduled peers: exposed "
+                    f"communication includes scheduling delays a machine with a core per rank "
+                    f"would not have"
                 )
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
         if load > (cpus or 1) / 2:
@@ -1984,7 +2022,7 @@ class TrainingSuite(Suite):
             "examples": config["examples"],
             "models": models,
             "meshes": [dataclasses.asdict(m) for m in config["meshes"]],
-            "baseline": dataclasses.asdict(TRAINING_BASELINE),
+            "baselines": [dataclasses.asdict(training_baseline(m)) for m in config["meshes"]],
             "baseline_backend": config["baseline_backend"],
             "seq_len": config["seq_len"],
             "batch_size": config["batch_size"],
@@ -2033,14 +2071,16 @@ class TrainingSuite(Suite):
             ("mesh", 8, lambda r: r["mesh_label"]),
             ("model", 5, lambda r: r["model"]),
             ("params", 7, lambda r: params(r["params"])),
-            ("1 rank", 8, lambda r: f"{r['baseline']['step_ms']:.1f}"),
-            ("gloo", 8, lambda r: f"{r['gloo']['step_ms']:.1f}"),
-            ("hsdp", 8, lambda r: f"{r['hsdp']['step_ms']:.1f}"),
+            ("compute", 8, lambda r: f"{r['baseline']['fwd_bwd_ms']:.1f}"),
+            ("gloo f+b", 8, lambda r: f"{r['gloo']['fwd_bwd_ms']:.1f}"),
+            ("hsdp f+b", 8, lambda r: f"{r['hsdp']['fwd_bwd_ms']:.1f}"),
             ("gloo exp", 8, lambda r: f"{r['gloo']['exposed_ms']:.1f}"),
             ("hsdp exp", 8, lambda r: f"{r['hsdp']['exposed_ms']:.1f}"),
             ("gloo/hsdp exp", 13, ratio),
             ("gloo share", 10, lambda r: f"{100 * r['gloo']['comm_share']:.0f}%"),
             ("hsdp share", 10, lambda r: f"{100 * r['hsdp']['comm_share']:.0f}%"),
+            ("gloo step", 9, lambda r: f"{r['gloo']['step_ms']:.1f}"),
+            ("hsdp step", 9, lambda r: f"{r['hsdp']['step_ms']:.1f}"),
             ("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
             ("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
         ]
@@ -2065,11 +2105,11 @@ class TrainingSuite(Suite):
             rows = [r for r in section["results"] if r["model"] == m]
             width = 0.25
             for i, r in enumerate(rows):
-                base = r["baseline"]["step_ms"]
-                ax.bar(i - width, base, width, color="grey", label="1 rank" if i == 0 else None)
+                base = r["baseline"]["fwd_bwd_ms"]
+                ax.bar(i - width, base, width, color="grey", label="compute (1-rank copies)" if i == 0 else None)
                 for k, b in enumerate(BACKENDS):
                     x = i + k * width
-                    step = r[b]["step_ms"]
+                    step = r[b]["fwd_bwd_ms"]
                     c = colors[k]
                     ax.bar(x, min(base, step), width, color=c, label=b if i == 0 else None)
                     if step > base:
@@ -2084,7 +2124,7 @@ class TrainingSuite(Suite):
                             label=f"{b} exposed comm" if i == 0 else None,
                         )
                 ratio = r["exposed_ratio_gloo_over_hsdp"]
-                top = max(r[b]["step_ms"] for b in BACKENDS)
+                top = max(r[b]["fwd_bwd_ms"] for b in BACKENDS)
                 ax.annotate(
                     f"exposed gloo/hsdp {'n/a' if ratio is None else f'{ratio:.1f}x'}",
                     (i + width / 2, top),
@@ -2094,8 +2134,8 @@ class TrainingSuite(Suite):
                 )
             ax.set_xticks(range(len(rows)), [r["mesh_label"] for r in rows])
             ax.set_xlim(-0.75, len(rows) - 0.25)
-            ax.set_ylim(top=1.35 * max(r[b]["step_ms"] for r in rows for b in BACKENDS))
-            ax.set_ylabel("step time, rank 0, ms (median)")
+            ax.set_ylim(top=1.35 * max(r[b]["fwd_bwd_ms"] for r in rows for b in BACKENDS))
+            ax.set_ylabel("forward + backward, rank 0, ms (median)")
             a = section["models"][m]
             n = a["params"]
             shown = "?" if n is None else (f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.1f}k")
@@ -2112,12 +2152,12 @@ class TrainingSuite(Suite):
 
 
 TRAINING_LEGEND = """
-ms = rank 0's time of forward + backward + optimizer step, as the script prints it;
-1 rank = the same script on one rank (FSDP2 issues no collectives there: the compute);
-exp = exposed communication = step - 1 rank; gloo/hsdp exp = gloo exp / hsdp exp;
-share = exp / step; speedup = gloo step / hsdp step; spread = interquartile range /
-median of the pooled steps, the noisiest of the three. Per rank, a W-rank step does the
-same forward/backward as 1 rank, but the optimizer over 1/W of the parameters."""
+compute = forward + backward of the same script on 1 rank, W copies running at once (no
+collectives, the same competition for cores); gloo f+b, hsdp f+b = rank 0's forward +
+backward on W ranks, where FSDP2 does all its communication; exp = exposed communication =
+f+b - compute; gloo/hsdp exp = gloo exp / hsdp exp; share = exp / step; step = forward +
+backward + optimizer step (local, over this rank's shard); speedup = gloo step / hsdp step;
+spread = interquartile range / median of the pooled steps, the noisiest of the three."""
 
 
 SUITES: dict[str, Suite] = {
