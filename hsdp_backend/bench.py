@@ -1561,12 +1561,19 @@ _PARAMS_RE = re.compile(r"^model: ([0-9.]+)M params", re.MULTILINE)
 _FINAL_RE = re.compile(r"^final loss (\S+)", re.MULTILINE)
 
 
-def examples_dir() -> str:
-    """The repository's ``examples/`` (not installed with the package)."""
+def examples_dir(explicit: str | None = None) -> str:
+    """The repository's ``examples/`` (not installed with the package):
+    ``explicit`` (--examples) if given, else next to the package (a source
+    checkout installed with ``pip install -e``), else ``./examples``."""
+    if explicit:
+        return os.path.abspath(explicit)
     import hsdp_backend
 
     root = os.path.dirname(os.path.dirname(os.path.realpath(hsdp_backend.__file__)))
-    return os.path.join(root, "examples")
+    beside_package = os.path.join(root, "examples")
+    if os.path.isdir(beside_package):
+        return beside_package
+    return os.path.abspath("examples")
 
 
 def training_param_counts(script: str, models: dict[str, dict[str, int]]) -> dict[str, int | None]:
@@ -1690,7 +1697,7 @@ class TrainingSuite(Suite):
     output_stem = "bench_training"
 
     def configure(self, args: argparse.Namespace) -> dict:
-        examples = examples_dir()
+        examples = examples_dir(args.examples)
         missing = [
             m.script
             for m in (training_baseline(TRAINING_MESHES[0]), *TRAINING_MESHES)
@@ -1700,7 +1707,7 @@ class TrainingSuite(Suite):
             raise ValueError(
                 f"the training suite runs the repository's example scripts, which are not "
                 f"installed with the package: {', '.join(sorted(set(missing)))} not found in "
-                f"{examples} (use a source checkout installed with pip install -e)"
+                f"{examples} (pass --examples DIR, the repository's examples/ directory)"
             )
         known = {m.world: m for m in TRAINING_MESHES}
         unknown = [w for w in args.ranks if w not in known]
@@ -2516,6 +2523,12 @@ def build_parser() -> argparse.ArgumentParser:
         "training suite (--ranks selects the configurations: "
         + ", ".join(f"{m.world} = {m.label}" for m in TRAINING_MESHES)
         + "; the 1-rank baseline always runs)"
+    )
+    tr.add_argument(
+        "--examples",
+        default=None,
+        metavar="DIR",
+        help="the repository's examples/ directory (default: beside the package, else ./examples)",
     )
     tr.add_argument(
         "--models",

@@ -5,18 +5,20 @@ run per backend."""
 import json
 import math
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
 BENCH = [sys.executable, "-m", "hsdp_backend.bench"]
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_training_suite_quick(tmp_path):
     out_json = tmp_path / "training.json"
     cmd = [*BENCH, "--suite", "training", "--quick", "--ranks", "2", "--models", "tiny",
-           "--steps", "4", "--warmup", "1", "--seq-len", "32", "--timeout", "150",
+           "--steps", "4", "--warmup", "1", "--seq-len", "32", "--timeout", "150", "--examples", str(EXAMPLES),
            "--json", str(out_json), "--plot", ""]
     # Outside the repository root: the source tree has no compiled extension.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
