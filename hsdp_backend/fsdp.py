@@ -430,6 +430,17 @@ class _PendingGrads:
             offset += numel
 
 
+def _move(bucket: "_Bucket", buffer: torch.Tensor) -> None:
+    """Copies ``bucket``'s filled part into ``buffer`` and repoints its
+    param groups' slices there."""
+    buffer[: bucket.used].copy_(bucket.buffer[: bucket.used])
+    base = bucket.buffer.data_ptr()
+    for pending in bucket.pending:
+        start = (pending.flat.data_ptr() - base) // pending.flat.itemsize
+        pending.flat = buffer[start : start + pending.flat.numel()]
+    bucket.buffer = buffer
+
+
 @dataclass
 class _Bucket:
     group: Any
@@ -442,16 +453,23 @@ class _Bucket:
 class _ReplicateBuckets:
     """Buckets of one backward pass, keyed by (replicate group, divisor, dtype).
 
-    ``reserve`` hands out the next slice of the open bucket (flushing it first
-    when the slice does not fit); ``add`` records the param group that filled
-    it; ``finish`` (the autograd final callback) flushes the rest, waits for
-    every all-reduce and finishes the gradients.
+    ``reserve`` hands out the next slice of the open bucket; ``add`` records
+    the param group that filled it and flushes the bucket once it holds at
+    least ``bucket_bytes`` (so a backward issues at most
+    ``floor(gradient bytes / bucket_bytes) + 1`` all-reduces per key);
+    ``finish`` (the autograd final callback) flushes the rest, waits for every
+    all-reduce and finishes the gradients.
     """
 
     def __init__(self) -> None:
         self.open: dict[tuple, _Bucket] = {}
         self.in_flight: list[tuple[Any, _Bucket]] = []
         self.callback_task: int | None = None  # graph task whose final callback will finish
+        # Param-group sizes reserved per key, in order, in this backward and in
+        # the previous one. Backward order repeats from step to step, so the
+        # previous sizes tell a new bucket exactly how large it will get.
+        self.sizes_now: dict[tuple, list[int]] = {}
+        self.sizes_before: dict[tuple, list[int]] = {}
 
     def begin_add(self) -> None:
         task = torch._C._current_graph_task_id()
@@ -467,17 +485,35 @@ class _ReplicateBuckets:
     def reserve(self, group, divide_by: float, dtype: torch.dtype, numel: int) -> tuple[tuple, torch.Tensor]:
         """The bucket key and a ``numel`` slice of that bucket's buffer."""
         key = (group.group_name, divide_by, dtype)
+        sizes = self.sizes_now.setdefault(key, [])
+        sizes.append(numel)
+        bucket_numel = _shim.bucket_bytes // dtype.itemsize
         bucket = self.open.get(key)
-        if bucket is not None and bucket.used + numel > bucket.buffer.numel():
-            self.flush(key)
-            bucket = None
         if bucket is None:
-            capacity = max(numel, _shim.bucket_bytes // dtype.itemsize)
+            capacity = self._planned_capacity(key, len(sizes) - 1, bucket_numel) or max(numel, bucket_numel)
             bucket = _Bucket(group, divide_by, torch.empty(capacity, dtype=dtype))
             self.open[key] = bucket
+        elif bucket.used + numel > bucket.buffer.numel():
+            # An under-full bucket and a param group larger than what is left
+            # (first backward, or the order changed): move the bucket to a
+            # larger buffer. It holds < bucket_bytes, so the copy is small.
+            _move(bucket, torch.empty(max(bucket.used + numel, bucket_numel), dtype=dtype))
         start = bucket.used
         bucket.used += numel
         return key, bucket.buffer[start : bucket.used]
+
+    def _planned_capacity(self, key: tuple, index: int, bucket_numel: int) -> int | None:
+        """Elements the bucket opened at reservation ``index`` will hold, if
+        this backward repeats the previous one's sizes; else None."""
+        before = self.sizes_before.get(key, [])
+        if before[: index + 1] != self.sizes_now[key]:
+            return None
+        total = 0
+        for numel in before[index:]:
+            total += numel
+            if total >= bucket_numel:
+                break
+        return total
 
     def add(self, key: tuple, pending: _PendingGrads) -> None:
         """Records the param group that filled its reserved slice."""
@@ -517,11 +553,13 @@ class _ReplicateBuckets:
             self.open.clear()
             self.in_flight.clear()
             self.callback_task = None
+            self.sizes_before, self.sizes_now = self.sizes_now, {}
 
     def abandon(self) -> None:
         in_flight, self.in_flight = self.in_flight, []
         self.open.clear()
         self.callback_task = None
+        self.sizes_now = {}
         for work, _ in in_flight:
             try:
                 work.wait()

@@ -83,6 +83,9 @@ SCENARIOS: dict[str, Scenario] = {
     "hsdp_2x2_divide_factor": Scenario(mesh=(2, 2), divide_factor=3.0),
     "hsdp_2x2_checkpoint": Scenario(mesh=(2, 2), checkpoint_at=5),
     "hsdp_2x2_small_buckets": Scenario(mesh=(2, 2), bucket_bytes=8 << 10, explicit_prefetch=True),
+    # A block's gradient shard is ~33 KB: buckets take two groups, the first
+    # backward grows them, later ones allocate them from the previous sizes.
+    "hsdp_2x2_two_groups_per_bucket": Scenario(mesh=(2, 2), bucket_bytes=40 << 10),
     "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
     "hsdp_2x2_shim_incompatible": Scenario(mesh=(2, 2), shim="incompatible"),

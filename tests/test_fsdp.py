@@ -8,11 +8,14 @@ import pytest
 import torch
 
 import fsdp_parity
+from hsdp_backend import config
 from fsdp_parity import SCENARIOS, Scenario
 from harness import run_ranks
 
 # Scenarios that exercise the shim itself; gloo has nothing to compare there.
-HSDP_ONLY = {"hsdp_2x2_small_buckets", "hsdp_2x2_shim_off", "hsdp_2x2_shim_incompatible"}
+HSDP_ONLY = {
+    "hsdp_2x2_small_buckets", "hsdp_2x2_two_groups_per_bucket", "hsdp_2x2_shim_off", "hsdp_2x2_shim_incompatible",
+}
 # fp32: the bar. bf16 compute (params and activations in bf16) drifts
 # from the fp32 reference by rounding, but hsdp and gloo run the same bf16
 # arithmetic and must stay close to each other.
@@ -79,7 +82,7 @@ def assert_comm_shape(name: str, s: Scenario, got: dict):
     groups = fsdp_parity.num_param_groups(s)
     shard = s.mesh[-1]
     reducing_backwards = s.micro_batches if s.accumulate == "no_all_reduce" else 1
-    bucket = s.bucket_bytes or (25 << 20)
+    bucket = s.bucket_bytes or config.read("HSDP_FSDP_BUCKET_BYTES")
     native = s.shim in ("off", "incompatible")
     for step, counts in enumerate(got["comms"]):
         rs = counts["shard"].get("reduce_scatter_tensor", (0, 0, 0))
@@ -95,6 +98,8 @@ def assert_comm_shape(name: str, s: Scenario, got: dict):
         else:
             bound = math.ceil(got["grad_bytes_per_rank"] / bucket) + 1
             assert 1 <= ar[1] <= bound, (name, step, counts, bound)
+            if s.bucket_bytes == 40 << 10:
+                assert ar[1] == 2, (name, step, counts)  # (block, block), (block, root)
             if s.bucket_bytes is not None and got["grad_bytes_per_rank"] > 2 * s.bucket_bytes:
                 assert ar[1] > 1, (name, step, counts)  # small buckets really split
 
