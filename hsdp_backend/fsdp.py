@@ -103,11 +103,9 @@ class _Shim:
         self.lock = threading.Lock()
         self.original = None  # FSDP2's foreach_reduce while the shim is installed
         self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
-        self.disabled_reason: str | None = None
         self.bucket_bytes = 0
         self.warned: set[str] = set()
         self.buckets = _ReplicateBuckets()
-
 
 
 def enable(bucket_bytes: int | None = None) -> bool:
@@ -131,7 +129,6 @@ def enable(bucket_bytes: int | None = None) -> bool:
         _check_torch_version(torch.__version__)
         problem = _incompatibility(module)
         if problem is not None:
-            _shim.disabled_reason = problem
             _warn_once(
                 "incompatible",
                 f"hsdp_backend.fsdp: {problem} (the shim was written for torch {TESTED_TORCH}, this is "
@@ -140,7 +137,6 @@ def enable(bucket_bytes: int | None = None) -> bool:
             )
             return False
         _shim.original = module.foreach_reduce
-        _shim.disabled_reason = None
         module.foreach_reduce = _foreach_reduce
         param_group = module.FSDPParamGroup
         if hasattr(param_group, "_init_mp_dtypes") and _shim.original_init_mp_dtypes is None:
