@@ -52,7 +52,14 @@ class _Loader:
         with _lock:
             callbacks = _pending.pop(self._name, [])
         for callback in callbacks:
-            callback(module)
+            try:
+                callback(module)
+            except Exception as exc:  # noqa: BLE001
+                # Raising here would fail the import of a module that did load
+                # (and importlib would run it again on the next import).
+                import warnings
+
+                warnings.warn(f"hsdp: adapting {self._name} after its import failed: {exc!r}", stacklevel=2)
 
     def __getattr__(self, attr):  # get_source, is_package, ... for tracebacks and tools
         return getattr(self._loader, attr)

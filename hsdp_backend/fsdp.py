@@ -103,6 +103,7 @@ class _Shim:
         self.lock = threading.Lock()
         self.original = None  # FSDP2's foreach_reduce while the shim is installed
         self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
+        self.original_reset_iter_state = None  # FSDPModule.reset_iter_state, likewise
         self.bucket_bytes = 0
         self.warned: set[str] = set()
         self.buckets = _ReplicateBuckets()
@@ -112,8 +113,8 @@ def enable(bucket_bytes: int | None = None) -> bool:
     """Installs the shim for every FSDP2 module in this process.
 
     Args:
-        bucket_bytes: capacity of one replicate all-reduce bucket (default:
-            ``HSDP_FSDP_BUCKET_BYTES``).
+        bucket_bytes: capacity of one replicate all-reduce bucket; None keeps
+            the current one (``HSDP_FSDP_BUCKET_BYTES`` until set).
 
     Returns:
         True when installed; False (with a warning) when this torch's FSDP2
@@ -122,7 +123,10 @@ def enable(bucket_bytes: int | None = None) -> bool:
     """
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
 
-    _shim.bucket_bytes = int(bucket_bytes if bucket_bytes is not None else config.read("HSDP_FSDP_BUCKET_BYTES"))
+    if bucket_bytes is not None:
+        _shim.bucket_bytes = int(bucket_bytes)
+    elif not _shim.bucket_bytes:  # first install; later automatic calls keep a user's choice
+        _shim.bucket_bytes = config.read("HSDP_FSDP_BUCKET_BYTES")
     with _shim.lock:
         if _shim.original is not None:
             return True
@@ -142,6 +146,10 @@ def enable(bucket_bytes: int | None = None) -> bool:
         if hasattr(param_group, "_init_mp_dtypes") and _shim.original_init_mp_dtypes is None:
             _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
             param_group._init_mp_dtypes = _init_mp_dtypes
+        fsdp_module = _fsdp_module_class()
+        if hasattr(fsdp_module, "reset_iter_state") and _shim.original_reset_iter_state is None:
+            _shim.original_reset_iter_state = fsdp_module.reset_iter_state
+            fsdp_module.reset_iter_state = _reset_iter_state
     return True
 
 
@@ -156,6 +164,9 @@ def disable() -> None:
         if _shim.original_init_mp_dtypes is not None:
             module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
             _shim.original_init_mp_dtypes = None
+        if _shim.original_reset_iter_state is not None:
+            _fsdp_module_class().reset_iter_state = _shim.original_reset_iter_state
+            _shim.original_reset_iter_state = None
 
 
 def is_enabled() -> bool:
@@ -265,7 +276,7 @@ def _foreach_reduce(
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     buckets = _shim.buckets
     if all_reduce_grads:
-        buckets.begin_add()
+        in_backward = buckets.begin_add()
         key, out = buckets.reserve(all_reduce_group, divide_by, reduce_dtype, sum(shard_numels))
         comm = _OutputInto(reduce_scatter_comm, out)
     else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
@@ -276,7 +287,9 @@ def _foreach_reduce(
         **{
             **args,
             "reduce_scatter_comm": comm,
-            "gradient_divide_factor": None,
+            # 1.0, not None: with force-sum FSDP2 pre-divides non-fp32/bf16
+            # (fp64) inputs by ~sqrt of the factor, which defaults to S x R.
+            "gradient_divide_factor": 1.0,
             "all_reduce_grads": False,
             "all_reduce_hook": None,
             "force_sum_reduction_for_comms": True,
@@ -298,7 +311,7 @@ def _foreach_reduce(
                 "native path, and please report this with your torch version"
             )
         out.copy_(reduced)
-    buckets.add(key, _PendingGrads(fsdp_params, shard_numels, orig_dtype, out))
+    buckets.add(key, _PendingGrads(fsdp_params, shard_numels, orig_dtype, out), in_backward)
     # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
     return (*result[:-1], None)
 
@@ -326,6 +339,20 @@ def _bucketable(args: dict[str, Any]) -> bool:
     if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
         return False
     return not any(p.offload_to_cpu for p in args["fsdp_params"])
+
+
+def _fsdp_module_class():
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _reset_iter_state(self, *args, **kwargs):
+    """FSDP2's recovery after a forward or backward raised: FSDP2 discards
+    that iteration's gradient reductions, and so does the shim (buckets of a
+    backward that never reached its final callback)."""
+    _shim.buckets.abandon()
+    return _shim.original_reset_iter_state(self, *args, **kwargs)
 
 
 def _init_mp_dtypes(self, *args, **kwargs):
@@ -460,23 +487,26 @@ class _ReplicateBuckets:
     def __init__(self) -> None:
         self.open: dict[tuple, _Bucket] = {}
         self.in_flight: list[tuple[Any, _Bucket]] = []
-        self.callback_task: int | None = None  # graph task whose final callback will finish
+        # Autograd graph tasks in which our final callback is queued. A nested
+        # backward (reentrant activation checkpointing) is its own task: it
+        # gets a callback too, which finishes early what is bucketed by then.
+        self.callback_tasks: set[int] = set()
         # Param-group sizes reserved per key, in order, in this backward and in
         # the previous one. Backward order repeats from step to step, so the
         # previous sizes tell a new bucket exactly how large it will get.
         self.sizes_now: dict[tuple, list[int]] = {}
         self.sizes_before: dict[tuple, list[int]] = {}
 
-    def begin_add(self) -> None:
+    def begin_add(self) -> bool:
+        """Makes sure a final callback of the current backward will finish
+        what is added; False outside autograd (the caller finishes at once)."""
         task = torch._C._current_graph_task_id()
-        if self.callback_task is not None and self.callback_task != task:
-            # The backward that queued our callback raised before running it:
-            # its gradients are lost (as FSDP2's own are), so drop them.
-            self.abandon()
-        if self.callback_task is None:
-            if task != -1:
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-                self.callback_task = task
+        if task == -1:
+            return False
+        if task not in self.callback_tasks:
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.finish(task))
+            self.callback_tasks.add(task)
+        return True
 
     def reserve(self, group, divide_by: float, dtype: torch.dtype, numel: int) -> tuple[tuple, torch.Tensor]:
         """The bucket key and a ``numel`` slice of that bucket's buffer."""
@@ -511,13 +541,13 @@ class _ReplicateBuckets:
                 break
         return total
 
-    def add(self, key: tuple, pending: _PendingGrads) -> None:
+    def add(self, key: tuple, pending: _PendingGrads, in_backward: bool) -> None:
         """Records the param group that filled its reserved slice."""
         bucket = self.open[key]
         bucket.pending.append(pending)
         if bucket.used * bucket.buffer.itemsize >= _shim.bucket_bytes:
             self.flush(key)
-        if self.callback_task is None:  # outside autograd: no final callback would finish it
+        if not in_backward:  # no final callback would finish it
             self.finish()
 
     def flush(self, key) -> None:
@@ -535,26 +565,36 @@ class _ReplicateBuckets:
         )
         self.in_flight.append((work, bucket))
 
-    def finish(self) -> None:
+    def finish(self, task: int | None = None) -> None:
+        """Flushes every open bucket, waits for all and finishes every param
+        group's gradients (whichever backward added them)."""
+        self.callback_tasks.discard(task)
+        if not self.open and not self.in_flight:
+            return  # an outer backward's callback after a nested one finished all
         try:
             for key in list(self.open):
                 self.flush(key)
             in_flight, self.in_flight = self.in_flight, []
-            for work, _ in in_flight:
-                work.wait()
+            failure = None
+            for work, _ in in_flight:  # wait for all, even after a failure
+                try:
+                    work.wait()
+                except Exception as exc:  # noqa: BLE001 - re-raised below
+                    failure = failure or exc
+            if failure is not None:
+                raise failure
             for _, bucket in in_flight:
                 for pending in bucket.pending:
                     pending.finish()
         finally:
             self.open.clear()
             self.in_flight.clear()
-            self.callback_task = None
             self.sizes_before, self.sizes_now = self.sizes_now, {}
 
     def abandon(self) -> None:
         in_flight, self.in_flight = self.in_flight, []
         self.open.clear()
-        self.callback_task = None
+        self.callback_tasks.clear()
         self.sizes_now = {}
         for work, _ in in_flight:
             try:

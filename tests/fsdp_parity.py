@@ -27,12 +27,17 @@ class Scenario:
 
     Args:
         mesh: (shard,) for FSDP or (replicate, shard) for HSDP.
-        mp: "none", "bf16" (bf16 params, fp32 reduce) or "bf16-reduce".
+        mp: "none", "bf16" (bf16 params, fp32 reduce), "bf16-reduce" or
+            "fp64-reduce" (fp32 params, gradients reduced in fp64).
         micro_batches: backward passes per optimizer step.
         accumulate: how the micro-batches before the last skip communication:
-            "no_sync" (set_requires_gradient_sync(False): nothing reduced) or
+            "no_sync" (set_requires_gradient_sync(False): nothing reduced),
             "no_all_reduce" (set_requires_all_reduce(False): reduce-scatter,
-            no replicate all-reduce).
+            no replicate all-reduce) or "none" (every backward reduces and
+            adds into .grad).
+        reentrant_checkpoint: wrap every other block in reentrant activation
+            checkpointing, whose recompute runs a nested backward (on torch
+            2.14 FSDP2's post-backward still runs in the outer task).
         divide_factor: set_gradient_divide_factor on every module.
         reshard: reshard_after_forward for the blocks (True, False or an int).
         explicit_prefetch: set_modules_to_forward/backward_prefetch.
@@ -50,6 +55,7 @@ class Scenario:
     mp: str = "none"
     micro_batches: int = 1
     accumulate: str = "no_sync"
+    reentrant_checkpoint: bool = False
     divide_factor: float | None = None
     reshard: bool | int = True
     explicit_prefetch: bool = False
@@ -74,8 +80,12 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     "fsdp_w2": Scenario(mesh=(2,), explicit_prefetch=True),
     "fsdp_w2_bf16": Scenario(mesh=(2,), mp="bf16"),
-    "fsdp_w4_reshard_int": Scenario(mesh=(4,), reshard=2),
-    "hsdp_2x2": Scenario(mesh=(2, 2), reshard=False, clip=0.5),
+    # vocab 127: the embedding and output rows do not split evenly (FSDP2 pads dim 0).
+    "fsdp_w4_reshard_int": Scenario(mesh=(4,), reshard=2, vocab=127),
+    "hsdp_2x2": Scenario(mesh=(2, 2), reshard=False, clip=0.5, vocab=127),
+    "hsdp_2x2_fp64_reduce": Scenario(mesh=(2, 2), mp="fp64-reduce"),
+    "hsdp_2x2_accumulate_into_grad": Scenario(mesh=(2, 2), micro_batches=2, accumulate="none"),
+    "hsdp_2x2_reentrant_checkpoint": Scenario(mesh=(2, 2), reentrant_checkpoint=True),
     "hsdp_2x2_bf16": Scenario(mesh=(2, 2), mp="bf16"),
     "hsdp_2x2_bf16_reduce": Scenario(mesh=(2, 2), mp="bf16-reduce"),
     "hsdp_2x2_accumulate_no_sync": Scenario(mesh=(2, 2), micro_batches=3, accumulate="no_sync"),
@@ -179,8 +189,15 @@ def _build_sharded(s: Scenario, mesh, seed: int):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif s.mp == "bf16-reduce":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    elif s.mp == "fp64-reduce":
+        policy = MixedPrecisionPolicy(reduce_dtype=torch.float64)
     else:
         policy = MixedPrecisionPolicy()
+    if s.reentrant_checkpoint:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+        for name in list(model.layers)[::2]:
+            model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.REENTRANT)
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=s.reshard)
@@ -252,6 +269,10 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             for module in model.modules():
                 if hasattr(module, "set_force_sum_reduction_for_comms"):
                     module.set_force_sum_reduction_for_comms(True)
+        # Post-accumulate-grad hooks must fire once per parameter per reducing backward.
+        hook_calls = {n: 0 for n, _ in model.named_parameters()}
+        for n, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda _p, n=n: hook_calls.__setitem__(n, hook_calls[n] + 1))
         dp_rank = rank  # every rank is its own data-parallel rank
         data = batches(s, dp_rank, s.steps * s.micro_batches)
         losses, comms = [], []
@@ -264,7 +285,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             optimizer.zero_grad()
             for m in range(s.micro_batches):
                 last = m == s.micro_batches - 1
-                if s.micro_batches > 1:
+                if s.micro_batches > 1 and s.accumulate != "none":
                     if s.accumulate == "no_sync":
                         model.set_requires_gradient_sync(last)
                     else:
@@ -282,14 +303,17 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             reported = loss.detach().clone()
             dist.all_reduce(reported, op=dist.ReduceOp.SUM)
             losses.append(reported.item() / world)
-        reduce_itemsize = 2 if s.mp == "bf16-reduce" else 4
+        reduce_itemsize = {"bf16-reduce": 2, "fp64-reduce": 8}.get(s.mp, 4)
         grad_bytes = sum(p.to_local().numel() * reduce_itemsize for p in model.parameters())
         # numpy, not tensors: torch pickles tensors through file descriptors
         # that die with this process.
-        params = {n: p.full_tensor().detach().float().numpy().copy() for n, p in model.named_parameters()}
+        params = {
+            _unwrapped(n): p.full_tensor().detach().float().numpy().copy() for n, p in model.named_parameters()
+        }
         return {
             "losses": losses,
             "comms": comms,
+            "hook_calls": sorted(set(hook_calls.values())),
             "warnings": caught,
             "params": params if rank == 0 else None,
             "grad_bytes_per_rank": grad_bytes,
@@ -300,6 +324,11 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             param_group_module.foreach_reduce = original_foreach_reduce
         if on_hsdp:
             shim.enable(bucket_bytes=None)  # back to the defaults for the next scenario
+
+
+def _unwrapped(name: str) -> str:
+    """A parameter's name without activation checkpointing's wrapper prefix."""
+    return name.replace("_checkpoint_wrapped_module.", "")
 
 
 def _reload(s: Scenario, mesh, model, optimizer, checkpoint_dir: str):

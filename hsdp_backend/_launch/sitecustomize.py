@@ -137,7 +137,9 @@ def _hsdp_post_import():
     if module is None:
         path = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "_post_import.py")
         loader = importlib.machinery.SourceFileLoader(name, path)
-        module = module_from_spec(importlib.machinery.ModuleSpec(name, loader, origin=path))
+        spec = importlib.machinery.ModuleSpec(name, loader, origin=path)
+        spec.has_location = True  # gives the module its __file__
+        module = module_from_spec(spec)
         sys.modules[name] = module
         loader.exec_module(module)
     return module
