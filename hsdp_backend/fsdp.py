@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ import torch.distributed as dist
 from hsdp_backend import _post_import, config
 
 _PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+_FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 # foreach_reduce's parameters as of torch 2.9-2.14; the shim calls the
 # original by these names.
@@ -146,17 +148,15 @@ def enable(bucket_bytes: int | None = None) -> bool:
         if hasattr(param_group, "_init_mp_dtypes") and _shim.original_init_mp_dtypes is None:
             _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
             param_group._init_mp_dtypes = _init_mp_dtypes
-        fsdp_module = _fsdp_module_class()
-        if hasattr(fsdp_module, "reset_iter_state") and _shim.original_reset_iter_state is None:
-            _shim.original_reset_iter_state = fsdp_module.reset_iter_state
-            fsdp_module.reset_iter_state = _reset_iter_state
     return True
 
 
 def disable() -> None:
-    """Restores FSDP2's own ``foreach_reduce``. Call between iterations."""
+    """Restores FSDP2's own functions. Call between iterations (buckets not yet
+    finished are dropped)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
 
+    _shim.buckets.abandon()
     with _shim.lock:
         if _shim.original is not None:
             module.foreach_reduce = _shim.original
@@ -165,7 +165,7 @@ def disable() -> None:
             module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
             _shim.original_init_mp_dtypes = None
         if _shim.original_reset_iter_state is not None:
-            _fsdp_module_class().reset_iter_state = _shim.original_reset_iter_state
+            sys.modules[_FULLY_SHARD_MODULE].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
             _shim.original_reset_iter_state = None
 
 
@@ -275,6 +275,7 @@ def _foreach_reduce(
     divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     buckets = _shim.buckets
+    _wrap_reset_iter_state()
     if all_reduce_grads:
         in_backward = buckets.begin_add()
         key, out = buckets.reserve(all_reduce_group, divide_by, reduce_dtype, sum(shard_numels))
@@ -341,10 +342,25 @@ def _bucketable(args: dict[str, Any]) -> bool:
     return not any(p.offload_to_cpu for p in args["fsdp_params"])
 
 
-def _fsdp_module_class():
-    from torch.distributed.fsdp import FSDPModule
-
-    return FSDPModule
+def _wrap_reset_iter_state() -> None:
+    """Wraps FSDPModule.reset_iter_state, once. Done at the first bucketed
+    reduction, not in enable(): enable() may run inside FSDP2's own package
+    import, before the module defining FSDPModule has finished loading."""
+    if _shim.original_reset_iter_state is not None:
+        return
+    fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
+    with _shim.lock:
+        if _shim.original is None or _shim.original_reset_iter_state is not None:
+            return
+        if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
+            _warn_once(
+                "no-reset-iter-state",
+                "hsdp_backend.fsdp: FSDPModule.reset_iter_state not found; after a backward that raised, "
+                "call hsdp_backend.fsdp.disable() and enable() to drop the shim's buckets",
+            )
+            return
+        _shim.original_reset_iter_state = fsdp_module.reset_iter_state
+        fsdp_module.reset_iter_state = _reset_iter_state
 
 
 def _reset_iter_state(self, *args, **kwargs):

@@ -235,6 +235,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     from torch.distributed.device_mesh import init_device_mesh
 
     import hsdp_backend
+    from hsdp_backend import config
     from hsdp_backend import fsdp as shim
 
     s = SCENARIOS[name]
@@ -323,7 +324,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
         if original_foreach_reduce is not None:
             param_group_module.foreach_reduce = original_foreach_reduce
         if on_hsdp:
-            shim.enable(bucket_bytes=None)  # back to the defaults for the next scenario
+            shim.enable(bucket_bytes=config.read("HSDP_FSDP_BUCKET_BYTES"))  # back to the defaults for the next scenario
 
 
 def _unwrapped(name: str) -> str:

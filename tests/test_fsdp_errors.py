@@ -100,6 +100,7 @@ def backward_fails_midway(rank, world):
 
     sys.path.insert(0, fsdp_parity_examples())
     import fsdp_parity
+    from hsdp_backend import config
     from hsdp_backend import fsdp as shim
 
     s = fsdp_parity.Scenario(mesh=(2, 2), layers=4, steps=3)
@@ -140,10 +141,11 @@ def backward_fails_midway(rank, world):
 
     try:
         losses, params = train(True)
+        assert shim._shim.original_reset_iter_state is not None, "reset_iter_state was not wrapped"
         shim.disable()
         native_losses, native_params = train(True)
     finally:
-        shim.enable(bucket_bytes=None)
+        shim.enable(bucket_bytes=config.read("HSDP_FSDP_BUCKET_BYTES"))
     torch.testing.assert_close(losses, native_losses, rtol=1e-5, atol=0)
     for n in native_params:
         torch.testing.assert_close(params[n], native_params[n], rtol=1e-5, atol=1e-6)
