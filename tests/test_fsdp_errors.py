@@ -160,3 +160,57 @@ def fsdp_parity_examples():
 
 def test_a_failed_backward_leaves_no_stale_gradients():
     assert run_ranks(backward_fails_midway, 4, timeout_s=240) == [True] * 4
+
+
+def nested_backward_body(rank, world):
+    """Buckets filled from an outer backward and from a nested (reentrant)
+    backward inside it: the nested task's final callback finishes what is
+    bucketed by then, the outer one the rest; nothing is dropped."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from hsdp_backend import fsdp as shim
+
+    buckets = shim._ReplicateBuckets()
+    params, seen_after_nested = [], []
+
+    def add_group(value: float):
+        # A stand-in for one param group: the FSDPParam attributes the tail reads.
+        param = torch.nn.Parameter(torch.zeros(4))
+        fsdp_param = SimpleNamespace(
+            sharded_size=torch.Size([4]), contiguous_sharded_stride=(1,), sharded_param=param,
+            to_sharded_dtensor=lambda t: t,
+        )
+        in_backward = buckets.begin_add()
+        key, out = buckets.reserve(dist.group.WORLD, 1.0, torch.float32, 4)
+        out.fill_(value)
+        buckets.add(key, shim._PendingGrads([fsdp_param], [4], torch.float32, out), in_backward)
+        params.append(param)
+
+    class OuterThenNested(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            add_group(1.0)  # in the outer backward
+            with torch.enable_grad():  # backward runs with grad mode off
+                inner = torch.ones(2, requires_grad=True)
+                y = inner * 3
+                y.register_hook(lambda g: (add_group(2.0), g)[1])  # in the nested backward
+                torch.autograd.backward(y.sum())  # a nested graph task
+            seen_after_nested.extend(p.grad is not None for p in params)
+            add_group(3.0)  # outer again
+            return grad
+
+    OuterThenNested.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    return seen_after_nested, [p.grad.tolist() for p in params]
+
+
+def test_nested_backward_finishes_every_bucket():
+    [(seen_after_nested, grads)] = run_ranks(nested_backward_body, 1, timeout_s=120)
+    assert seen_after_nested == [True, True]  # the nested task's callback finished both
+    assert grads == [[1.0] * 4, [2.0] * 4, [3.0] * 4]
