@@ -294,6 +294,17 @@ class SyntheticData:
 # ---------------------------------------------------------------------------
 
 
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``--mixed-precision``: ``"none"``, ``"bf16"`` (bf16
+    compute, fp32 gradient reduction) or ``"bf16-reduce"`` (bf16 compute and
+    gradient reduction)."""
+    if mixed_precision == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if mixed_precision == "bf16-reduce":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    return MixedPrecisionPolicy()
+
+
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> None:
     """Shards ``model`` in place with FSDP2: each block, then the root.
 
@@ -305,16 +316,9 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> No
     Args:
         model: the unsharded model, identical on every rank.
         mesh: 1-D or 2-D CPU device mesh.
-        mixed_precision: ``"none"``, ``"bf16"`` (bf16 compute, fp32
-            gradient reduction) or ``"bf16-reduce"`` (bf16 compute and
-            gradient reduction).
+        mixed_precision: see :func:`mixed_precision_policy`.
     """
-    if mixed_precision == "bf16":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    elif mixed_precision == "bf16-reduce":
-        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    else:
-        mp_policy = MixedPrecisionPolicy()
+    mp_policy = mixed_precision_policy(mixed_precision)
     layers = list(model.layers.values())
     for layer_id, block in enumerate(layers):
         # As in torchtitan: the last block's parameters are needed again right

@@ -35,7 +35,7 @@ later bucket (``set_all_reduce_hook`` runs after the native all-reduce, and
 FSDP2 assigns ``.grad`` as soon as it returns), so the shim wraps the one
 internal function FSDP2 calls per param group, ``foreach_reduce``, as
 imported by ``_fsdp_param_group``. It checks that function's parameters and
-the ``FSDPParam`` attributes it uses when it installs; when they differ
+``FSDPParam.to_sharded_dtensor`` when it installs; when they differ
 (another torch version) it warns once and leaves FSDP2's native path, which
 is correct on hsdp. Per call it also takes FSDP2's path, unchanged, when:
 the device is not CPU, a user all-reduce hook is set, the reduce dtype is
@@ -59,7 +59,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsdp_backend import _post_import, config
+from hsdp_backend import _post_import, api, config
 
 _PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
@@ -82,15 +82,6 @@ _FOREACH_REDUCE_PARAMS = (
     "partial_reduce_output",
     "all_reduce_hook",
     "force_sum_reduction_for_comms",
-)
-# What the shim reads from each FSDPParam to finish a gradient.
-_FSDP_PARAM_ATTRS = (
-    "sharded_size",
-    "contiguous_sharded_stride",
-    "sharded_param",
-    "to_sharded_dtensor",
-    "offload_to_cpu",
-    "fsdp_placement",
 )
 TESTED_TORCH = "2.14"
 # FSDP2's custom-comm extension points, which foreach_reduce's signature above
@@ -567,8 +558,6 @@ class _ReplicateBuckets:
             self.finish()
 
     def flush(self, key) -> None:
-        from hsdp_backend import api
-
         bucket = self.open.pop(key)
         if not bucket.pending:
             return

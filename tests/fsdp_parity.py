@@ -180,19 +180,15 @@ def _build_sharded(s: Scenario, mesh, seed: int):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from train_fsdp import build_model
+    from train_fsdp import build_model, mixed_precision_policy
 
     args = model_args(s)
     args.seed = seed
     model = build_model(args)
-    if s.mp == "bf16":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    elif s.mp == "bf16-reduce":
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
-    elif s.mp == "fp64-reduce":
+    if s.mp == "fp64-reduce":  # a test-only policy; the others are the example's
         policy = MixedPrecisionPolicy(reduce_dtype=torch.float64)
     else:
-        policy = MixedPrecisionPolicy()
+        policy = mixed_precision_policy(s.mp)
     if s.reentrant_checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 

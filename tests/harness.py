@@ -199,3 +199,11 @@ class CaseLauncher:
                     merged[n] = "\n".join(errs) if errs else None
                 self._cache[key] = merged
         return self._cache[key]
+
+    def check(self, module: str, names: list[str], name: str, world: int, env=None) -> None:
+        """Fails the calling test with case ``name``'s failure text, if any."""
+        import pytest
+
+        verdict = self.verdict(module, names, world, env)[name]
+        if verdict is not None:
+            pytest.fail(verdict, pytrace=False)

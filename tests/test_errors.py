@@ -13,6 +13,4 @@ NAMES = list(error_cases.CASES)
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("name", NAMES)
 def test_error(launcher, name, world, engine):
-    verdict = launcher.verdict("error_cases", NAMES, world, env={"HSDP_ENGINE": engine})[name]
-    if verdict is not None:
-        pytest.fail(verdict, pytrace=False)
+    launcher.check("error_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})

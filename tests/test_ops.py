@@ -13,6 +13,4 @@ NAMES = list(ops_cases.CASES)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", NAMES)
 def test_op(launcher, name, world, engine):
-    verdict = launcher.verdict("ops_cases", NAMES, world, env={"HSDP_ENGINE": engine})[name]
-    if verdict is not None:
-        pytest.fail(verdict, pytrace=False)
+    launcher.check("ops_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})
