@@ -725,8 +725,10 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     return WorkHSDP::completed(rank_, OpType::COALESCED, {});
   }
   auto& inner = route(c, inputs[0]);
-  stats_.record(c.op, 1, bytesOf(inputs));
-  if (onShm(inputs) && onShm(outputs) && engine_->gathersPieces(inputs.size(), bytesOf(inputs))) {
+  const auto inputBytes = bytesOf(inputs);
+  const bool shm = onShm(inputs) && onShm(outputs);
+  stats_.record(c.op, 1, inputBytes);
+  if (shm && engine_->gathersPieces(inputs.size(), inputBytes)) {
     // Peers read every input where it is and write it where it goes.
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, inputs, outputs] {
       std::vector<shm::Span> mine;
@@ -744,7 +746,7 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     }));
   }
   auto pack = std::make_shared<AllGatherPack>(packAllGather(inputs, rank_, size_, *staging_));
-  if (onShm(inputs) && onShm(outputs)) {
+  if (shm) {
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pack, outputs] {
       engine_->allGather(
           "all_gather_into_tensor_coalesced", pack->input.data_ptr(), pack->output.data_ptr(),

@@ -54,10 +54,6 @@ char* bytePtr(const at::Tensor& t) {
   return static_cast<char*>(t.data_ptr());
 }
 
-int64_t nbytes(const at::Tensor& t) {
-  return t.numel() * static_cast<int64_t>(t.element_size());
-}
-
 } // namespace
 
 AllGatherPack packAllGather(
@@ -69,7 +65,7 @@ AllGatherPack packAllGather(
   pack.offsets.reserve(inputs.size());
   for (const auto& t : inputs) {
     pack.offsets.push_back(pack.rowBytes);
-    pack.rowBytes += nbytes(t);
+    pack.rowBytes += static_cast<int64_t>(t.nbytes());
   }
   const auto byteOptions = inputs.front().options().dtype(at::kByte);
   pack.output = pool.acquire(worldSize * pack.rowBytes, byteOptions);
@@ -82,7 +78,7 @@ AllGatherPack packAllGather(
   // then in place and copies nothing for this rank's own row.
   pack.input = pack.output.narrow(0, rank * pack.rowBytes, pack.rowBytes);
   for (size_t i = 0; i < inputs.size(); ++i) {
-    const int64_t bytes = nbytes(inputs[i]);
+    const auto bytes = static_cast<int64_t>(inputs[i].nbytes());
     if (plainCpu(inputs[i]) && bytes > 0) {
       std::memcpy(bytePtr(pack.input) + pack.offsets[i], bytePtr(inputs[i]), bytes);
     } else if (bytes > 0) {
@@ -97,7 +93,7 @@ void AllGatherPack::unpack(
     int worldSize) const {
   const auto rows = output.view({worldSize, rowBytes});
   for (size_t i = 0; i < outputs.size(); ++i) {
-    const int64_t bytes = nbytes(outputs[i]) / worldSize;
+    const int64_t bytes = static_cast<int64_t>(outputs[i].nbytes()) / worldSize;
     if (bytes == 0) {
       continue;
     }
@@ -166,7 +162,7 @@ void ReduceScatterPack::unpack(const std::vector<at::Tensor>& outputs) const {
     if (plainCpu(outputs[i]) && output.device().is_cpu()) {
       std::memcpy(
           bytePtr(outputs[i]), bytePtr(output) + offsets[i] * output.element_size(),
-          nbytes(outputs[i]));
+          outputs[i].nbytes());
     } else {
       outputs[i].view({-1}).copy_(output.narrow(0, offsets[i], outputs[i].numel()));
     }
@@ -211,7 +207,7 @@ std::vector<Bucket> packBuckets(
       int64_t off = 0;
       for (const auto& t : ts) {
         if (plainCpu(t)) {
-          std::memcpy(bytePtr(bucket.flat) + off * t.element_size(), bytePtr(t), nbytes(t));
+          std::memcpy(bytePtr(bucket.flat) + off * t.element_size(), bytePtr(t), t.nbytes());
         } else {
           bucket.flat.narrow(0, off, t.numel()).copy_(t.reshape({-1}));
         }
@@ -231,7 +227,7 @@ void Bucket::unpack(const std::vector<at::Tensor>& tensors) const {
   for (size_t idx : members) {
     const auto& t = tensors[idx];
     if (plainCpu(t) && flat.device().is_cpu()) {
-      std::memcpy(bytePtr(t), bytePtr(flat) + off * t.element_size(), nbytes(t));
+      std::memcpy(bytePtr(t), bytePtr(flat) + off * t.element_size(), t.nbytes());
     } else {
       t.copy_(flat.narrow(0, off, t.numel()).view(t.sizes()));
     }

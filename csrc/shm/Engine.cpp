@@ -361,11 +361,13 @@ void Engine::allGatherPieces(
   for (const auto& in : inputs) {
     total += in.bytes;
   }
-  auto op = begin(name, Kind::AllGatherPieces, total, DType::U8, RedOp::Sum, -1);
-  op.sig.pieces = inputs.size();
+  // Checked before begin(): a throw after it would leave this rank's op
+  // sequence one ahead of its peers'.
   if (!gathersPieces(inputs.size(), total)) {
     throw std::logic_error(prefix(name) + "allGatherPieces called where gathersPieces is false");
   }
+  auto op = begin(name, Kind::AllGatherPieces, total, DType::U8, RedOp::Sum, -1);
+  op.sig.pieces = inputs.size();
   const uint64_t s = step_ + 1;
   // My slot lists where my pieces are; peers read them from there.
   const int slot = post(op, s, [&](char* dst) {
