@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "backend/ProcessGroupHSDP.hpp"
+#include "testing/NcclContractBackend.hpp"
 
 namespace py = pybind11;
 
@@ -26,6 +27,12 @@ hsdp::ProcessGroupHSDP& asHSDP(c10d::Backend* backend) {
 c10::intrusive_ptr<c10d::Backend> retain(c10d::Backend* backend) {
   return c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(
       backend);
+}
+
+hsdp::testing::NcclContractBackend& asNcclContract(c10d::Backend* backend) {
+  auto* double_ = dynamic_cast<hsdp::testing::NcclContractBackend*>(&asHSDP(backend).cpuInner());
+  TORCH_CHECK_TYPE(double_ != nullptr, "this hsdp group was not created with HSDP_ENGINE=nccl_contract");
+  return *double_;
 }
 
 } // namespace
@@ -50,24 +57,37 @@ PYBIND11_MODULE(_C, m) {
          int64_t directReadBytes,
          int64_t engineTimeoutMs) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
+        TORCH_CHECK_VALUE(
+            engine == "auto" || engine == "shm" || engine == "gloo" || engine == "nccl_contract",
+            "unknown hsdp engine '", engine, "'; expected auto, shm, gloo or nccl_contract");
         hsdp::ShmOptions shm;
-        shm.mode = engine == "gloo" ? hsdp::ShmOptions::Mode::Off
-            : engine == "shm"      ? hsdp::ShmOptions::Mode::Required
-                                   : hsdp::ShmOptions::Mode::Auto;
+        shm.mode = engine == "auto" ? hsdp::ShmOptions::Mode::Auto
+            : engine == "shm"       ? hsdp::ShmOptions::Mode::Required
+                                    : hsdp::ShmOptions::Mode::Off;
         shm.slotBytes = static_cast<size_t>(slotBytes);
         shm.engine.spin = std::chrono::nanoseconds(spinNs);
         shm.engine.oneShotBytes = static_cast<size_t>(oneShotBytes);
         shm.engine.directReadBytes = static_cast<size_t>(directReadBytes);
         shm.engine.timeout = std::chrono::milliseconds(engineTimeoutMs);
+        std::unique_ptr<hsdp::InnerRoute> cpu;
+        if (engine == "nccl_contract") {
+          // Tests only: the CPU route runs the code CUDA tensors take.
+          cpu = std::make_unique<hsdp::InnerRoute>(
+              c10::make_intrusive<hsdp::testing::NcclContractBackend>(retain(cpuBackend), rank, size),
+              hsdp::InnerCaps{"nccl_contract", true, true},
+              rank);
+        } else {
+          cpu = std::make_unique<hsdp::InnerRoute>(
+              retain(cpuBackend), hsdp::InnerCaps{"gloo", false, false}, rank);
+        }
+        std::unique_ptr<hsdp::InnerRoute> cuda;
+        if (cudaBackend) {
+          cuda = std::make_unique<hsdp::InnerRoute>(
+              retain(cudaBackend), hsdp::InnerCaps{"nccl", true, true}, rank);
+        }
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
         return c10::make_intrusive<hsdp::ProcessGroupHSDP>(
-            store,
-            rank,
-            size,
-            timeout,
-            retain(cpuBackend),
-            cudaBackend ? retain(cudaBackend) : c10::intrusive_ptr<c10d::Backend>(),
-            shm);
+            store, rank, size, timeout, std::move(cpu), std::move(cuda), shm);
       },
       py::arg("store"),
       py::arg("rank"),
@@ -158,4 +178,12 @@ PYBIND11_MODULE(_C, m) {
       py::arg("async_op"),
       py::arg("divide_by") = 1.0,
       py::call_guard<py::gil_scoped_release>());
+
+  // Test hooks of the NCCL-contract double (HSDP_ENGINE=nccl_contract).
+  m.def("_nccl_contract_fail_next", [](c10d::Backend* backend, const std::string& message) {
+    asNcclContract(backend).failNext(message);
+  });
+  m.def("_nccl_contract_reductions", [](c10d::Backend* backend) {
+    return asNcclContract(backend).receivedReductions();
+  });
 }

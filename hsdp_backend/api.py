@@ -83,7 +83,8 @@ def all_reduce_coalesced(
 def _finish(work, async_op: bool):
     if async_op:
         return work
-    work.wait()
+    if work is not None:  # None: the backend has completed it (as NCCL does)
+        work.wait()
     return None
 
 

@@ -40,9 +40,11 @@ def _int(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
 VARS = {
     v.name: v
     for v in [
-        Var("HSDP_ENGINE", "auto", _choice("auto", "shm", "gloo"),
+        Var("HSDP_ENGINE", "auto", _choice("auto", "shm", "gloo", "nccl_contract"),
             "CPU engine: auto (shared memory when every member of the group is on this host, "
-            "else gloo), shm (require shared memory), gloo (always the inner gloo group)"),
+            "else gloo), shm (require shared memory), gloo (always the inner gloo group), "
+            "nccl_contract (tests only: CPU tensors take the CUDA route's code, over a double "
+            "of ProcessGroupNCCL's contract wrapping gloo)"),
         Var("HSDP_SHM_SLOT_BYTES", str(4 << 20), _int(64 << 10, 64),
             "bytes a rank moves through shared memory per step; the segment holds 2 slots per "
             "rank. Larger messages are pipelined through the slots"),

@@ -4,9 +4,22 @@ import pytest
 
 from harness import CaseLauncher
 
-# Both CPU engines run the same cases: the shared-memory engine and the
-# inner-gloo route (which is also the code path CUDA tensors take to NCCL).
-ENGINES = ["shm", "gloo"]
+# Every case runs on both CPU engines (the shared-memory engine and the
+# inner-gloo route) and through the NCCL-contract double (the code path CUDA
+# tensors take to NCCL, proven on CPU; see csrc/testing/).
+ENGINES = ["shm", "gloo", "nccl_contract"]
+# The double runs on these world sizes (an even and a 2x2-mesh size).
+NCCL_CONTRACT_WORLDS = (2, 4)
+
+
+def engine_worlds(worlds=(1, 2, 3, 4)):
+    """(engine, world) pairs to parametrize a multi-process test with."""
+    return [
+        (engine, world)
+        for engine in ENGINES
+        for world in worlds
+        if engine != "nccl_contract" or world in NCCL_CONTRACT_WORLDS
+    ]
 
 
 @pytest.fixture(scope="session")

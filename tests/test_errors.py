@@ -2,15 +2,14 @@
 
 import pytest
 
-from conftest import ENGINES
+from conftest import engine_worlds
 
 import error_cases
 
 NAMES = list(error_cases.CASES)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("engine,world", engine_worlds((1, 2, 3)))
 @pytest.mark.parametrize("name", NAMES)
 def test_error(launcher, name, world, engine):
     launcher.check("error_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})

@@ -20,6 +20,12 @@ HSDP_ONLY = {
 # from the fp32 reference by rounding, but hsdp and gloo run the same bf16
 # arithmetic and must stay close to each other.
 FP32 = dict(rtol=1e-5, atol=1e-6)
+# Scenarios also trained through the NCCL-contract double (the CUDA route's
+# code on CPU): 1-D, HSDP with the shim, mixed precision, accumulation.
+NCCL_CONTRACT = [
+    "fsdp_w2", "fsdp_w2_bf16", "hsdp_2x2", "hsdp_2x2_bf16", "hsdp_2x2_small_buckets",
+    "hsdp_2x2_accumulate_no_sync", "hsdp_2x2_accumulate_no_all_reduce", "hsdp_2x2_divide_factor",
+]
 BF16_VS_REFERENCE = dict(rtol=2e-2, atol=2e-3)
 BF16_VS_GLOO = dict(rtol=2e-3, atol=2e-4)
 
@@ -32,13 +38,16 @@ class Launches:
         self.results = {}
         self.references = {}
 
-    def result(self, name: str, backend: str) -> dict:
+    def result(self, name: str, backend: str, engine: str | None = None) -> dict:
         world = SCENARIOS[name].world
-        key = (world, backend)
+        key = (world, backend, engine)
         if key not in self.results:
             names = [n for n, s in SCENARIOS.items() if s.world == world and (backend == "hsdp" or n not in HSDP_ONLY)]
+            if engine == "nccl_contract":
+                names = [n for n in names if n in NCCL_CONTRACT]
             per_rank = run_ranks(
                 fsdp_parity.run_scenarios, world, backend=backend, timeout_s=900,
+                env={"HSDP_ENGINE": engine} if engine else None,
                 names=names, checkpoint_root=str(self.tmp_root),
             )
             self.results[key] = per_rank
@@ -127,3 +136,18 @@ def test_fsdp_parity(launches, name):
         assert not hsdp["shim_enabled"]
     else:
         assert hsdp["shim_enabled"]
+
+
+@pytest.mark.parametrize("name", NCCL_CONTRACT)
+def test_fsdp_parity_nccl_contract(launches, name):
+    """The same training through the CUDA route's code (NCCL's contract on
+    CPU): AVG / PREMUL_SUM handed to the inner backend, sync calls without a
+    Work, async results that land only when waited for."""
+    s = SCENARIOS[name]
+    got = launches.result(name, "hsdp", engine="nccl_contract")
+    bf16 = s.mp.startswith("bf16")
+    assert_same_training(got, launches.reference(name), BF16_VS_REFERENCE if bf16 else FP32, "the single-process reference")
+    peer = "hsdp" if name in HSDP_ONLY else "gloo"
+    assert_same_training(got, launches.result(name, peer), BF16_VS_GLOO if bf16 else FP32, peer)
+    assert_comm_shape(name, s, got)
+    assert got["shim_enabled"]

@@ -5,13 +5,12 @@ tensors take through NCCL."""
 import pytest
 
 import fusion_cases
-from conftest import ENGINES
+from conftest import engine_worlds
 
 NAMES = list(fusion_cases.CASES)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("engine,world", engine_worlds())
 @pytest.mark.parametrize("name", NAMES)
 def test_fusion(launcher, name, world, engine):
     launcher.check("fusion_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})

@@ -2,15 +2,14 @@
 
 import pytest
 
-from conftest import ENGINES
+from conftest import engine_worlds
 
 import ops_cases
 
 NAMES = list(ops_cases.CASES)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("engine,world", engine_worlds())
 @pytest.mark.parametrize("name", NAMES)
 def test_op(launcher, name, world, engine):
     launcher.check("ops_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})

@@ -285,6 +285,31 @@ struct FlatArg {
   }
 };
 
+// The post-step of an op on an inner route: the deferred scale (none where
+// the inner backend scales natively), then the copy back of a staged
+// argument. Empty when there is nothing to do.
+std::function<void()> scaleAndCopyBack(const DeferredScale& post, const FlatArg& arg) {
+  if (post.isNone() && !arg.staged()) {
+    return {};
+  }
+  return [post, arg] {
+    post.apply(arg.flat);
+    arg.copyBack();
+  };
+}
+
+// One post-step that runs `steps` in order (empty when they are).
+std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
+  if (steps.empty()) {
+    return {};
+  }
+  return [steps = std::move(steps)] {
+    for (const auto& step : steps) {
+      step();
+    }
+  };
+}
+
 [[noreturn]] void rethrowAsDistBackendError(const shm::CommError& e) {
   C10_THROW_ERROR(DistBackendError, e.what());
 }
@@ -296,13 +321,13 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     int rank,
     int size,
     std::chrono::milliseconds timeout,
-    c10::intrusive_ptr<c10d::Backend> cpuBackend,
-    c10::intrusive_ptr<c10d::Backend> cudaBackend,
+    std::unique_ptr<InnerRoute> cpuRoute,
+    std::unique_ptr<InnerRoute> cudaRoute,
     const ShmOptions& shmOptions)
     : Backend(rank, size),
       options_(c10::make_intrusive<Options>("hsdp", timeout)),
-      cpu_(std::move(cpuBackend)),
-      cuda_(std::move(cudaBackend)) {
+      cpu_(std::move(cpuRoute)),
+      cuda_(std::move(cudaRoute)) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
   engine_ = connectShm(store, rank, size, shmOptions, &shmWhyNot_);
   if (engine_) {
@@ -369,33 +394,16 @@ WorkPtr ProcessGroupHSDP::runShm(
       return WorkHSDP::completed(rank_, type, std::move(outputs));
     }
   }
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()));
-  auto error = std::make_shared<std::exception_ptr>();
-  queue_->submit(
-      [body = std::move(body), error]() {
-        try {
-          try {
-            body();
-          } catch (const shm::CommError& e) {
-            rethrowAsDistBackendError(e);
-          }
-        } catch (...) {
-          *error = std::current_exception();
-        }
-      },
-      // Completing the future runs user callbacks: after the queue is free.
-      [future, error, outputs = std::move(outputs)]() {
-        if (*error) {
-          future->setError(*error);
-        } else {
-          future->markCompleted(c10::IValue(outputs));
-        }
-      });
-  return c10::make_intrusive<WorkHSDP>(rank_, type, std::move(future));
+  return WorkHSDP::onQueue(*queue_, rank_, type, std::move(outputs), [body = std::move(body)] {
+    try {
+      body();
+    } catch (const shm::CommError& e) {
+      rethrowAsDistBackendError(e);
+    }
+  });
 }
 
-c10d::Backend& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
+InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
   if (t.device().is_cpu()) {
     return *cpu_;
   }
@@ -419,7 +427,7 @@ c10d::Backend& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t
 
 WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
   std::lock_guard<std::mutex> lock(coalescingMutex_);
-  if (coalescing_) {
+  if (coalescing_ && work) {
     coalescedWorks_.push_back(work);
   }
   return work;
@@ -427,31 +435,31 @@ WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
 
 void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
-  cpu_->setTimeout(timeout);
+  cpu_->backend().setTimeout(timeout);
   if (cuda_) {
-    cuda_->setTimeout(timeout);
+    cuda_->backend().setTimeout(timeout);
   }
 }
 
 uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {
-  return cpu_->getSequenceNumberForGroup();
+  return cpu_->backend().getSequenceNumberForGroup();
 }
 
 void ProcessGroupHSDP::abort() {
   if (engine_) {
     engine_->abort("aborted its process group");
   }
-  cpu_->abort();
+  cpu_->backend().abort();
   if (cuda_) {
-    cuda_->abort();
+    cuda_->backend().abort();
   }
 }
 
 void ProcessGroupHSDP::shutdown() {
   leaveShm("shut down its process group");
-  cpu_->shutdown();
+  cpu_->backend().shutdown();
   if (cuda_) {
-    cuda_->shutdown();
+    cuda_->backend().shutdown();
   }
 }
 
@@ -461,6 +469,11 @@ void ProcessGroupHSDP::startCoalescing() {
       !coalescing_, ctx("start_coalescing").prefix(), "already coalescing");
   coalescing_ = true;
   coalescedWorks_.clear();
+  for (auto* r : {cpu_.get(), cuda_.get()}) {
+    if (r && r->caps().nativeCoalescing) {
+      r->startCoalescing();
+    }
+  }
 }
 
 WorkPtr ProcessGroupHSDP::endCoalescing() {
@@ -474,10 +487,22 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
     coalescing_ = false;
     works.swap(coalescedWorks_);
   }
+  for (auto* r : {cpu_.get(), cuda_.get()}) {
+    if (r && r->caps().nativeCoalescing) {
+      if (auto w = r->endCoalescing()) {
+        works.push_back(w);
+      }
+    }
+  }
   if (works.empty()) {
     return WorkHSDP::completed(rank_, OpType::COALESCED, {});
   }
-  return WorkHSDP::chain(rank_, OpType::COALESCED, works, {}, [] {});
+  if (works.size() == 1) {
+    return works.front();
+  }
+  // Works of several routes in one coalesced block (bool tensors beside
+  // shm-served ones, say): joined on the CPU route's completion thread.
+  return cpu_->finish(OpType::COALESCED, /*asyncOp=*/true, std::move(works), {}, [] {});
 }
 
 WorkPtr ProcessGroupHSDP::broadcast(
@@ -495,14 +520,13 @@ WorkPtr ProcessGroupHSDP::broadcast(
       });
     }));
   }
-  auto& inner = route(c, tensors[0]);
+  auto& r = route(c, tensors[0]);
   auto arg = FlatArg::of(tensors[0]);
   std::vector<at::Tensor> io{arg.flat};
-  auto work = inner.broadcast(io, opts);
-  if (!arg.staged()) {
-    return track(work);
-  }
-  return track(WorkHSDP::chain(rank_, OpType::BROADCAST, {work}, {arg.user}, [arg] { arg.copyBack(); }));
+  auto work = r.backend().broadcast(io, opts);
+  return track(r.finish(
+      OpType::BROADCAST, opts.asyncOp, {work}, {arg.user},
+      scaleAndCopyBack(DeferredScale::none(), arg), {arg.flat}));
 }
 
 WorkPtr ProcessGroupHSDP::allreduce(
@@ -529,8 +553,9 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
     double divideBy) {
   const auto c = ctx("all_reduce");
   checkOne(c, tensors);
-  auto& inner = route(c, tensors[0]);
-  auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_, divideBy);
+  auto& r = route(c, tensors[0]);
+  auto plan = planReduce(
+      c, opts.reduceOp, tensors[0].scalar_type(), size_, divideBy, r.caps().nativeScale);
   stats_.record(c.op, 1, bytesOf(tensors));
   if (auto red = shmReduction(plan, tensors[0].scalar_type()); red && onShm(tensors)) {
     auto t = tensors[0];
@@ -544,15 +569,10 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   innerOpts.reduceOp = plan.innerOp;
   auto arg = FlatArg::of(tensors[0]);
   std::vector<at::Tensor> io{arg.flat};
-  auto work = inner.allreduce(io, innerOpts);
-  if (plan.post.isNone() && !arg.staged()) {
-    return track(work);
-  }
-  return track(WorkHSDP::chain(
-      rank_, OpType::ALLREDUCE, {work}, {arg.user}, [arg, post = plan.post] {
-        post.apply(arg.flat);
-        arg.copyBack();
-      }));
+  auto work = r.backend().allreduce(io, innerOpts);
+  return track(r.finish(
+      OpType::ALLREDUCE, opts.asyncOp, {work}, {arg.user}, scaleAndCopyBack(plan.post, arg),
+      {arg.flat}));
 }
 
 WorkPtr ProcessGroupHSDP::allreduceBucketed(
@@ -565,9 +585,12 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   if (tensors.empty()) {
     return WorkHSDP::completed(rank_, OpType::ALLREDUCE_COALESCED, {});
   }
-  auto& inner = route(c, tensors[0]);
+  auto& r = route(c, tensors[0]);
   for (const auto& t : tensors) {
     checkSameDevice(c, tensors[0], t, "a tensor");
+  }
+  if (r.caps().nativeCoalescing) {
+    return allreduceNative(r, tensors, op, bucketBytes, asyncOp, divideBy);
   }
   struct Pending {
     Bucket bucket;
@@ -602,14 +625,12 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   for (auto& p : *pending) {
     c10d::AllreduceOptions innerOpts;
     innerOpts.reduceOp = p.plan.innerOp;
+    innerOpts.asyncOp = asyncOp;
     std::vector<at::Tensor> flat{p.bucket.flat};
-    works.push_back(inner.allreduce(flat, innerOpts));
+    works.push_back(r.backend().allreduce(flat, innerOpts));
   }
-  return track(WorkHSDP::chain(
-      rank_,
-      OpType::ALLREDUCE_COALESCED,
-      works,
-      tensors,
+  return track(r.finish(
+      OpType::ALLREDUCE_COALESCED, asyncOp, std::move(works), tensors,
       [pending, tensors, staging = staging_] {
         for (const auto& p : *pending) {
           p.plan.post.apply(p.bucket.flat);
@@ -617,6 +638,48 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
           staging->release(p.bucket.staging);
         }
       }));
+}
+
+WorkPtr ProcessGroupHSDP::allreduceNative(
+    InnerRoute& r,
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOp& op,
+    int64_t bucketBytes,
+    bool asyncOp,
+    double divideBy) {
+  // One inner coalesced all-reduce per bucket, each in one launch (NCCL's
+  // group call), on the callers' tensors: nothing is packed.
+  const auto c = ctx("all_reduce_coalesced");
+  std::vector<WorkPtr> works;
+  std::vector<std::function<void()>> posts;
+  std::vector<at::Tensor> staged;
+  size_t buckets = 0;
+  for (const auto& members : groupByDtype(tensors)) {
+    auto plan = planReduce(
+        c, op, tensors[members[0]].scalar_type(), size_, divideBy, /*nativeScale=*/true);
+    for (const auto& bucket : planBuckets(tensors, members, bucketBytes)) {
+      std::vector<at::Tensor> flats;
+      for (size_t i : bucket) {
+        auto arg = FlatArg::of(tensors[i]);
+        flats.push_back(arg.flat);
+        if (arg.staged()) {
+          staged.push_back(arg.flat);
+        }
+        if (auto post = scaleAndCopyBack(plan.post, arg)) {
+          posts.push_back(std::move(post));
+        }
+      }
+      c10d::AllreduceCoalescedOptions innerOpts;
+      innerOpts.reduceOp = plan.innerOp;
+      innerOpts.asyncOp = asyncOp;
+      works.push_back(r.backend().allreduce_coalesced(flats, innerOpts));
+      ++buckets;
+    }
+  }
+  stats_.record(c.op, buckets, bytesOf(tensors));
+  return track(r.finish(
+      OpType::ALLREDUCE_COALESCED, asyncOp, std::move(works), tensors, inOrder(std::move(posts)),
+      std::move(staged)));
 }
 
 WorkPtr ProcessGroupHSDP::allreduce_coalesced(
@@ -631,25 +694,19 @@ WorkPtr ProcessGroupHSDP::reduce(
   const auto c = ctx("reduce");
   checkOne(c, tensors);
   checkRank(c, opts.rootRank, "root");
-  auto& inner = route(c, tensors[0]);
-  auto plan = planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_);
+  auto& r = route(c, tensors[0]);
+  auto plan = planReduce(
+      c, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
   c10d::ReduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
   stats_.record(c.op, 1, bytesOf(tensors));
   auto arg = FlatArg::of(tensors[0]);
   std::vector<at::Tensor> io{arg.flat};
-  auto work = inner.reduce(io, innerOpts);
-  const bool scale = !plan.post.isNone() && rank_ == opts.rootRank;
-  if (!scale && !arg.staged()) {
-    return track(work);
-  }
-  return track(WorkHSDP::chain(
-      rank_, OpType::REDUCE, {work}, {arg.user}, [arg, scale, post = plan.post] {
-        if (scale) {
-          post.apply(arg.flat);
-        }
-        arg.copyBack();
-      }));
+  auto work = r.backend().reduce(io, innerOpts);
+  // Only the root holds the reduction; the others' buffers are scratch.
+  const auto post = rank_ == opts.rootRank ? plan.post : DeferredScale::none();
+  return track(r.finish(
+      OpType::REDUCE, opts.asyncOp, {work}, {arg.user}, scaleAndCopyBack(post, arg), {arg.flat}));
 }
 
 WorkPtr ProcessGroupHSDP::allgather(
@@ -659,7 +716,7 @@ WorkPtr ProcessGroupHSDP::allgather(
   const auto c = ctx("all_gather");
   checkOne(c, inputs);
   checkPerRankList(c, outputs, inputs[0], "output tensor");
-  auto& inner = route(c, inputs[0]);
+  auto& r = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
   if (onShm(inputs) && onShm(outputs[0])) {
     auto in = inputs[0];
@@ -682,15 +739,19 @@ WorkPtr ProcessGroupHSDP::allgather(
     staged = staged || args.back().staged();
   }
   std::vector<at::Tensor> flatInput{inputs[0].contiguous().view({-1})};
-  auto work = inner.allgather(flatOutputs, flatInput, opts);
-  if (!staged) {
-    return track(work);
+  auto work = r.backend().allgather(flatOutputs, flatInput, opts);
+  std::function<void()> post;
+  if (staged) {
+    post = [args] {
+      for (const auto& a : args) {
+        a.copyBack();
+      }
+    };
   }
-  return track(WorkHSDP::chain(rank_, OpType::ALLGATHER, {work}, outputs[0], [args] {
-    for (const auto& a : args) {
-      a.copyBack();
-    }
-  }));
+  auto keepAlive = flatOutputs[0];
+  keepAlive.push_back(flatInput[0]);
+  return track(r.finish(
+      OpType::ALLGATHER, opts.asyncOp, {work}, outputs[0], std::move(post), std::move(keepAlive)));
 }
 
 WorkPtr ProcessGroupHSDP::_allgather_base(
@@ -702,7 +763,7 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
   checkSameDevice(c, input, output, "the output");
   checkNumel(c, output, input.numel() * size_, "the output (world size x input)");
   checkContiguous(c, output, "the output");
-  auto& inner = route(c, input);
+  auto& r = route(c, input);
   stats_.record(c.op, 1, bytesOf(input));
   if (onShm({&input, &output})) {
     return track(runShm(OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [this, input, output] {
@@ -712,7 +773,8 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
   }
   auto in = input.contiguous().view({-1}); // output is contiguous (checked)
   auto out = output.view({-1});
-  return track(inner._allgather_base(out, in, opts));
+  auto work = r.backend()._allgather_base(out, in, opts);
+  return track(r.finish(OpType::_ALLGATHER_BASE, opts.asyncOp, {work}, {output}, {}, {in}));
 }
 
 WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
@@ -724,10 +786,23 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
   if (inputs.empty()) {
     return WorkHSDP::completed(rank_, OpType::COALESCED, {});
   }
-  auto& inner = route(c, inputs[0]);
+  for (const auto& t : inputs) {
+    checkSameDevice(c, inputs[0], t, "an input");
+  }
+  auto& r = route(c, inputs[0]);
   const auto inputBytes = bytesOf(inputs);
   const bool shm = onShm(inputs) && onShm(outputs);
   stats_.record(c.op, 1, inputBytes);
+  if (r.caps().nativeCoalescing) {
+    // One launch of the callers' tensors (outputs are contiguous: checked).
+    std::vector<at::Tensor> ins, outs;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      ins.push_back(inputs[i].contiguous().view({-1}));
+      outs.push_back(outputs[i].view({-1}));
+    }
+    auto work = r.backend().allgather_into_tensor_coalesced(outs, ins, opts);
+    return track(r.finish(OpType::COALESCED, opts.asyncOp, {work}, outputs, {}, ins));
+  }
   if (shm && engine_->gathersPieces(inputs.size(), inputBytes)) {
     // Peers read every input where it is and write it where it goes.
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, inputs, outputs] {
@@ -755,12 +830,9 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
       staging_->release(pack->staging);
     }));
   }
-  auto work = inner._allgather_base(pack->output, pack->input, opts);
-  return track(WorkHSDP::chain(
-      rank_,
-      OpType::COALESCED,
-      {work},
-      outputs,
+  auto work = r.backend()._allgather_base(pack->output, pack->input, opts);
+  return track(r.finish(
+      OpType::COALESCED, opts.asyncOp, {work}, outputs,
       [pack, outputs, size = size_, staging = staging_] {
         pack->unpack(outputs, size);
         staging->release(pack->staging);
@@ -777,9 +849,10 @@ WorkPtr ProcessGroupHSDP::gather(
   if (rank_ == opts.rootRank) {
     checkPerRankList(c, outputs, inputs[0], "output tensor");
   }
-  auto& inner = route(c, inputs[0]);
+  auto& r = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
-  return track(inner.gather(outputs, inputs, opts));
+  auto work = r.backend().gather(outputs, inputs, opts);
+  return track(r.finish(OpType::GATHER, opts.asyncOp, {work}, inputs));
 }
 
 WorkPtr ProcessGroupHSDP::scatter(
@@ -792,9 +865,10 @@ WorkPtr ProcessGroupHSDP::scatter(
   if (rank_ == opts.rootRank) {
     checkPerRankList(c, inputs, outputs[0], "input tensor");
   }
-  auto& inner = route(c, outputs[0]);
+  auto& r = route(c, outputs[0]);
   stats_.record(c.op, 1, bytesOf(outputs));
-  return track(inner.scatter(outputs, inputs, opts));
+  auto work = r.backend().scatter(outputs, inputs, opts);
+  return track(r.finish(OpType::SCATTER, opts.asyncOp, {work}, outputs));
 }
 
 WorkPtr ProcessGroupHSDP::reduce_scatter(
@@ -804,8 +878,9 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   const auto c = ctx("reduce_scatter");
   checkOne(c, outputs);
   checkPerRankList(c, inputs, outputs[0], "input tensor");
-  auto& inner = route(c, outputs[0]);
-  auto plan = planReduce(c, opts.reduceOp, outputs[0].scalar_type(), size_);
+  auto& r = route(c, outputs[0]);
+  auto plan = planReduce(
+      c, opts.reduceOp, outputs[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
   stats_.record(c.op, 1, bytesOf(inputs[0]));
   if (auto red = shmReduction(plan, outputs[0].scalar_type());
       red && onShm(outputs) && onShm(inputs[0])) {
@@ -821,15 +896,12 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   }
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  auto work = inner.reduce_scatter(outputs, inputs, innerOpts);
-  if (plan.post.isNone()) {
-    return track(work);
+  auto work = r.backend().reduce_scatter(outputs, inputs, innerOpts);
+  std::function<void()> post;
+  if (!plan.post.isNone()) {
+    post = [t = outputs[0], post = plan.post] { post.apply(t); };
   }
-  auto t = outputs[0];
-  return track(WorkHSDP::chain(
-      rank_, OpType::REDUCE_SCATTER, {work}, {t}, [t, post = plan.post] {
-        post.apply(t);
-      }));
+  return track(r.finish(OpType::REDUCE_SCATTER, opts.asyncOp, {work}, outputs, std::move(post)));
 }
 
 WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
@@ -861,8 +933,8 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   checkSameDevice(c, input, output, "the output");
   checkNumel(c, input, output.numel() * size_, "the input (world size x output)");
   checkContiguous(c, input, "the input");
-  auto& inner = route(c, input);
-  auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy);
+  auto& r = route(c, input);
+  auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy, r.caps().nativeScale);
   stats_.record(c.op, 1, bytesOf(input));
   if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
     return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
@@ -877,15 +949,10 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   innerOpts.reduceOp = plan.innerOp;
   auto in = input.view({-1}); // contiguous (checked)
   auto arg = FlatArg::of(output);
-  auto work = inner._reduce_scatter_base(arg.flat, in, innerOpts);
-  if (plan.post.isNone() && !arg.staged()) {
-    return track(work);
-  }
-  return track(WorkHSDP::chain(
-      rank_, OpType::_REDUCE_SCATTER_BASE, {work}, {arg.user}, [arg, post = plan.post] {
-        post.apply(arg.flat);
-        arg.copyBack();
-      }));
+  auto work = r.backend()._reduce_scatter_base(arg.flat, in, innerOpts);
+  return track(r.finish(
+      OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {work}, {arg.user},
+      scaleAndCopyBack(plan.post, arg), {arg.flat, in}));
 }
 
 WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
@@ -897,7 +964,41 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
   if (inputs.empty()) {
     return WorkHSDP::completed(rank_, OpType::COALESCED, {});
   }
-  auto& inner = route(c, inputs[0]);
+  for (const auto& t : inputs) {
+    checkSameDevice(c, inputs[0], t, "an input");
+  }
+  auto& r = route(c, inputs[0]);
+  if (r.caps().nativeCoalescing) {
+    // One inner coalesced call per dtype (a PREMUL_SUM factor is typed), on
+    // the callers' tensors (outputs are contiguous: checked).
+    std::vector<WorkPtr> works;
+    std::vector<at::Tensor> ins;
+    std::vector<std::function<void()>> posts;
+    for (const auto& members : groupByDtype(inputs)) {
+      auto plan = planReduce(
+          c, opts.reduceOp, inputs[members[0]].scalar_type(), size_, 1.0, /*nativeScale=*/true);
+      std::vector<at::Tensor> groupIns, groupOuts;
+      for (size_t i : members) {
+        groupIns.push_back(inputs[i].contiguous().view({-1}));
+        groupOuts.push_back(outputs[i].view({-1}));
+      }
+      ins.insert(ins.end(), groupIns.begin(), groupIns.end());
+      if (!plan.post.isNone()) {
+        posts.push_back([groupOuts, post = plan.post] {
+          for (const auto& o : groupOuts) {
+            post.apply(o);
+          }
+        });
+      }
+      c10d::ReduceScatterOptions innerOpts = opts;
+      innerOpts.reduceOp = plan.innerOp;
+      works.push_back(r.backend().reduce_scatter_tensor_coalesced(groupOuts, groupIns, innerOpts));
+    }
+    stats_.record(c.op, works.size(), bytesOf(inputs));
+    return track(r.finish(
+        OpType::COALESCED, opts.asyncOp, std::move(works), outputs, inOrder(std::move(posts)),
+        std::move(ins)));
+  }
   struct Pending {
     ReduceScatterPack pack;
     std::vector<at::Tensor> outputs;
@@ -933,10 +1034,10 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
   for (auto& p : *pending) {
     c10d::ReduceScatterOptions innerOpts = opts;
     innerOpts.reduceOp = p.plan.innerOp;
-    works.push_back(inner._reduce_scatter_base(p.pack.output, p.pack.input, innerOpts));
+    works.push_back(r.backend()._reduce_scatter_base(p.pack.output, p.pack.input, innerOpts));
   }
-  return track(WorkHSDP::chain(
-      rank_, OpType::COALESCED, works, outputs, [pending, staging = staging_] {
+  return track(r.finish(
+      OpType::COALESCED, opts.asyncOp, std::move(works), outputs, [pending, staging = staging_] {
         for (const auto& p : *pending) {
           p.plan.post.apply(p.pack.output);
           p.pack.unpack(p.outputs);
@@ -963,10 +1064,10 @@ WorkPtr ProcessGroupHSDP::alltoall_base(
         "), got ",
         splits->size());
   }
-  auto& inner = route(c, input);
+  auto& r = route(c, input);
   stats_.record(c.op, 1, bytesOf(input));
-  return track(
-      inner.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts));
+  auto work = r.backend().alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+  return track(r.finish(OpType::ALLTOALL_BASE, opts.asyncOp, {work}, {output}));
 }
 
 WorkPtr ProcessGroupHSDP::alltoall(
@@ -993,7 +1094,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
     inSplits.push_back(inputs[i].numel());
     outSplits.push_back(outputs[i].numel());
   }
-  auto& inner = route(c, inputs[0]);
+  auto& r = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
   // Gloo's list all-to-all needs equal sizes; sending one flat buffer with
   // per-peer splits serves any sizes with a single inner collective.
@@ -1007,15 +1108,17 @@ WorkPtr ProcessGroupHSDP::alltoall(
       input.options());
   // The inner backend may move from the split vectors it is given.
   auto innerOutSplits = outSplits;
-  auto work = inner.alltoall_base(output, input, innerOutSplits, inSplits, opts);
-  return track(WorkHSDP::chain(
-      rank_, OpType::ALLTOALL, {work}, outputs, [output, outputs, outSplits] {
+  auto work = r.backend().alltoall_base(output, input, innerOutSplits, inSplits, opts);
+  return track(r.finish(
+      OpType::ALLTOALL, opts.asyncOp, {work}, outputs,
+      [output, outputs, outSplits] {
         int64_t off = 0;
         for (size_t i = 0; i < outputs.size(); ++i) {
           outputs[i].copy_(output.narrow(0, off, outSplits[i]).view(outputs[i].sizes()));
           off += outSplits[i];
         }
-      }));
+      },
+      {input, output}));
 }
 
 WorkPtr ProcessGroupHSDP::send(
@@ -1025,9 +1128,9 @@ WorkPtr ProcessGroupHSDP::send(
   const auto c = ctx("send");
   checkOne(c, tensors);
   checkRank(c, dstRank, "destination");
-  auto& inner = route(c, tensors[0]);
+  auto& r = route(c, tensors[0]);
   stats_.record(c.op, 1, bytesOf(tensors));
-  return track(inner.send(tensors, dstRank, tag));
+  return track(r.finish(OpType::SEND, true, {r.backend().send(tensors, dstRank, tag)}, tensors));
 }
 
 WorkPtr ProcessGroupHSDP::recv(
@@ -1037,9 +1140,9 @@ WorkPtr ProcessGroupHSDP::recv(
   const auto c = ctx("recv");
   checkOne(c, tensors);
   checkRank(c, srcRank, "source");
-  auto& inner = route(c, tensors[0]);
+  auto& r = route(c, tensors[0]);
   stats_.record(c.op, 1, bytesOf(tensors));
-  return track(inner.recv(tensors, srcRank, tag));
+  return track(r.finish(OpType::RECV, true, {r.backend().recv(tensors, srcRank, tag)}, tensors));
 }
 
 WorkPtr ProcessGroupHSDP::recvAnysource(
@@ -1047,9 +1150,10 @@ WorkPtr ProcessGroupHSDP::recvAnysource(
     int tag) {
   const auto c = ctx("recv");
   checkOne(c, tensors);
-  auto& inner = route(c, tensors[0]);
+  auto& r = route(c, tensors[0]);
   stats_.record(c.op, 1, bytesOf(tensors));
-  return track(inner.recvAnysource(tensors, tag));
+  return track(
+      r.finish(OpType::RECVANYSOURCE, true, {r.backend().recvAnysource(tensors, tag)}, tensors));
 }
 
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
@@ -1059,14 +1163,14 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   if (engine_) {
     return track(runShm(OpType::BARRIER, opts.asyncOp, {}, [this] { engine_->barrier("barrier"); }));
   }
-  return track(cpu_->barrier(opts));
+  return track(cpu_->finish(OpType::BARRIER, opts.asyncOp, {cpu_->backend().barrier(opts)}, {}));
 }
 
 void ProcessGroupHSDP::monitoredBarrier(
     const c10d::BarrierOptions& opts,
     bool waitAllRanks) {
   stats_.record("monitored_barrier", 1, 0);
-  cpu_->monitoredBarrier(opts, waitAllRanks);
+  cpu_->backend().monitoredBarrier(opts, waitAllRanks);
 }
 
 } // namespace hsdp

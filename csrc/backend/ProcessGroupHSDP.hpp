@@ -23,6 +23,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CommStats.hpp"
+#include "backend/InnerRoute.hpp"
 #include "backend/OpQueue.hpp"
 #include "backend/ShmRendezvous.hpp"
 #include "common/Errors.hpp"
@@ -40,8 +41,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       int rank,
       int size,
       std::chrono::milliseconds timeout,
-      c10::intrusive_ptr<c10d::Backend> cpuBackend,
-      c10::intrusive_ptr<c10d::Backend> cudaBackend,
+      std::unique_ptr<InnerRoute> cpuRoute,
+      std::unique_ptr<InnerRoute> cudaRoute,
       const ShmOptions& shmOptions);
   ~ProcessGroupHSDP() override;
 
@@ -161,10 +162,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
   CommStats& stats() {
     return stats_;
   }
-  // "shm" or "gloo": what serves this group's CPU collectives, and why not
-  // shm when it is gloo.
+  // "shm", or the inner CPU backend's name ("gloo"; "nccl_contract" in
+  // tests): what serves this group's CPU collectives.
   std::string cpuEngine() const {
-    return engine_ ? "shm" : "gloo";
+    return engine_ ? "shm" : cpu_->caps().name;
+  }
+  c10d::Backend& cpuInner() const {
+    return cpu_->backend();
   }
   bool shmDirectReads() const {
     return engine_ && engine_->directReads();
@@ -177,8 +181,16 @@ class ProcessGroupHSDP final : public c10d::Backend {
   OpContext ctx(const char* op) const {
     return OpContext{rank_, size_, op};
   }
-  // The inner backend that serves tensors on `t`'s device.
-  c10d::Backend& route(const OpContext& ctx, const at::Tensor& t);
+  // The inner route that serves tensors on `t`'s device.
+  InnerRoute& route(const OpContext& ctx, const at::Tensor& t);
+  // allreduceBucketed on a route that coalesces natively.
+  c10::intrusive_ptr<c10d::Work> allreduceNative(
+      InnerRoute& route,
+      std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOp& op,
+      int64_t bucketBytes,
+      bool asyncOp,
+      double divideBy);
   c10::intrusive_ptr<c10d::Work> allreduceImpl(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts,
@@ -200,12 +212,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
       std::function<void()> body);
   // Drains the engine's queue and tells peers this rank is gone.
   void leaveShm(const char* why);
-  // Records `work` when called between startCoalescing and endCoalescing.
+  // Records `work` when called between startCoalescing and endCoalescing
+  // (routes that coalesce natively hold their own).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
 
   c10::intrusive_ptr<Options> options_;
-  c10::intrusive_ptr<c10d::Backend> cpu_;
-  c10::intrusive_ptr<c10d::Backend> cuda_; // null without CUDA
+  std::unique_ptr<InnerRoute> cpu_;
+  std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::string shmWhyNot_;

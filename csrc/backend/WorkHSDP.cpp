@@ -94,68 +94,30 @@ c10::intrusive_ptr<c10d::Work> WorkHSDP::completed(
   return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
 }
 
-namespace {
-
-// Some inner Works (Gloo's reduce-scatter among them) implement no future.
-// For those the chain waits for them on the calling thread: the result is the
-// same, only an async_op caller loses the overlap.
-c10::intrusive_ptr<c10::ivalue::Future> futureOrNull(
-    const c10::intrusive_ptr<c10d::Work>& work) {
-  try {
-    return work->getFuture();
-  } catch (const c10::Error&) {
-    return nullptr;
-  }
-}
-
-} // namespace
-
-c10::intrusive_ptr<c10d::Work> WorkHSDP::chain(
+c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(
+    OpQueue& queue,
     int rank,
     c10d::OpType opType,
-    const std::vector<c10::intrusive_ptr<c10d::Work>>& inners,
     std::vector<at::Tensor> outputs,
-    std::function<void()> then) {
-  TORCH_INTERNAL_ASSERT(!inners.empty());
-  std::vector<c10::intrusive_ptr<c10::ivalue::Future>> parts;
-  for (const auto& w : inners) {
-    parts.push_back(futureOrNull(w));
-    if (!parts.back()) {
-      for (const auto& inner : inners) {
-        inner->wait();
-      }
-      then();
-      return completed(rank, opType, std::move(outputs));
-    }
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> all;
-  if (parts.size() == 1) {
-    all = parts.front();
-  } else {
-    c10::List<c10::intrusive_ptr<c10::ivalue::Future>> futures(
-        c10::FutureType::create(tensorListType()));
-    for (const auto& part : parts) {
-      futures.push_back(part);
-    }
-    all = c10::collectAll(futures);
-  }
-  auto child = all->then(
-      [outputs = std::move(outputs),
-       then = std::move(then),
-       parts = std::move(parts)](c10::ivalue::Future& parent) -> c10::IValue {
-        if (parent.hasError()) {
-          std::rethrow_exception(parent.exception_ptr());
+    std::function<void()> task) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
+  auto error = std::make_shared<std::exception_ptr>();
+  queue.submit(
+      [task = std::move(task), error]() {
+        try {
+          task();
+        } catch (...) {
+          *error = std::current_exception();
         }
-        for (const auto& part : parts) {
-          if (part->hasError()) {
-            std::rethrow_exception(part->exception_ptr());
-          }
-        }
-        then();
-        return c10::IValue(outputs);
       },
-      tensorListType());
-  return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(child));
+      [future, error, outputs = std::move(outputs)]() {
+        if (*error) {
+          future->setError(*error);
+        } else {
+          future->markCompleted(c10::IValue(outputs));
+        }
+      });
+  return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
 }
 
 } // namespace hsdp

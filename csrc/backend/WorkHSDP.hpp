@@ -1,8 +1,8 @@
 #pragma once
 
-// The Work that hsdp hands back for a call whose result needs more than the
-// inner collective: a deferred scale, an unpack of a fused buffer, or a
-// result computed entirely by hsdp. It completes when its future does.
+// The Work of a call whose result hsdp completes on a thread of its own: the
+// shared-memory engine's queue, or an inner route's completion thread (CPU
+// post-steps, see InnerRoute.hpp). It completes when its future does.
 //
 // Contract (as c10d documents it): wait() blocks until the result is in place
 // and rethrows the failure if there was one; isCompleted() never blocks;
@@ -10,6 +10,8 @@
 // the streams, so wait() orders the caller's current stream after the result.
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "backend/OpQueue.hpp"
 
 #include <functional>
 
@@ -39,15 +41,15 @@ class WorkHSDP : public c10d::Work {
       c10d::OpType opType,
       std::vector<at::Tensor> outputs);
 
-  // A Work that completes after every one of `inners` does and `then` has
-  // run (on whichever thread completes the last of them). A failure of any
-  // is stored and rethrown by wait(); `then` does not run after a failure.
-  static c10::intrusive_ptr<c10d::Work> chain(
+  // A Work that completes with `outputs` once `task` has run on `queue`
+  // (or fails with what it threw). The future completes after the queue is
+  // free again, so its callbacks may issue collectives on the same group.
+  static c10::intrusive_ptr<c10d::Work> onQueue(
+      OpQueue& queue,
       int rank,
       c10d::OpType opType,
-      const std::vector<c10::intrusive_ptr<c10d::Work>>& inners,
       std::vector<at::Tensor> outputs,
-      std::function<void()> then);
+      std::function<void()> task);
 
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;

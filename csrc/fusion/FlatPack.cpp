@@ -169,12 +169,10 @@ void ReduceScatterPack::unpack(const std::vector<at::Tensor>& outputs) const {
   }
 }
 
-std::vector<Bucket> packBuckets(
+std::vector<std::vector<size_t>> planBuckets(
     const std::vector<at::Tensor>& tensors,
     const std::vector<size_t>& members,
-    int64_t bucketBytes,
-    StagingPool& pool) {
-  // Split the member list into runs of at most bucketBytes each.
+    int64_t bucketBytes) {
   std::vector<std::vector<size_t>> groups;
   int64_t filled = 0;
   for (size_t idx : members) {
@@ -188,6 +186,15 @@ std::vector<Bucket> packBuckets(
     groups.back().push_back(idx);
     filled += bytes;
   }
+  return groups;
+}
+
+std::vector<Bucket> packBuckets(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<size_t>& members,
+    int64_t bucketBytes,
+    StagingPool& pool) {
+  auto groups = planBuckets(tensors, members, bucketBytes);
   std::vector<Bucket> buckets;
   for (auto& group : groups) {
     Bucket bucket;

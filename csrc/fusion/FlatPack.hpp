@@ -73,6 +73,14 @@ struct Bucket {
   void unpack(const std::vector<at::Tensor>& tensors) const;
 };
 
+// Splits `members` (indices into `tensors`, one dtype) into runs of at most
+// `bucketBytes` (a tensor larger than that gets a run of its own);
+// bucketBytes <= 0: one run.
+std::vector<std::vector<size_t>> planBuckets(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<size_t>& members,
+    int64_t bucketBytes);
+
 // Packs tensors of one dtype into buckets of at most `bucketBytes` (a tensor
 // larger than that gets a bucket of its own). bucketBytes <= 0: one bucket.
 std::vector<Bucket> packBuckets(

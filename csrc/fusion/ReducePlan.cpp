@@ -11,7 +11,9 @@ bool isBitwiseOp(c10d::ReduceOp::RedOpType op) {
       op == c10d::ReduceOp::BXOR;
 }
 
-const char* opName(c10d::ReduceOp::RedOpType op) {
+} // namespace
+
+const char* reduceOpName(c10d::ReduceOp::RedOpType op) {
   switch (op) {
     case c10d::ReduceOp::SUM:
       return "SUM";
@@ -36,8 +38,6 @@ const char* opName(c10d::ReduceOp::RedOpType op) {
   }
 }
 
-} // namespace
-
 double DeferredScale::value() const {
   return kind_ == Kind::MultiplyTensor ? tensor_.item<double>() : value_;
 }
@@ -57,6 +57,20 @@ DeferredScale DeferredScale::dividedBy(double divisor) const {
       return multiplyBy(tensor_ / divisor);
   }
   return *this;
+}
+
+c10d::ReduceOp DeferredScale::asPreMulSum() const {
+  switch (kind_) {
+    case Kind::Divide:
+      return c10d::makePreMulSum(1.0 / value_);
+    case Kind::Multiply:
+      return c10d::makePreMulSum(value_);
+    case Kind::MultiplyTensor:
+      return c10d::makePreMulSum(tensor_);
+    case Kind::None:
+      break;
+  }
+  return c10d::makePreMulSum(1.0);
 }
 
 void DeferredScale::apply(const at::Tensor& t) const {
@@ -106,7 +120,7 @@ ReducePlan planReduceOp(
         !isFloat,
         ctx,
         "ReduceOp.",
-        opName(type),
+        reduceOpName(type),
         " needs an integer or bool tensor, got ",
         dtype);
     return {op, DeferredScale::none()};
@@ -162,23 +176,28 @@ ReducePlan planReduce(
     const c10d::ReduceOp& op,
     at::ScalarType dtype,
     int groupSize,
-    double divideBy) {
+    double divideBy,
+    bool nativeScale) {
   auto plan = planReduceOp(ctx, op, dtype, groupSize);
-  if (divideBy == 1.0) {
-    return plan;
-  }
   const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
-  HSDP_CHECK_VALUE(
-      divideBy > 0 && (isFloat || divideBy == static_cast<double>(static_cast<int64_t>(divideBy))),
-      ctx,
-      "divide_by must be positive (and a whole number for integer tensors), got ",
-      divideBy);
-  const auto type = plan.innerOp.op_;
-  HSDP_CHECK_VALUE(
-      type == c10d::ReduceOp::SUM,
-      ctx,
-      "divide_by needs a SUM, AVG or PREMUL_SUM reduction");
-  plan.post = plan.post.dividedBy(divideBy);
+  if (divideBy != 1.0) {
+    HSDP_CHECK_VALUE(
+        divideBy > 0 && (isFloat || divideBy == static_cast<double>(static_cast<int64_t>(divideBy))),
+        ctx,
+        "divide_by must be positive (and a whole number for integer tensors), got ",
+        divideBy);
+    HSDP_CHECK_VALUE(
+        plan.innerOp.op_ == c10d::ReduceOp::SUM,
+        ctx,
+        "divide_by needs a SUM, AVG or PREMUL_SUM reduction");
+    plan.post = plan.post.dividedBy(divideBy);
+  }
+  if (nativeScale && isFloat && !plan.post.isNone()) {
+    if (op.op_ == c10d::ReduceOp::AVG && divideBy == 1.0) {
+      return {op, DeferredScale::none()};
+    }
+    return {plan.post.asPreMulSum(), DeferredScale::none()};
+  }
   return plan;
 }
 

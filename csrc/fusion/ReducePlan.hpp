@@ -3,12 +3,17 @@
 // How a c10d reduction is carried out on a transport that only needs to know
 // SUM/PRODUCT/MIN/MAX/BAND/BOR/BXOR.
 //
-// AVG and PREMUL_SUM never reach an inner collective: they run as SUM followed
-// by one scaling step on the result (a "deferred scale"). This
+// On transports without them (the shared-memory engine, Gloo) AVG and
+// PREMUL_SUM run as SUM followed by one scaling step on the result (a
+// "deferred scale"). This
 //  * works on transports that lack the op (Gloo has no PREMUL_SUM, and some
 //    torch versions turned its reduce-scatter AVG into SUM),
 //  * rounds low-precision results once (the scale is applied in fp32), and
 //  * lets a caller chain SUM collectives on several groups and scale once.
+// A transport that scales inside the reduction (NCCL: `nativeScale`) gets
+// floating-point AVG unchanged and every other scale (PREMUL_SUM, AVG or SUM
+// with a `divideBy`) as one PREMUL_SUM factor: no extra kernel. Integer AVG
+// stays SUM plus a truncating divide everywhere.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -47,6 +52,9 @@ class DeferredScale {
   // that chain SUM collectives over several groups divide once, at the end.
   DeferredScale dividedBy(double divisor) const;
 
+  // The PREMUL_SUM reduction that applies this scale inside a sum.
+  c10d::ReduceOp asPreMulSum() const;
+
   // Scales `t` in place. bf16/fp16 are widened to fp32, scaled and rounded
   // once; integers divide with truncation toward zero (C semantics, as NCCL).
   void apply(const at::Tensor& t) const;
@@ -59,6 +67,9 @@ class DeferredScale {
   double value_;
   at::Tensor tensor_;
 };
+
+// "SUM", "AVG", ...: the name torch.distributed.ReduceOp gives `op`.
+const char* reduceOpName(c10d::ReduceOp::RedOpType op);
 
 struct ReducePlan {
   c10d::ReduceOp innerOp; // what the transport runs
@@ -73,6 +84,7 @@ ReducePlan planReduce(
     const c10d::ReduceOp& op,
     at::ScalarType dtype,
     int groupSize,
-    double divideBy = 1.0);
+    double divideBy = 1.0,
+    bool nativeScale = false);
 
 } // namespace hsdp

@@ -1,0 +1,167 @@
+#include "backend/InnerRoute.hpp"
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include "backend/WorkHSDP.hpp"
+#include "backend/WorkOnStream.hpp"
+
+namespace hsdp {
+
+namespace {
+
+// The device the op's tensors live on (CPU when it has none, as a barrier).
+c10::Device deviceOf(
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& keepAlive) {
+  for (const auto* list : {&outputs, &keepAlive}) {
+    for (const auto& t : *list) {
+      if (t.defined()) {
+        return t.device();
+      }
+    }
+  }
+  return c10::Device(c10::kCPU);
+}
+
+} // namespace
+
+InnerRoute::InnerRoute(
+    c10::intrusive_ptr<c10d::Backend> backend,
+    InnerCaps caps,
+    int rank)
+    : backend_(std::move(backend)), caps_(caps), rank_(rank) {
+  TORCH_CHECK(backend_, "hsdp: an inner route needs a backend");
+}
+
+InnerRoute::WorkPtr InnerRoute::finish(
+    c10d::OpType type,
+    bool asyncOp,
+    std::vector<WorkPtr> works,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> post,
+    std::vector<at::Tensor> keepAlive) {
+  std::erase_if(works, [](const WorkPtr& w) { return !w; });
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (coalescing_) {
+      // Nothing has been launched yet: the post-step waits for endCoalescing.
+      auto& h = held_;
+      h.works.insert(h.works.end(), works.begin(), works.end());
+      h.outputs.insert(h.outputs.end(), outputs.begin(), outputs.end());
+      h.keepAlive.insert(h.keepAlive.end(), keepAlive.begin(), keepAlive.end());
+      if (post) {
+        h.posts.push_back(std::move(post));
+      }
+      return {};
+    }
+  }
+  if (!post && works.size() == 1) {
+    return works.front(); // the inner Work already is the whole op
+  }
+  if (!post && works.empty()) {
+    return asyncOp ? WorkHSDP::completed(rank_, type, std::move(outputs)) : WorkPtr();
+  }
+  const auto device = deviceOf(outputs, keepAlive);
+  if (!asyncOp) {
+    // The caller waits for the result right after this returns, so ordering
+    // the post-step here costs it nothing: on CPU wait() returns once the
+    // data is in place, on CUDA it makes the current stream wait for NCCL's,
+    // and the post-step is then enqueued behind it on that same stream.
+    for (const auto& w : works) {
+      w->wait();
+    }
+    if (post) {
+      post();
+    }
+    return {};
+  }
+  if (device.is_cpu()) {
+    return finishOnThread(type, std::move(works), std::move(outputs), std::move(post));
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream current = impl.getStream(device);
+  const c10::Stream side = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  // The post-step reads what the caller enqueued before this call (a
+  // staged copy, the op's inputs): the side stream starts after it.
+  c10::Event issued(device.type());
+  issued.record(current);
+  issued.block(side);
+  c10::StreamGuard guard(side);
+  for (const auto& w : works) {
+    w->wait(); // NCCL: the side stream (now current) waits for the collective
+  }
+  if (post) {
+    post();
+  }
+  return c10::make_intrusive<WorkOnStream>(
+      rank_, type, side, std::move(works), std::move(outputs), std::move(keepAlive));
+}
+
+InnerRoute::WorkPtr InnerRoute::finishOnThread(
+    c10d::OpType type,
+    std::vector<WorkPtr> works,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> post) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completions_) {
+      completions_ = std::make_unique<OpQueue>();
+    }
+  }
+  return WorkHSDP::onQueue(
+      *completions_, rank_, type, std::move(outputs), [works = std::move(works), post = std::move(post)] {
+        // Blocking here is this thread's purpose: the inner ops were all
+        // issued already, so each completes without anything further from
+        // this process.
+        for (const auto& w : works) {
+          w->wait();
+        }
+        if (post) {
+          post();
+        }
+      });
+}
+
+void InnerRoute::startCoalescing() {
+  TORCH_INTERNAL_ASSERT(caps_.nativeCoalescing);
+  backend_->startCoalescing();
+  std::lock_guard<std::mutex> lock(mutex_);
+  coalescing_ = true;
+  held_ = Held{};
+}
+
+InnerRoute::WorkPtr InnerRoute::endCoalescing() {
+  Held held;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    coalescing_ = false;
+    std::swap(held, held_);
+  }
+  if (auto end = backend_->endCoalescing()) {
+    held.works.push_back(end);
+  }
+  if (held.works.empty() && held.posts.empty()) {
+    return {};
+  }
+  std::function<void()> post;
+  if (!held.posts.empty()) {
+    post = [posts = std::move(held.posts)] {
+      for (const auto& p : posts) {
+        p();
+      }
+    };
+  }
+  // Async: the caller of endCoalescing waits on the Work when it wants to.
+  return finish(
+      c10d::OpType::COALESCED,
+      /*asyncOp=*/true,
+      std::move(held.works),
+      std::move(held.outputs),
+      std::move(post),
+      std::move(held.keepAlive));
+}
+
+} // namespace hsdp

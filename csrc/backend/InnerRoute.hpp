@@ -1,0 +1,103 @@
+#pragma once
+
+// The route to an inner c10d backend (ProcessGroupGloo, ProcessGroupNCCL, or
+// the NCCL-contract test double): the one place that knows how an inner
+// backend's Work behaves and how hsdp's post-step is ordered after it.
+//
+// The contract, as ProcessGroupNCCL defines it since torch 2.8 (Gloo is the
+// special case whose Works are host-complete when their futures are):
+//   * a synchronous call may return no Work: the op is complete (CPU) or
+//     ordered on the caller's current stream (CUDA);
+//   * an async Work's result is in place only after wait(); on CUDA wait()
+//     makes the current stream wait for NCCL's stream (the host does not
+//     block) and the Work's future completes before the data is written;
+//   * failures surface through wait().
+// So a post-step (a deferred scale, an unpack, the copy back of a staged
+// argument) runs only after wait() on every inner Work, and where it runs
+// decides what the returned Work means:
+//   * synchronous: on the calling thread and the current stream, at once;
+//   * async, CUDA: on a side stream that waited for every inner Work, then an
+//     event; the returned Work's wait() makes the caller's stream wait on it;
+//   * async, CPU: on the route's completion thread, in issue order.
+// Between startCoalescing and endCoalescing on a backend that coalesces
+// natively (NCCL launches nothing before endCoalescing) post-steps are held
+// back and run after endCoalescing's Work.
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/OpQueue.hpp"
+
+#include <functional>
+#include <memory>
+#include <mutex>
+
+namespace hsdp {
+
+// What an inner backend does natively.
+struct InnerCaps {
+  const char* name; // "gloo", "nccl", "nccl_contract"
+  // Runs AVG and PREMUL_SUM inside the reduction (NCCL's ncclAvg and
+  // ncclRedOpCreatePreMulSum): hsdp passes them through, no extra kernel.
+  bool nativeScale = false;
+  // Groups the ops between startCoalescing and endCoalescing, and the
+  // *_coalesced calls, into one launch: hsdp forwards them without packing.
+  bool nativeCoalescing = false;
+};
+
+class InnerRoute {
+ public:
+  using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+  InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps, int rank);
+  InnerRoute(const InnerRoute&) = delete;
+  InnerRoute& operator=(const InnerRoute&) = delete;
+
+  c10d::Backend& backend() const {
+    return *backend_;
+  }
+  const InnerCaps& caps() const {
+    return caps_;
+  }
+
+  // The Work to hand back for an op issued on the inner backend as `works`
+  // (null entries: complete, or ordered on the current stream) whose result
+  // also needs `post` (empty: nothing). `outputs` become the future's value;
+  // `keepAlive` are buffers `post` or the inner op still use. Returns null
+  // for a synchronous call whose inner op returned none and needs no post.
+  WorkPtr finish(
+      c10d::OpType type,
+      bool asyncOp,
+      std::vector<WorkPtr> works,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> post = {},
+      std::vector<at::Tensor> keepAlive = {});
+
+  // Native coalescing only (caps().nativeCoalescing).
+  void startCoalescing();
+  // The Work of everything issued since startCoalescing, post-steps
+  // included; null when nothing was.
+  WorkPtr endCoalescing();
+
+ private:
+  WorkPtr finishOnThread(
+      c10d::OpType type,
+      std::vector<WorkPtr> works,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> post);
+
+  c10::intrusive_ptr<c10d::Backend> backend_;
+  InnerCaps caps_;
+  int rank_;
+
+  std::mutex mutex_;
+  std::unique_ptr<OpQueue> completions_; // CPU async post-steps, made on first use
+  bool coalescing_ = false;
+  struct Held {
+    std::vector<WorkPtr> works;
+    std::vector<at::Tensor> outputs;
+    std::vector<std::function<void()>> posts;
+    std::vector<at::Tensor> keepAlive;
+  } held_;
+};
+
+} // namespace hsdp

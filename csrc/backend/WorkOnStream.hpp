@@ -1,0 +1,52 @@
+#pragma once
+
+// The Work of an async op on a device with streams (CUDA), whose post-step
+// was enqueued on a side stream after every inner Work (see InnerRoute.hpp).
+//
+// GPU-aware, as WorkNCCL is: isCompleted() is true only once the device has
+// run the post-step (an event recorded after it); wait() makes the caller's
+// current stream wait for that event and does not block the host, except
+// that wait(timeout) polls the event until the timeout and then throws;
+// getFuture() carries the event through the future's own device events.
+// Failures of the inner Works (NCCL's watchdog sets them) surface through
+// wait(), isSuccess() and exception().
+
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace hsdp {
+
+class WorkOnStream : public c10d::Work {
+ public:
+  // Call with `stream` current, right after the post-step was enqueued on
+  // it. `keepAlive` are buffers the enqueued work still reads or writes.
+  WorkOnStream(
+      int rank,
+      c10d::OpType opType,
+      c10::Stream stream,
+      std::vector<c10::intrusive_ptr<c10d::Work>> inners,
+      std::vector<at::Tensor> outputs,
+      std::vector<at::Tensor> keepAlive);
+
+  WorkOnStream(const WorkOnStream&) = delete;
+  WorkOnStream& operator=(const WorkOnStream&) = delete;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  void synchronize() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  c10::Stream stream_;
+  c10::Event done_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> inners_;
+  std::vector<at::Tensor> outputs_;
+  std::vector<at::Tensor> keepAlive_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+} // namespace hsdp

@@ -1,0 +1,141 @@
+#pragma once
+
+// A test double for ProcessGroupNCCL, over CPU tensors and an inner Gloo
+// group, so that CI proves hsdp's CUDA route logic on machines without a GPU.
+// Used only when HSDP_ENGINE=nccl_contract; never in a user's group.
+//
+// It behaves as ProcessGroupNCCL (torch 2.14) does where hsdp can observe it:
+//   * a synchronous call (asyncOp false) returns no Work: the result is in
+//     place when the call returns (on CUDA: ordered on the current stream);
+//   * an async call returns a Work whose result lands in the caller's
+//     tensors when wait() is called, or kLandingDelay after the op finished
+//     (on CUDA: the result is ordered only for streams that waited on the
+//     Work or its device-aware future). isCompleted() and the future follow
+//     the landing. A post-step that runs without waiting reads stale data;
+//   * AVG and PREMUL_SUM are done inside the reduction (the input is
+//     pre-multiplied; floating point only, as hsdp sends them), every other
+//     op unchanged;
+//   * between startCoalescing and endCoalescing every call returns no Work
+//     and nothing lands before endCoalescing's Work is waited for;
+//   * failures surface through the Work (failNext injects one).
+// Every reduction it receives is logged, so tests see what hsdp sent.
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/OpQueue.hpp"
+
+#include <mutex>
+
+namespace hsdp::testing {
+
+class NcclContractBackend final : public c10d::Backend {
+ public:
+  using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+  NcclContractBackend(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size);
+
+  const std::string getBackendName() const override {
+    return "nccl_contract";
+  }
+  bool supportsCoalescing() const override {
+    return true;
+  }
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    gloo_->setTimeout(timeout);
+  }
+  uint64_t getSequenceNumberForGroup() override {
+    return gloo_->getSequenceNumberForGroup();
+  }
+  void abort() override {
+    gloo_->abort();
+  }
+  void shutdown() override {
+    gloo_->shutdown();
+  }
+  void startCoalescing() override;
+  WorkPtr endCoalescing() override;
+
+  WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
+  WorkPtr allreduce_coalesced(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceCoalescedOptions& opts) override;
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+  WorkPtr allgather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  WorkPtr _allgather_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::AllgatherOptions& opts) override;
+  WorkPtr allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  WorkPtr gather(
+      std::vector<std::vector<at::Tensor>>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::GatherOptions& opts) override;
+  WorkPtr scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ScatterOptions& opts) override;
+  WorkPtr reduce_scatter(
+      std::vector<at::Tensor>& outputs,
+      std::vector<std::vector<at::Tensor>>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr _reduce_scatter_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  WorkPtr alltoall_base(
+      at::Tensor& output,
+      at::Tensor& input,
+      std::vector<int64_t>& outputSplitSizes,
+      std::vector<int64_t>& inputSplitSizes,
+      const c10d::AllToAllOptions& opts) override;
+  WorkPtr send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  WorkPtr barrier(const c10d::BarrierOptions& opts) override;
+
+  // The next op's Work fails with `message` (the op still runs, so the
+  // ranks stay in step).
+  void failNext(const std::string& message);
+  // "op:REDUCTION" for every reduction received, in order ("all_reduce:AVG").
+  std::vector<std::string> receivedReductions();
+
+ private:
+  // Issues `issue` on Gloo with private copies of `outputs` (what it
+  // returns is Gloo's Works) and hands back what NCCL would.
+  WorkPtr run(
+      c10d::OpType type,
+      bool asyncOp,
+      std::vector<at::Tensor> outputs,
+      const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue);
+  // The reduction Gloo runs for `op`, pre-multiplying `t` (a private copy
+  // of the input) for AVG and PREMUL_SUM.
+  c10d::ReduceOp sumFor(const char* what, const c10d::ReduceOp& op, const at::Tensor& t);
+  // Lands an async Work's data on its own, kLandingDelay after it was issued.
+  void landLater(const WorkPtr& work);
+
+  // Long against the microseconds a post-step takes to start, short against
+  // a test: code that reads before waiting sees stale data every time.
+  static constexpr std::chrono::milliseconds kLandingDelay{50};
+
+  c10::intrusive_ptr<c10d::Backend> gloo_;
+  std::mutex mutex_;
+  bool coalescing_ = false;
+  std::vector<WorkPtr> held_; // calls made while coalescing
+  bool heldAsync_ = false;
+  std::string failNext_;
+  std::vector<std::string> received_;
+  OpQueue lander_; // declared last: drained (every Work landed) first
+};
+
+} // namespace hsdp::testing

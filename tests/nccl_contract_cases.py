@@ -1,0 +1,131 @@
+"""What the CUDA route promises beyond matching gloo, checked through the
+NCCL-contract double (HSDP_ENGINE=nccl_contract; csrc/testing/): what hsdp
+hands NCCL, that every post-step waits for the inner Works, and that NCCL's
+errors reach the caller. Cases run on every rank: ``case(rank, world, ref)``."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hsdp_backend
+from hsdp_backend import _C
+from ops_cases import check, data, reduce_ref, rs_expected, rs_input
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+def received(group=None) -> list[str]:
+    return list(_C._nccl_contract_reductions(hsdp_backend.get_hsdp_backend(group)))
+
+
+def sent_by(fn, group=None) -> list[str]:
+    """The reductions the inner backend received while ``fn`` ran."""
+    before = len(received(group))
+    fn()
+    return received(group)[before:]
+
+
+@case
+def scales_reach_nccl_as_avg_or_one_premul_sum(rank, world, ref):
+    t = data(rank, 10, torch.float32)
+    assert sent_by(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG)) == ["all_reduce:AVG"]
+    check(t, reduce_ref(dist.ReduceOp.AVG, world, 10, torch.float32), "AVG")
+    # divide_by folds into one PREMUL_SUM factor: no second scaling step
+    t = data(rank, 10, torch.float32)
+    assert sent_by(lambda: hsdp_backend.all_reduce(t, op=dist.ReduceOp.AVG, divide_by=3.0)) == ["all_reduce:PREMUL_SUM"]
+    expected = torch.stack([data(r, 10, torch.float64) for r in range(world)]).sum(0) / (3 * world)
+    check(t, expected.float(), "AVG + divide_by")
+    out = torch.empty(6, dtype=torch.bfloat16)
+    premul = dist._make_nccl_premul_sum(0.5)
+    assert sent_by(lambda: dist.reduce_scatter_tensor(out, rs_input(rank, world, 6, torch.bfloat16), op=premul)) == [
+        "reduce_scatter_tensor:PREMUL_SUM"
+    ]
+    check(out, (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.5).bfloat16(), "PREMUL_SUM")
+    # integers: SUM, then hsdp's truncating division
+    t = data(rank, 10, torch.int64)
+    assert sent_by(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG)) == ["all_reduce:SUM"]
+    check(t, reduce_ref(dist.ReduceOp.AVG, world, 10, torch.int64), "integer AVG")
+
+
+@case
+def sync_calls_return_no_work(rank, world, ref):
+    t = data(rank, 5, torch.float32)
+    assert hsdp_backend.all_reduce(t, divide_by=2.0) is None
+    check(t, reduce_ref(dist.ReduceOp.SUM, world, 5, torch.float32) / 2, "sync divide_by")
+    out = torch.empty(5)
+    hsdp_backend.reduce_scatter_tensor(out, rs_input(rank, world, 5, torch.float32), divide_by=2.0)
+    check(out, rs_expected(dist.ReduceOp.SUM, world, rank, 5, torch.float32) / 2, "sync reduce_scatter divide_by")
+
+
+@case
+def async_post_steps_wait_for_every_inner_work(rank, world, ref):
+    # several buckets and dtypes: one inner Work each, one post-step after all
+    ts = [data(rank, n, d) for n, d in [(7, torch.float32), (5, torch.int64), (9, torch.float32), (3, torch.int64)]]
+    work = hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, bucket_bytes=16, async_op=True)
+    work.wait()
+    assert work.is_completed()
+    for t in ts:
+        check(t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), t.dtype), f"bucketed {t.dtype}")
+    # a staged (non-contiguous) argument is copied back only after the data landed
+    base = data(rank, 24, torch.float32).view(4, 6)
+    t = base.t()
+    work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
+    work.wait()
+    check(t, reduce_ref(dist.ReduceOp.SUM, world, 24, torch.float32).view(4, 6).t(), "non-contiguous async")
+    # the future of a chained Work carries the finished result
+    t = data(rank, 8, torch.int64)
+    fut = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).get_future()
+    check(fut.wait()[0], reduce_ref(dist.ReduceOp.AVG, world, 8, torch.int64), "future of integer AVG")
+
+
+@case
+def device_coalescing_holds_post_steps_until_the_end(rank, world, ref):
+    """_coalescing_manager(device=...) brackets the calls with start/end
+    coalescing: NCCL launches nothing before the end, so post-steps wait."""
+    ts = [data(rank, n, torch.int64) for n in (4, 3)]
+    with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    cm.wait()
+    for t in ts:
+        check(t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), torch.int64), "coalesced integer AVG")
+    outs = [torch.empty(world * n) for n in (3, 2)]
+    with dist._coalescing_manager(device=torch.device("cpu")):
+        for n, o in zip((3, 2), outs):
+            dist.all_gather_into_tensor(o, data(rank, n, torch.float32))
+    for n, o in zip((3, 2), outs):
+        check(o, torch.cat([data(r, n, torch.float32) for r in range(world)]), "coalesced all_gather")
+
+
+@case
+def inner_errors_reach_the_caller(rank, world, ref):
+    backend = hsdp_backend.get_hsdp_backend()
+    for name, issue in [
+        ("pass-through", lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)),
+        ("chained", lambda t: hsdp_backend.all_reduce(t, divide_by=2.0, async_op=True)),
+        ("bucketed", lambda t: hsdp_backend.all_reduce_coalesced([t[:4], t[4:].long()], bucket_bytes=8, async_op=True)),
+    ]:
+        _C._nccl_contract_fail_next(backend, f"injected NCCL error ({name})")
+        work = issue(torch.ones(8))
+        try:
+            work.wait()
+        except dist.DistBackendError as exc:
+            assert f"injected NCCL error ({name})" in str(exc), exc
+        else:
+            raise AssertionError(f"{name}: the inner Work's error was lost")
+    _C._nccl_contract_fail_next(backend, "injected NCCL error (sync)")
+    try:
+        dist.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG)
+    except dist.DistBackendError as exc:
+        assert "injected NCCL error (sync)" in str(exc), exc
+    else:
+        raise AssertionError("sync: the inner error was lost")
+    t = torch.ones(3)  # the group still works
+    dist.all_reduce(t)
+    check(t, torch.full((3,), float(world)), "after errors")
