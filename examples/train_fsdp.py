@@ -23,6 +23,7 @@ on a 2-D (replicate, shard) device mesh.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import time
 from dataclasses import dataclass
@@ -486,14 +487,31 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     return parser
 
 
+def run_fsdp(args: argparse.Namespace) -> None:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    train(args, mesh, {"fsdp": mesh.get_group("fsdp")})
+
+
+def shut_down() -> None:
+    """Destroys the process groups, then frees what still references them.
+
+    DeviceMesh and DTensor keep groups in reference cycles. Left to the
+    collector that runs while the interpreter exits, a Gloo group is torn
+    down then, and Gloo's transport thread, finding Python finalizing, takes
+    the whole process down ("terminate called without an active exception",
+    about one run in ten on 2 cores). Collected here, it goes down cleanly.
+    """
+    dist.destroy_process_group()
+    gc.collect()
+
+
 def main() -> None:
     args = get_parser().parse_args()
     dist.init_process_group(backend=args.backend)  # rendezvous from torchrun's env
     try:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-        train(args, mesh, {"fsdp": mesh.get_group("fsdp")})
+        run_fsdp(args)
     finally:
-        dist.destroy_process_group()
+        shut_down()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 # examples/ is sys.path[0] when this file runs as a script, so the sibling
 # module imports directly (and registers the hsdp backend on import).
-from train_fsdp import get_parser, train
+from train_fsdp import get_parser, shut_down, train
 
 
 def main() -> None:
@@ -32,24 +32,28 @@ def main() -> None:
 
     dist.init_process_group(backend=args.backend)  # rendezvous from torchrun's env
     try:
-        world_size = dist.get_world_size()
-        if world_size != args.replicate * args.shard:
-            raise ValueError(
-                f"world size {world_size} != --replicate {args.replicate} * --shard {args.shard}"
-            )
-        # Row-major layout: ranks that differ in the last ("shard") coordinate
-        # are adjacent, e.g. shard groups [0, 1], [2, 3] and replicate groups
-        # [0, 2], [1, 3] on the default 2 x 2 mesh.
-        mesh = init_device_mesh(
-            "cpu", (args.replicate, args.shard), mesh_dim_names=("replicate", "shard")
-        )
-        train(
-            args,
-            mesh,
-            {"shard": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")},
-        )
+        run_hsdp(args)
     finally:
-        dist.destroy_process_group()
+        shut_down()
+
+
+def run_hsdp(args) -> None:
+    world_size = dist.get_world_size()
+    if world_size != args.replicate * args.shard:
+        raise ValueError(
+            f"world size {world_size} != --replicate {args.replicate} * --shard {args.shard}"
+        )
+    # Row-major layout: ranks that differ in the last ("shard") coordinate
+    # are adjacent, e.g. shard groups [0, 1], [2, 3] and replicate groups
+    # [0, 2], [1, 3] on the default 2 x 2 mesh.
+    mesh = init_device_mesh(
+        "cpu", (args.replicate, args.shard), mesh_dim_names=("replicate", "shard")
+    )
+    train(
+        args,
+        mesh,
+        {"shard": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")},
+    )
 
 
 if __name__ == "__main__":

@@ -561,13 +561,12 @@ class _ReplicateBuckets:
         bucket = self.open.pop(key)
         if not bucket.pending:
             return
-        work = api.all_reduce(
-            bucket.buffer[: bucket.used],
-            op=dist.ReduceOp.SUM,
-            group=bucket.group,
-            divide_by=bucket.divide_by,
-            async_op=True,
-        )
+        # The division as a PREMUL_SUM factor on an ordinary all_reduce: it
+        # goes through c10d's dispatcher (CommDebugMode, the profiler and
+        # compiled code see it), and hsdp still applies it once, inside the
+        # reduction (NCCL natively; the shared-memory engine in fp32).
+        op = dist.ReduceOp.SUM if bucket.divide_by == 1 else dist._make_nccl_premul_sum(1.0 / bucket.divide_by)
+        work = dist.all_reduce(bucket.buffer[: bucket.used], op=op, group=bucket.group, async_op=True)
         self.in_flight.append((work, bucket))
 
     def finish(self, task: int | None = None) -> None:

@@ -220,6 +220,21 @@ def _comm_counts(groups: dict) -> dict:
     return out
 
 
+def _train_step(s: Scenario, model, data, step: int):
+    """One optimizer step's forwards and backwards; returns the last loss."""
+    for m in range(s.micro_batches):
+        last = m == s.micro_batches - 1
+        if s.micro_batches > 1 and s.accumulate != "none":
+            if s.accumulate == "no_sync":
+                model.set_requires_gradient_sync(last)
+            else:
+                model.set_requires_all_reduce(last)
+        inputs, labels = data[step * s.micro_batches + m]
+        loss = loss_of(model, inputs, labels)
+        loss.backward()
+    return loss
+
+
 def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = None) -> dict:
     """Runs scenario ``name`` on the default group's backend. Returns the
     per-step losses (mean over ranks), per-step hsdp comm counts, warnings
@@ -227,8 +242,11 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     import warnings
 
     import torch
+    import contextlib
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
 
     import hsdp_backend
     from hsdp_backend import config
@@ -280,16 +298,12 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
                 for g in groups.values():
                     hsdp_backend.reset_comm_stats(g)
             optimizer.zero_grad()
-            for m in range(s.micro_batches):
-                last = m == s.micro_batches - 1
-                if s.micro_batches > 1 and s.accumulate != "none":
-                    if s.accumulate == "no_sync":
-                        model.set_requires_gradient_sync(last)
-                    else:
-                        model.set_requires_all_reduce(last)
-                inputs, labels = data[step * s.micro_batches + m]
-                loss = loss_of(model, inputs, labels)
-                loss.backward()
+            # The first step's collectives as c10d's dispatcher sees them.
+            debug = CommDebugMode() if on_hsdp and step == 0 else contextlib.nullcontext()
+            with debug:
+                loss = _train_step(s, model, data, step)
+            if on_hsdp and step == 0:
+                dispatched_all_reduces = debug.get_comm_counts().get(torch.ops.c10d.allreduce_, 0)
             # Gradients must be complete here, with no extra call. (Counted
             # before clipping, whose norm all-reduces are not gradient traffic.)
             if on_hsdp:
@@ -315,6 +329,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             "params": params if rank == 0 else None,
             "grad_bytes_per_rank": grad_bytes,
             "shim_enabled": shim.is_enabled() if on_hsdp else None,
+            "dispatched_all_reduces": dispatched_all_reduces if on_hsdp else None,
         }
     finally:
         if original_foreach_reduce is not None:

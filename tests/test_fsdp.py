@@ -94,6 +94,11 @@ def assert_comm_shape(name: str, s: Scenario, got: dict):
     all_reducing_backwards = s.micro_batches if s.accumulate == "none" else 1
     bucket = s.bucket_bytes or config.read("HSDP_FSDP_BUCKET_BYTES")
     native = s.shim in ("off", "incompatible")
+    # Every all-reduce hsdp served went through c10d's dispatcher (so
+    # CommDebugMode, the profiler and compiled code see the shim's too).
+    first = got["comms"][0]
+    served = sum(first[g].get("all_reduce", (0, 0, 0))[0] for g in first)
+    assert got["dispatched_all_reduces"] == served, (name, got["dispatched_all_reduces"], first)
     for step, counts in enumerate(got["comms"]):
         rs = counts["shard"].get("reduce_scatter_tensor", (0, 0, 0))
         if shard > 1:
