@@ -21,6 +21,29 @@ def register() -> None:
     dist.Backend.register_backend(
         BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES
     )
+    _allow_new_group_beside_splitting()
+
+
+def _allow_new_group_beside_splitting() -> None:
+    """Lets ``new_group`` run on an hsdp default group bound to a device.
+
+    hsdp supports splitting (DeviceMesh and ``split_group`` need it once
+    ``init_process_group(device_id=...)`` binds the default group), and then
+    torch's ``new_group`` asks every non-member to take part in an NCCL
+    "no-color" split through ``perform_nocolor_split``, a method only
+    ProcessGroupNCCL's binding has. hsdp builds a new group's communicators
+    from scratch among its members (its creator is never handed a
+    communicator to split), so a non-member has nothing to do: the method is
+    given to c10d's Backend binding as a no-op where no subclass defines it.
+    """
+    from torch._C._distributed_c10d import Backend
+
+    if not hasattr(Backend, "perform_nocolor_split"):
+        Backend.perform_nocolor_split = _no_color_split_not_needed
+
+
+def _no_color_split_not_needed(backend, device) -> None:
+    return None
 
 
 def _create_backend(opts, backend_options):

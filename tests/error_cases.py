@@ -9,6 +9,8 @@ import re
 import torch
 import torch.distributed as dist
 
+import hsdp_backend
+
 CASES = {}
 
 
@@ -98,6 +100,24 @@ def unsupported_device(rank, world, ref):
     # backend API shows what hsdp does with a device it does not serve.
     raises(RuntimeError, prefix(rank, world, "all_reduce") + r"tensors on meta are not supported",
            backend().allreduce, [torch.ones(2, device="meta")], dist.AllreduceOptions())
+    still_usable(rank, world)
+
+
+@case
+def devices_mixed_in_one_call(rank, world, ref):
+    # A meta tensor stands in for a second device (this machine has no GPU);
+    # the checks compare devices, so cuda:0 beside cuda:1 or cpu beside cuda
+    # fail the same way, before anything is issued.
+    raises(ValueError, prefix(rank, world, "all_gather_into_tensor_coalesced") + r"an input is on meta but the input is on cpu",
+           backend().all_gather_single_coalesced, [torch.empty(world * 2), torch.empty(world * 2)],
+           [torch.ones(2), torch.ones(2, device="meta")], dist.distributed_c10d.AllgatherOptions())
+    still_usable(rank, world)
+    raises(ValueError, prefix(rank, world, "reduce_scatter_tensor_coalesced") + r"an input is on meta but the input is on cpu",
+           backend().reduce_scatter_single_coalesced, [torch.empty(2), torch.empty(2)],
+           [torch.ones(world * 2), torch.ones(world * 2, device="meta")], dist.ReduceScatterOptions())
+    still_usable(rank, world)
+    raises(ValueError, prefix(rank, world, "all_reduce_coalesced") + r"a tensor is on meta but the input is on cpu",
+           hsdp_backend.all_reduce_coalesced, [torch.ones(2), torch.ones(2, device="meta")])
     still_usable(rank, world)
 
 

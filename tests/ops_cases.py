@@ -477,6 +477,42 @@ def device_mesh_2x2(rank, world, ref):
         assert "all_reduce" in hsdp_backend.comm_stats(g)
 
 
+@case
+def split_group_by_parity(rank, world, ref):
+    """ProcessGroup.split_group, what dist.split_group and DeviceMesh call for
+    a default group bound to a GPU (that path itself needs a GPU)."""
+    import gc
+    import os
+
+    from hsdp_backend import _C
+
+    parent = dist.distributed_c10d._get_default_group()
+    mine = [r for r in range(world) if r % 2 == rank % 2]
+    child = parent.split_group(mine, group_name=f"hsdp-split-{world}-{rank % 2}")
+    assert (child.rank(), child.size()) == (mine.index(rank), len(mine)), (child.rank(), child.size())
+    assert _C.is_hsdp(child._get_backend(torch.device("cpu")))
+    engine = os.environ.get("HSDP_ENGINE", "auto")
+    assert hsdp_backend.cpu_engine(child) == ("shm" if engine == "auto" else engine)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG
+    t = torch.full((6,), float(rank))
+    work = child.allreduce([t], opts)
+    if work is not None:
+        work.wait()
+    check(t, torch.full((6,), sum(mine) / len(mine)), "split child all_reduce AVG")
+    out = torch.empty(len(mine) * 3)
+    work = child._allgather_base(out, torch.full((3,), float(rank)))
+    if work is not None:
+        work.wait()
+    check(out, torch.tensor([float(r) for r in mine]).repeat_interleave(3), "split child all_gather")
+    del child, work
+    gc.collect()  # the child's shared memory goes with it
+    # torch's new_group asks non-members of a bound (GPU) default group for
+    # an NCCL no-color split: on hsdp there is nothing to do (that path
+    # itself needs a GPU to reach).
+    assert parent._get_backend(torch.device("cpu")).perform_nocolor_split(torch.device("cpu")) is None
+
+
 # ------------------------------------------------------------ comm_stats
 
 

@@ -1,6 +1,7 @@
 #include "backend/ProcessGroupHSDP.hpp"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/WorkHSDP.hpp"
 #include "fusion/FlatPack.hpp"
@@ -326,6 +327,7 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     const ShmOptions& shmOptions)
     : Backend(rank, size),
       options_(c10::make_intrusive<Options>("hsdp", timeout)),
+      shmOptions_(shmOptions),
       cpu_(std::move(cpuRoute)),
       cuda_(std::move(cudaRoute)) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
@@ -439,6 +441,47 @@ void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
   if (cuda_) {
     cuda_->backend().setTimeout(timeout);
   }
+}
+
+bool ProcessGroupHSDP::supportsSplitting() const {
+  return cpu_->backend().supportsSplitting() && (!cuda_ || cuda_->backend().supportsSplitting());
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  const auto c = ctx("split_group");
+  HSDP_CHECK(supportsSplitting(), c, "an inner backend of this group cannot be split");
+  for (int r : ranks) {
+    checkRank(c, r, "member");
+  }
+  const auto timeout = opts ? opts->timeout : options_->timeout;
+  // Inner backends get their own prefixes, as at creation. Every rank of
+  // this group comes here (NCCL's split is collective over the parent); a
+  // rank outside `ranks` gets no child.
+  auto splitInner = [&](InnerRoute* route, const char* prefix) -> std::unique_ptr<InnerRoute> {
+    if (!route) {
+      return nullptr;
+    }
+    auto& inner = route->backend();
+    auto child = inner.split(
+        c10::make_intrusive<c10d::PrefixStore>(prefix, store), ranks, inner.getBackendOptions());
+    if (!child) {
+      return nullptr;
+    }
+    child->setTimeout(timeout);
+    return std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
+  };
+  auto cuda = splitInner(cuda_.get(), "hsdp/nccl/");
+  auto cpu = splitInner(cpu_.get(), "hsdp/gloo/");
+  if (!cpu) {
+    return nullptr;
+  }
+  const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
+  return c10::make_intrusive<ProcessGroupHSDP>(
+      *store, rank, static_cast<int>(ranks.size()), timeout, std::move(cpu), std::move(cuda),
+      shmOptions_);
 }
 
 uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {

@@ -56,6 +56,14 @@ class ProcessGroupHSDP final : public c10d::Backend {
     return options_;
   }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // Splitting (what DeviceMesh and dist.split_group do for a group bound to
+  // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
+  // context) and the child gets its own shared-memory rendezvous.
+  bool supportsSplitting() const override;
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override;
   uint64_t getSequenceNumberForGroup() override;
   void abort() override;
   void shutdown() override;
@@ -217,6 +225,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
 
   c10::intrusive_ptr<Options> options_;
+  ShmOptions shmOptions_; // what a split child negotiates with
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;

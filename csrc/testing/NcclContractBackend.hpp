@@ -40,6 +40,21 @@ class NcclContractBackend final : public c10d::Backend {
   bool supportsCoalescing() const override {
     return true;
   }
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return gloo_->getBackendOptions();
+  }
+  // As ProcessGroupNCCL: a child communicator per split.
+  bool supportsSplitting() const override {
+    return gloo_->supportsSplitting();
+  }
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>& store,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>& opts) override {
+    auto child = gloo_->split(store, ranks, opts);
+    return child ? c10::make_intrusive<NcclContractBackend>(child, child->getRank(), child->getSize())
+                 : nullptr;
+  }
   void setTimeout(std::chrono::milliseconds timeout) override {
     gloo_->setTimeout(timeout);
   }
