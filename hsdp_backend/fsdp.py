@@ -12,23 +12,30 @@ in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
   all-reduce with AVG over the replicate group, per param group: two
   divisions (two roundings) and one small replicate all-reduce per group.
 
-What the shim changes, for HSDP on CPU when both groups run on hsdp:
+What the shim changes, for HSDP when both groups run on hsdp:
 
 1. FSDP2's own reduce-scatter runs with SUM (its force-sum path with the
    division withheld) and its output is allocated straight inside a
    replicate bucket: a flat buffer of ``HSDP_FSDP_BUCKET_BYTES`` that
    collects consecutive param groups' gradient shards.
-2. A full bucket is all-reduced (SUM) over the replicate group at once, as
-   one asynchronous collective in place; hsdp runs it on its own thread while
-   autograd computes the next blocks' gradients.
+2. A full bucket is all-reduced over the replicate group at once, in place,
+   while autograd computes the next blocks' gradients: on CPU as one
+   asynchronous collective that hsdp runs on its own thread; on a GPU on
+   FSDP2's all-reduce stream after it waited for the reduce-scatter stream
+   (buckets are allocated under the reduce-scatter stream, which writes
+   them), with an event recorded behind it.
 3. After the backward's last param group (an autograd final callback, queued
    behind FSDP2's own) the last bucket is flushed, every bucket is waited for
    and each param group's gradient is finished as FSDP2 would: viewed out of
    the bucket, cast to the gradient dtype, assigned or accumulated into
    ``.grad``. The division by shard x replicate size (or the factor from
-   ``set_gradient_divide_factor``) happens once, folded into the all-reduce's
-   scaling step (fp32 arithmetic, one rounding). Gradients are complete when
-   ``loss.backward()`` returns.
+   ``set_gradient_divide_factor``) happens once, as the all-reduce's
+   PREMUL_SUM factor (NCCL applies it inside the reduction; hsdp's engine in
+   fp32, one rounding). The all-reduces go through ``dist.all_reduce``, so
+   c10d's dispatcher (CommDebugMode, the profiler) sees them. On CPU
+   gradients are complete when ``loss.backward()`` returns; on a GPU the
+   current stream then waits on the last bucket's event, as FSDP2's own
+   final callback does: the host never synchronises.
 
 FSDP2 offers no public hook that can defer a param group's gradients to a
 later bucket (``set_all_reduce_hook`` runs after the native all-reduce, and
@@ -38,7 +45,7 @@ imported by ``_fsdp_param_group``. It checks that function's parameters and
 ``FSDPParam.to_sharded_dtensor`` when it installs; when they differ
 (another torch version) it warns once and leaves FSDP2's native path, which
 is correct on hsdp. Per call it also takes FSDP2's path, unchanged, when:
-the device is not CPU, a user all-reduce hook is set, the reduce dtype is
+the device is neither CPU nor CUDA, a user all-reduce hook is set, the reduce dtype is
 fp16 (FSDP2 pre-divides to avoid overflow), parameters are offloaded, or the
 mesh mixes hsdp with another backend (warned once).
 
@@ -48,6 +55,7 @@ The shim is installed automatically when an hsdp process group is created
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import sys
@@ -59,7 +67,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsdp_backend import _post_import, api, config
+from hsdp_backend import _post_import, config
 
 _PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
@@ -267,9 +275,10 @@ def _foreach_reduce(
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     buckets = _shim.buckets
     _wrap_reset_iter_state()
+    streams = _Streams.of(device, reduce_scatter_stream, all_reduce_stream)
     if all_reduce_grads:
         in_backward = buckets.begin_add()
-        key, out = buckets.reserve(all_reduce_group, divide_by, reduce_dtype, sum(shard_numels))
+        key, out = buckets.reserve(all_reduce_group, divide_by, reduce_dtype, sum(shard_numels), device, streams)
         comm = _OutputInto(reduce_scatter_comm, out)
     else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
         out, comm = None, reduce_scatter_comm
@@ -302,7 +311,8 @@ def _foreach_reduce(
                 f"computed {out.numel()} from the parameters' layout; set HSDP_FSDP=off to use FSDP2's "
                 "native path, and please report this with your torch version"
             )
-        out.copy_(reduced)
+        with streams.writing():  # where FSDP2 wrote `reduced`
+            out.copy_(reduced)
     buckets.add(key, _PendingGrads(fsdp_params, shard_numels, orig_dtype, out), in_backward)
     # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
     return (*result[:-1], None)
@@ -325,7 +335,7 @@ def _runs_on_hsdp(reduce_scatter_group, all_reduce_group) -> bool:
 
 def _bucketable(args: dict[str, Any]) -> bool:
     """Whether this call can take the bucketed HSDP path (see module docs)."""
-    if args["all_reduce_group"] is None or args["device"].type != "cpu" or args["all_reduce_hook"] is not None:
+    if args["all_reduce_group"] is None or args["device"].type not in ("cpu", "cuda") or args["all_reduce_hook"] is not None:
         return False
     reduce_dtype = args["reduce_dtype"] or args["unsharded_grads"][0].dtype
     if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
@@ -471,13 +481,48 @@ def _move(bucket: "_Bucket", buffer: torch.Tensor) -> None:
     bucket.buffer = buffer
 
 
+def _ordered_by_streams(device: torch.device) -> bool:
+    """Whether buckets on ``device`` are ordered by streams and events (GPUs)
+    rather than by waiting for hsdp's async Work (CPU, where the all-reduce
+    overlaps backward on hsdp's own thread). Tests switch it to run the
+    stream-ordered code on CPU, whose streams and events are no-ops."""
+    return device.type != "cpu"
+
+
+@dataclass
+class _Streams:
+    """FSDP2's reduce-scatter and all-reduce streams of one foreach_reduce
+    call, or None for both when buckets wait for Work instead."""
+
+    module: Any  # torch.cuda (or torch.cpu under test)
+    reduce_scatter: Any
+    all_reduce: Any
+
+    @staticmethod
+    def of(device: torch.device, reduce_scatter_stream, all_reduce_stream) -> "_Streams":
+        if not _ordered_by_streams(device):
+            return _Streams(None, None, None)
+        return _Streams(torch.get_device_module(device), reduce_scatter_stream, all_reduce_stream)
+
+    @property
+    def ordered(self) -> bool:
+        return self.module is not None
+
+    def writing(self):
+        """The context in which bucket memory is allocated and written: the
+        reduce-scatter stream, which writes each param group's slice."""
+        return self.module.stream(self.reduce_scatter) if self.ordered else contextlib.nullcontext()
+
+
 @dataclass
 class _Bucket:
     group: Any
     divide_by: float
     buffer: torch.Tensor
+    streams: _Streams
     used: int = 0
     pending: list[_PendingGrads] = field(default_factory=list)
+    done: Any = None  # stream-ordered: the event recorded after the all-reduce
 
 
 class _ReplicateBuckets:
@@ -493,6 +538,7 @@ class _ReplicateBuckets:
 
     def __init__(self) -> None:
         self.open: dict[tuple, _Bucket] = {}
+        # (Work or None when stream-ordered, bucket)
         self.in_flight: list[tuple[Any, _Bucket]] = []
         # Autograd graph tasks in which our final callback is queued. A nested
         # backward (reentrant activation checkpointing) is its own task: it
@@ -515,22 +561,25 @@ class _ReplicateBuckets:
             self.callback_tasks.add(task)
         return True
 
-    def reserve(self, group, divide_by: float, dtype: torch.dtype, numel: int) -> tuple[tuple, torch.Tensor]:
+    def reserve(
+        self, group, divide_by: float, dtype: torch.dtype, numel: int, device: torch.device, streams: _Streams
+    ) -> tuple[tuple, torch.Tensor]:
         """The bucket key and a ``numel`` slice of that bucket's buffer."""
-        key = (group.group_name, divide_by, dtype)
+        key = (group.group_name, divide_by, dtype, device)
         sizes = self.sizes_now.setdefault(key, [])
         sizes.append(numel)
         bucket_numel = _shim.bucket_bytes // dtype.itemsize
         bucket = self.open.get(key)
-        if bucket is None:
-            capacity = self._planned_capacity(key, len(sizes) - 1, bucket_numel) or max(numel, bucket_numel)
-            bucket = _Bucket(group, divide_by, torch.empty(capacity, dtype=dtype))
-            self.open[key] = bucket
-        elif bucket.used + numel > bucket.buffer.numel():
-            # An under-full bucket and a param group larger than what is left
-            # (first backward, or the order changed): move the bucket to a
-            # larger buffer. It holds < bucket_bytes, so the copy is small.
-            _move(bucket, torch.empty(max(bucket.used + numel, bucket_numel), dtype=dtype))
+        with streams.writing():
+            if bucket is None:
+                capacity = self._planned_capacity(key, len(sizes) - 1, bucket_numel) or max(numel, bucket_numel)
+                bucket = _Bucket(group, divide_by, torch.empty(capacity, dtype=dtype, device=device), streams)
+                self.open[key] = bucket
+            elif bucket.used + numel > bucket.buffer.numel():
+                # An under-full bucket and a param group larger than what is
+                # left (first backward, or the order changed): move the bucket
+                # to a larger buffer. It holds < bucket_bytes: a small copy.
+                _move(bucket, torch.empty(max(bucket.used + numel, bucket_numel), dtype=dtype, device=device))
         start = bucket.used
         bucket.used += numel
         return key, bucket.buffer[start : bucket.used]
@@ -566,8 +615,20 @@ class _ReplicateBuckets:
         # compiled code see it), and hsdp still applies it once, inside the
         # reduction (NCCL natively; the shared-memory engine in fp32).
         op = dist.ReduceOp.SUM if bucket.divide_by == 1 else dist._make_nccl_premul_sum(1.0 / bucket.divide_by)
-        work = dist.all_reduce(bucket.buffer[: bucket.used], op=op, group=bucket.group, async_op=True)
-        self.in_flight.append((work, bucket))
+        data = bucket.buffer[: bucket.used]
+        streams = bucket.streams
+        if not streams.ordered:
+            self.in_flight.append((dist.all_reduce(data, op=op, group=bucket.group, async_op=True), bucket))
+            return
+        # As FSDP2's own HSDP all-reduce: on its all-reduce stream, after the
+        # reduce-scatters that wrote the bucket; ordered, so no Work to keep.
+        streams.all_reduce.wait_stream(streams.reduce_scatter)
+        with streams.module.stream(streams.all_reduce):
+            dist.all_reduce(data, op=op, group=bucket.group)
+            bucket.done = streams.all_reduce.record_event()
+        if bucket.buffer.is_cuda:  # read and written there too, not only where allocated
+            bucket.buffer.record_stream(streams.all_reduce)
+        self.in_flight.append((None, bucket))
 
     def finish(self, task: int | None = None) -> None:
         """Flushes every open bucket, waits for all and finishes every param
@@ -580,9 +641,9 @@ class _ReplicateBuckets:
                 self.flush(key)
             in_flight, self.in_flight = self.in_flight, []
             failure = None
-            for work, _ in in_flight:  # wait for all, even after a failure
+            for work, bucket in in_flight:  # wait for all, even after a failure
                 try:
-                    work.wait()
+                    _wait(work, bucket)
                 except Exception as exc:  # noqa: BLE001 - re-raised below
                     failure = failure or exc
             if failure is not None:
@@ -600,11 +661,25 @@ class _ReplicateBuckets:
         self.open.clear()
         self.callback_tasks.clear()
         self.sizes_now = {}
-        for work, _ in in_flight:
+        for work, bucket in in_flight:
             try:
-                work.wait()
+                _wait(work, bucket)
             except Exception:  # noqa: BLE001 - the failure was reported by the backward that raised
                 pass
+
+
+def _wait(work, bucket: _Bucket) -> None:
+    """Orders what follows after ``bucket``'s all-reduce: waits for its Work
+    (CPU), or makes the current stream wait on its event (GPU, no host wait)."""
+    if work is not None:
+        work.wait()
+        return
+    streams = bucket.streams
+    current = streams.module.current_stream()
+    if bucket.done is not None:
+        current.wait_event(bucket.done)
+    if bucket.buffer.is_cuda:  # `.grad` views of it are used there from now on
+        bucket.buffer.record_stream(current)
 
 
 _shim = _Shim()

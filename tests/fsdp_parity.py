@@ -48,6 +48,9 @@ class Scenario:
             "incompatible" (FSDP2's foreach_reduce replaced by a function of
             another signature before enabling: the shim must refuse).
         bucket_bytes: replicate bucket capacity for the shim.
+        stream_ordered: run the shim's GPU code (buckets ordered by FSDP2's
+            streams and events, all-reduces on its all-reduce stream) on
+            CPU, where streams and events are no-ops.
     """
 
     mesh: tuple[int, ...]
@@ -63,6 +66,7 @@ class Scenario:
     checkpoint_at: int | None = None
     shim: str = "auto"
     bucket_bytes: int | None = None
+    stream_ordered: bool = False
     dim: int = 32
     layers: int = 3
     heads: int = 2
@@ -95,6 +99,9 @@ SCENARIOS: dict[str, Scenario] = {
     "hsdp_2x2_small_buckets": Scenario(mesh=(2, 2), bucket_bytes=8 << 10, explicit_prefetch=True),
     # A block's gradient shard is ~33 KB: buckets take two groups, the first
     # backward grows them, later ones allocate them from the previous sizes.
+    "hsdp_2x2_stream_ordered": Scenario(
+        mesh=(2, 2), micro_batches=2, accumulate="no_all_reduce", bucket_bytes=8 << 10, stream_ordered=True
+    ),
     "hsdp_2x2_two_groups_per_bucket": Scenario(mesh=(2, 2), bucket_bytes=40 << 10),
     "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
@@ -263,6 +270,9 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group_module
 
     original_foreach_reduce = None
+    original_ordering = shim._ordered_by_streams
+    if on_hsdp and s.stream_ordered:
+        shim._ordered_by_streams = lambda device: True
     if on_hsdp:
         assert shim.is_enabled(), "the shim should be installed automatically on hsdp"
         if s.bucket_bytes is not None:
@@ -332,6 +342,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             "dispatched_all_reduces": dispatched_all_reduces if on_hsdp else None,
         }
     finally:
+        shim._ordered_by_streams = original_ordering
         if original_foreach_reduce is not None:
             param_group_module.foreach_reduce = original_foreach_reduce
         if on_hsdp:

@@ -25,6 +25,7 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 NCCL_CONTRACT = [
     "fsdp_w2", "fsdp_w2_bf16", "hsdp_2x2", "hsdp_2x2_bf16", "hsdp_2x2_small_buckets",
     "hsdp_2x2_accumulate_no_sync", "hsdp_2x2_accumulate_no_all_reduce", "hsdp_2x2_divide_factor",
+    "hsdp_2x2_stream_ordered",
 ]
 BF16_VS_REFERENCE = dict(rtol=2e-2, atol=2e-3)
 BF16_VS_GLOO = dict(rtol=2e-3, atol=2e-4)

@@ -184,7 +184,8 @@ def nested_backward_body(rank, world):
             to_sharded_dtensor=lambda t: t,
         )
         in_backward = buckets.begin_add()
-        key, out = buckets.reserve(dist.group.WORLD, 1.0, torch.float32, 4)
+        cpu = torch.device("cpu")
+        key, out = buckets.reserve(dist.group.WORLD, 1.0, torch.float32, 4, cpu, shim._Streams.of(cpu, None, None))
         out.fill_(value)
         buckets.add(key, shim._PendingGrads([fsdp_param], [4], torch.float32, out), in_backward)
         params.append(param)

@@ -26,6 +26,18 @@ c10::Device deviceOf(
   return c10::Device(c10::kCPU);
 }
 
+// Orders the current stream after `w`'s result without a host wait.
+void waitOnCurrentStream(c10d::Work& w) {
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  try {
+    future = w.getFuture();
+  } catch (const c10::Error&) {
+    w.wait(); // a Work without a future: its own wait is all there is
+    return;
+  }
+  future->wait();
+}
+
 } // namespace
 
 InnerRoute::InnerRoute(
@@ -91,7 +103,12 @@ InnerRoute::WorkPtr InnerRoute::finish(
   issued.block(side);
   c10::StreamGuard guard(side);
   for (const auto& w : works) {
-    w->wait(); // NCCL: the side stream (now current) waits for the collective
+    // The side stream (now current) waits for the collective through the
+    // Work's device-aware future, not wait(): WorkNCCL::wait() also hands
+    // back the tensors NCCL holds for the allocator, whose blocks the
+    // caller's stream (which has not waited) could then reuse while NCCL
+    // still runs. Failures surface through the returned Work's exception().
+    waitOnCurrentStream(*w);
   }
   if (post) {
     post();

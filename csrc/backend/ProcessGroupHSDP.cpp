@@ -299,6 +299,13 @@ std::function<void()> scaleAndCopyBack(const DeferredScale& post, const FlatArg&
   };
 }
 
+// What a natively coalescing backend (NCCL) gets for a flat tensor: NCCL has
+// no complex types, so complex tensors go as their (real, imaginary) pairs;
+// sums, averages and real scale factors act on each component alike.
+at::Tensor realView(const at::Tensor& flat) {
+  return flat.is_complex() ? at::view_as_real(flat).view({-1}) : flat;
+}
+
 // One post-step that runs `steps` in order (empty when they are).
 std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
   if (steps.empty()) {
@@ -443,6 +450,19 @@ void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
+void ProcessGroupHSDP::setBoundDeviceId(std::optional<at::Device> device) {
+  Backend::setBoundDeviceId(device);
+  if (cuda_ && device && device->is_cuda()) {
+    cuda_->backend().setBoundDeviceId(device); // NCCL's split and eager init use it
+  }
+}
+
+void ProcessGroupHSDP::eagerConnectSingleDevice(at::Device device) {
+  if (cuda_ && device.is_cuda()) {
+    cuda_->backend().eagerConnectSingleDevice(device);
+  }
+}
+
 bool ProcessGroupHSDP::supportsSplitting() const {
   return cpu_->backend().supportsSplitting() && (!cuda_ || cuda_->backend().supportsSplitting());
 }
@@ -465,12 +485,18 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       return nullptr;
     }
     auto& inner = route->backend();
-    auto child = inner.split(
-        c10::make_intrusive<c10d::PrefixStore>(prefix, store), ranks, inner.getBackendOptions());
+    // A copy: split implementations fill in what they are given (NCCL sets
+    // split_from and the child's ranks), and these are the parent's own.
+    auto innerOpts = inner.getBackendOptions()->clone();
+    innerOpts->timeout = timeout;
+    if (opts) {
+      innerOpts->group_name = opts->group_name;
+      innerOpts->group_desc = opts->group_desc;
+    }
+    auto child = inner.split(c10::make_intrusive<c10d::PrefixStore>(prefix, store), ranks, innerOpts);
     if (!child) {
       return nullptr;
     }
-    child->setTimeout(timeout);
     return std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
   };
   auto cuda = splitInner(cuda_.get(), "hsdp/nccl/");
@@ -530,10 +556,14 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
     coalescing_ = false;
     works.swap(coalescedWorks_);
   }
+  WorkPtr cudaWork;
   for (auto* r : {cpu_.get(), cuda_.get()}) {
     if (r && r->caps().nativeCoalescing) {
       if (auto w = r->endCoalescing()) {
         works.push_back(w);
+        if (r == cuda_.get()) {
+          cudaWork = w;
+        }
       }
     }
   }
@@ -543,7 +573,17 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
   if (works.size() == 1) {
     return works.front();
   }
-  // Works of several routes in one coalesced block (bool tensors beside
+  if (cudaWork) {
+    // CPU and CUDA tensors in one block: the CPU part is waited for here (a
+    // host wait), the CUDA part's Work orders the caller's stream.
+    for (const auto& w : works) {
+      if (w != cudaWork) {
+        w->wait();
+      }
+    }
+    return cudaWork;
+  }
+  // Works of several CPU routes in one block (bool tensors beside
   // shm-served ones, say): joined on the CPU route's completion thread.
   return cpu_->finish(OpType::COALESCED, /*asyncOp=*/true, std::move(works), {}, [] {});
 }
@@ -699,12 +739,12 @@ WorkPtr ProcessGroupHSDP::allreduceNative(
   size_t buckets = 0;
   for (const auto& members : groupByDtype(tensors)) {
     auto plan = planReduce(
-        c, op, tensors[members[0]].scalar_type(), size_, divideBy, /*nativeScale=*/true);
+        c, op, tensors[members[0]].scalar_type(), size_, divideBy, r.caps().nativeScale);
     for (const auto& bucket : planBuckets(tensors, members, bucketBytes)) {
       std::vector<at::Tensor> flats;
       for (size_t i : bucket) {
         auto arg = FlatArg::of(tensors[i]);
-        flats.push_back(arg.flat);
+        flats.push_back(realView(arg.flat));
         if (arg.staged()) {
           staged.push_back(arg.flat);
         }
@@ -840,8 +880,8 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
     // One launch of the callers' tensors (outputs are contiguous: checked).
     std::vector<at::Tensor> ins, outs;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      ins.push_back(inputs[i].contiguous().view({-1}));
-      outs.push_back(outputs[i].view({-1}));
+      ins.push_back(realView(inputs[i].contiguous().view({-1})));
+      outs.push_back(realView(outputs[i].view({-1})));
     }
     auto work = r.backend().allgather_into_tensor_coalesced(outs, ins, opts);
     return track(r.finish(OpType::COALESCED, opts.asyncOp, {work}, outputs, {}, ins));
@@ -895,7 +935,8 @@ WorkPtr ProcessGroupHSDP::gather(
   auto& r = route(c, inputs[0]);
   stats_.record(c.op, 1, bytesOf(inputs));
   auto work = r.backend().gather(outputs, inputs, opts);
-  return track(r.finish(OpType::GATHER, opts.asyncOp, {work}, inputs));
+  return track(r.finish(
+      OpType::GATHER, opts.asyncOp, {work}, inputs, {}, outputs.empty() ? inputs : outputs[0]));
 }
 
 WorkPtr ProcessGroupHSDP::scatter(
@@ -911,7 +952,8 @@ WorkPtr ProcessGroupHSDP::scatter(
   auto& r = route(c, outputs[0]);
   stats_.record(c.op, 1, bytesOf(outputs));
   auto work = r.backend().scatter(outputs, inputs, opts);
-  return track(r.finish(OpType::SCATTER, opts.asyncOp, {work}, outputs));
+  return track(r.finish(
+      OpType::SCATTER, opts.asyncOp, {work}, outputs, {}, inputs.empty() ? outputs : inputs[0]));
 }
 
 WorkPtr ProcessGroupHSDP::reduce_scatter(
@@ -944,7 +986,8 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   if (!plan.post.isNone()) {
     post = [t = outputs[0], post = plan.post] { post.apply(t); };
   }
-  return track(r.finish(OpType::REDUCE_SCATTER, opts.asyncOp, {work}, outputs, std::move(post)));
+  return track(
+      r.finish(OpType::REDUCE_SCATTER, opts.asyncOp, {work}, outputs, std::move(post), inputs[0]));
 }
 
 WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
@@ -1019,11 +1062,11 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     std::vector<std::function<void()>> posts;
     for (const auto& members : groupByDtype(inputs)) {
       auto plan = planReduce(
-          c, opts.reduceOp, inputs[members[0]].scalar_type(), size_, 1.0, /*nativeScale=*/true);
+          c, opts.reduceOp, inputs[members[0]].scalar_type(), size_, 1.0, r.caps().nativeScale);
       std::vector<at::Tensor> groupIns, groupOuts;
       for (size_t i : members) {
-        groupIns.push_back(inputs[i].contiguous().view({-1}));
-        groupOuts.push_back(outputs[i].view({-1}));
+        groupIns.push_back(realView(inputs[i].contiguous().view({-1})));
+        groupOuts.push_back(realView(outputs[i].view({-1})));
       }
       ins.insert(ins.end(), groupIns.begin(), groupIns.end());
       if (!plan.post.isNone()) {
@@ -1110,7 +1153,7 @@ WorkPtr ProcessGroupHSDP::alltoall_base(
   auto& r = route(c, input);
   stats_.record(c.op, 1, bytesOf(input));
   auto work = r.backend().alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
-  return track(r.finish(OpType::ALLTOALL_BASE, opts.asyncOp, {work}, {output}));
+  return track(r.finish(OpType::ALLTOALL_BASE, opts.asyncOp, {work}, {output}, {}, {input}));
 }
 
 WorkPtr ProcessGroupHSDP::alltoall(

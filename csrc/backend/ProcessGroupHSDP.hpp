@@ -60,6 +60,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
   // context) and the child gets its own shared-memory rendezvous.
   bool supportsSplitting() const override;
+  // A default group bound to a GPU (init_process_group(device_id=...)):
+  // NCCL connects eagerly and splits from the bound device.
+  void setBoundDeviceId(std::optional<at::Device> device) override;
+  void eagerConnectSingleDevice(at::Device device) override;
   c10::intrusive_ptr<c10d::Backend> split(
       const c10::intrusive_ptr<c10d::Store>& store,
       const std::vector<int>& ranks,

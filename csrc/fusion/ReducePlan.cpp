@@ -66,7 +66,10 @@ c10d::ReduceOp DeferredScale::asPreMulSum() const {
     case Kind::Multiply:
       return c10d::makePreMulSum(value_);
     case Kind::MultiplyTensor:
-      return c10d::makePreMulSum(tensor_);
+      // NCCL reads a tensor factor in place on the device, in a dtype of its
+      // choosing: a double (read once here) is what any caller's factor
+      // becomes safely, and it lives in the ReduceOp as long as NCCL needs.
+      return c10d::makePreMulSum(value());
     case Kind::None:
       break;
   }
