@@ -22,6 +22,7 @@ WorkOnStream::WorkOnStream(
       outputs_(std::move(outputs)),
       keepAlive_(std::move(keepAlive)) {
   c10::impl::VirtualGuardImpl impl(stream_.device_type());
+  captured_ = impl.isStreamCapturing(stream_);
   // The caching allocator must not hand these blocks to another stream
   // before the side stream is done with them, even if the caller drops
   // every reference first (as it may once it has waited).
@@ -51,12 +52,14 @@ std::exception_ptr WorkOnStream::exception() const {
   return nullptr;
 }
 
+// Querying an event recorded during graph capture is an error: a captured
+// op has not run (it runs at each replay), so it is not complete.
 bool WorkOnStream::isCompleted() {
-  return exception() != nullptr || done_.query();
+  return exception() != nullptr || (!captured_ && done_.query());
 }
 
 bool WorkOnStream::isSuccess() const {
-  return exception() == nullptr && done_.query();
+  return exception() == nullptr && !captured_ && done_.query();
 }
 
 std::vector<at::Tensor> WorkOnStream::result() {
@@ -69,8 +72,9 @@ void WorkOnStream::synchronize() {
 }
 
 bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
-  if (timeout != kNoTimeout) {
-    // A bounded wait is a host wait by definition: poll the device.
+  if (timeout != kNoTimeout && !captured_) {
+    // A bounded wait is a host wait by definition: poll the device. (Under
+    // graph capture there is nothing to poll: the wait is a stream wait.)
     const auto deadline = std::chrono::steady_clock::now() + timeout;
     while (!isCompleted()) {
       if (std::chrono::steady_clock::now() >= deadline) {

@@ -43,6 +43,7 @@ class WorkOnStream : public c10d::Work {
  private:
   c10::Stream stream_;
   c10::Event done_;
+  bool captured_ = false; // issued while `stream_` was capturing a CUDA graph
   std::vector<c10::intrusive_ptr<c10d::Work>> inners_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keepAlive_;
