@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 
+#include <condition_variable>
 #include <thread>
 
 #include "fusion/ReducePlan.hpp"
@@ -62,32 +63,41 @@ class DeferredWork final : public c10d::Work {
     wait();
   }
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
-    bool landedNow = false;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (!landed_) {
-        try {
-          for (const auto& w : inners_) {
-            w->wait(timeout);
-          }
-          if (land_) {
-            land_();
-          }
-          if (!failure_.empty()) {
-            error_ = distError(failure_);
-          }
-        } catch (...) {
-          error_ = std::current_exception();
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!landed_ && !landing_) {
+      // This thread lands the data; others wait for it (the lock is not held
+      // meanwhile, so isCompleted() and exception() keep answering). A
+      // failure, a timeout included, is final, as it is for a WorkNCCL (whose
+      // communicator is then aborted).
+      landing_ = true;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        for (const auto& w : inners_) {
+          w->wait(timeout);
         }
-        landed_ = landedNow = true;
+        if (land_) {
+          land_();
+        }
+        if (!failure_.empty()) {
+          error = distError(failure_);
+        }
+      } catch (...) {
+        error = std::current_exception();
       }
-    }
-    if (landedNow) { // outside the lock: completing runs callbacks
-      if (error_) {
-        future_->setError(error_);
+      lock.lock();
+      error_ = error;
+      landed_ = true;
+      landed_cv_.notify_all();
+      lock.unlock();
+      if (error) { // completing the future runs callbacks: outside the lock
+        future_->setError(error);
       } else {
         future_->markCompleted(c10::IValue(outputs_));
       }
+      lock.lock();
+    } else {
+      landed_cv_.wait(lock, [&] { return landed_; });
     }
     if (error_) {
       std::rethrow_exception(error_);
@@ -100,6 +110,8 @@ class DeferredWork final : public c10d::Work {
 
  private:
   mutable std::mutex mutex_;
+  std::condition_variable landed_cv_;
+  bool landing_ = false; // a thread is landing the data, without the lock
   bool landed_ = false;
   std::vector<WorkPtr> inners_;
   std::function<void()> land_;
