@@ -438,6 +438,36 @@ def async_work_contract(rank, world, ref):
     check(out, rs_expected(dist.ReduceOp.AVG, world, rank, 4, torch.bfloat16), "async reduce_scatter AVG")
 
 
+@case
+def waited_work_leaves_the_inflight_registry(rank, world, ref):
+    """Under allow_inflight_collective_as_graph_input (torch.compile's eager
+    path) c10d registers every async Work with its tensors; wait() takes it
+    off again, as gloo's and NCCL's Works do (else it leaks, with a warning
+    at exit)."""
+    from torch._C import _distributed_c10d as c10d
+
+    def left_registered(issue):
+        before = c10d._get_work_registry_size()
+        issue().wait()
+        return c10d._get_work_registry_size() - before
+
+    c10d._set_allow_inflight_collective_as_graph_input(True)
+    try:
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):  # pass-through and chained Work
+            t = data(rank, 8, torch.float32)
+            assert left_registered(lambda: dist.all_reduce(t, op=op, async_op=True)) == 0, op
+            check(t, reduce_ref(op, world, 8, torch.float32), f"in-flight all_reduce {op}")
+            # Gloo's own reduce-scatter Work stays registered (torch 2.14): no
+            # more than that, where hsdp hands Gloo's Work through.
+            out = torch.empty(4)
+            rs = lambda g, o: lambda: dist.reduce_scatter_tensor(  # noqa: E731
+                out, rs_input(rank, world, 4, torch.float32), op=o, group=g, async_op=True)
+            gloo_left = left_registered(rs(ref, dist.ReduceOp.SUM))
+            assert left_registered(rs(None, op)) <= gloo_left, op
+    finally:
+        c10d._set_allow_inflight_collective_as_graph_input(False)
+
+
 # -------------------------------------------------------- subgroups, meshes
 
 

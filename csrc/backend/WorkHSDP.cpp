@@ -1,6 +1,7 @@
 #include "backend/WorkHSDP.hpp"
 
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <condition_variable>
 #include <mutex>
@@ -26,6 +27,12 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
 
 } // namespace
 
+void unregisterInflight(c10d::Work& work) {
+  if (c10d::allow_inflight_collective_as_graph_input()) {
+    c10d::unregister_work(c10::intrusive_ptr<c10d::Work>::unsafe_reclaim_from_nonowning(&work));
+  }
+}
+
 WorkHSDP::WorkHSDP(
     int rank,
     c10d::OpType opType,
@@ -50,6 +57,7 @@ std::vector<at::Tensor> WorkHSDP::result() {
 
 void WorkHSDP::synchronize() {
   future_->wait();
+  unregisterInflight(*this);
 }
 
 bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
@@ -77,6 +85,7 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
     }
   }
   future_->waitAndThrow();
+  unregisterInflight(*this);
   return true;
 }
 

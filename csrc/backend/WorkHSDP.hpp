@@ -17,6 +17,11 @@
 
 namespace hsdp {
 
+// Under allow_inflight_collective_as_graph_input (torch.compile's eager
+// path) c10d registers an async Work with its tensors; a Work that was
+// waited for must take itself off that registry, as WorkNCCL and Gloo's do.
+void unregisterInflight(c10d::Work& work);
+
 class WorkHSDP : public c10d::Work {
  public:
   WorkHSDP(

@@ -1,5 +1,7 @@
 #include "backend/WorkOnStream.hpp"
 
+#include "backend/WorkHSDP.hpp"
+
 #include <ATen/core/ivalue.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
@@ -69,6 +71,7 @@ std::vector<at::Tensor> WorkOnStream::result() {
 void WorkOnStream::synchronize() {
   c10::impl::VirtualGuardImpl impl(stream_.device_type());
   done_.block(impl.getStream(stream_.device()));
+  unregisterInflight(*this);
 }
 
 bool WorkOnStream::wait(std::chrono::milliseconds timeout) {

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <thread>
 
+#include "backend/WorkHSDP.hpp"
 #include "fusion/ReducePlan.hpp"
 
 namespace hsdp::testing {
@@ -102,6 +103,8 @@ class DeferredWork final : public c10d::Work {
     if (error_) {
       std::rethrow_exception(error_);
     }
+    lock.unlock();
+    unregisterInflight(*this); // as WorkNCCL::synchronize does
     return true;
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
