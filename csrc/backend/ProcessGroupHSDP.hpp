@@ -6,17 +6,21 @@
 // collective calls in the same order, with matching sizes and dtypes.
 //
 // Every call is validated here (errors name the rank, the op and what was
-// expected), then routed by the device of its tensors:
+// expected), planned, then routed by the device of its tensors:
 //   CPU  tensors -> the shared-memory engine (csrc/shm/) when every member
 //                   runs on this host and the op and dtype are ones it
-//                   serves; the inner CPU backend (ProcessGroupGloo) for the
+//                   serves; the inner CPU route (ProcessGroupGloo) for the
 //                   rest and for groups that span hosts,
-//   CUDA tensors -> the inner CUDA backend (ProcessGroupNCCL), if CUDA exists.
-// On the way, hsdp adds what the inner backends lack or do slowly, with the
-// same device-agnostic code on both routes (csrc/fusion/):
-//   * AVG and PREMUL_SUM as SUM plus one deferred scale (ReducePlan),
+//   CUDA tensors -> the inner CUDA route (ProcessGroupNCCL), if CUDA exists.
+// Inner routes (InnerRoute.hpp) are the one place that knows the inner
+// backends' Work contract and orders hsdp's post-steps after them. What hsdp
+// adds depends on what the route lacks (csrc/fusion/):
+//   * AVG and PREMUL_SUM as SUM plus one deferred scale where the transport
+//     has no native form (the engine, Gloo); NCCL gets them unchanged, a
+//     divide_by as one PREMUL_SUM factor (ReducePlan),
 //   * fused coalesced all-gather / reduce-scatter / bucketed all-reduce:
-//     many tensors, one inner collective per dtype (FlatPack).
+//     packed into one collective per dtype for Gloo (FlatPack), handed to
+//     NCCL's own coalescing unpacked.
 // The inner backends are built by the Python creator (torch wheels ship no
 // Gloo or NCCL headers) and reached only through c10d::Backend's virtual API.
 
