@@ -162,6 +162,26 @@ def all_gather_list(rank, world, ref):
 
 
 @case
+def all_gather_coalesced_list(rank, world, ref):
+    """dist.all_gather_coalesced: shapes mixed, an empty tensor, sync and
+    async (torch allows one dtype per call); one fused collective."""
+    for dtype, async_op in ((torch.float32, False), (torch.bfloat16, True), (torch.int64, True)):
+        def inputs(r):
+            return [data(r, 6, dtype).view(2, 3), data(r, 4, dtype), data(r, 0, dtype), data(r, 5, dtype)]
+
+        hsdp_backend.reset_comm_stats()
+        mine = inputs(rank)
+        outs = [[torch.full_like(t, 99) for t in mine] for _ in range(world)]
+        work = dist.all_gather_coalesced(outs, mine, async_op=async_op)
+        if async_op:
+            work.wait()
+        for r in range(world):
+            for i, want in enumerate(inputs(r)):
+                check(outs[r][i], want, f"all_gather_coalesced from {r}, tensor {i}, async={async_op}")
+        assert hsdp_backend.comm_stats()["all_gather_into_tensor_coalesced"]["collectives"] == 1
+
+
+@case
 def all_gather_into_tensor(rank, world, ref):
     for dtype in DTYPES:
         for n in SIZES:

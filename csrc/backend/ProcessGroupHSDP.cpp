@@ -922,6 +922,63 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
       }));
 }
 
+WorkPtr ProcessGroupHSDP::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputTensorLists,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  const auto c = ctx("all_gather_coalesced");
+  HSDP_CHECK_VALUE(
+      outputTensorLists.size() == static_cast<size_t>(size_),
+      c,
+      "expected ",
+      size_,
+      " output lists (one per rank), got ",
+      outputTensorLists.size());
+  for (const auto& list : outputTensorLists) {
+    HSDP_CHECK_VALUE(
+        list.size() == inputs.size(),
+        c,
+        "an output list has ",
+        list.size(),
+        " tensors; expected one per input (",
+        inputs.size(),
+        ")");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkSameDtype(c, inputs[i], list[i], "an output");
+      checkSameDevice(c, inputs[0], list[i], "an output");
+      checkNumel(c, list[i], inputs[i].numel(), "an output");
+    }
+  }
+  if (inputs.empty()) {
+    return WorkHSDP::completed(rank_, OpType::ALLGATHER_COALESCED, {});
+  }
+  // The fused all-gather into one flat [W * n_i] buffer per input (one
+  // collective on every route), then each rank's slice copied out.
+  std::vector<at::Tensor> gathered;
+  for (const auto& in : inputs) {
+    gathered.push_back(at::empty({size_ * in.numel()}, in.options()));
+  }
+  c10d::AllgatherOptions fusedOpts = opts;
+  fusedOpts.asyncOp = true;
+  auto& r = route(c, inputs[0]);
+  auto work = allgather_into_tensor_coalesced(gathered, inputs, fusedOpts);
+  std::vector<at::Tensor> outputs;
+  for (const auto& list : outputTensorLists) {
+    outputs.insert(outputs.end(), list.begin(), list.end());
+  }
+  return track(r.finish(
+      OpType::ALLGATHER_COALESCED, opts.asyncOp, {work}, outputs,
+      [gathered, outputTensorLists] {
+        for (size_t q = 0; q < outputTensorLists.size(); ++q) {
+          for (size_t i = 0; i < gathered.size(); ++i) {
+            const auto& out = outputTensorLists[q][i];
+            out.copy_(gathered[i].narrow(0, q * out.numel(), out.numel()).view(out.sizes()));
+          }
+        }
+      },
+      gathered));
+}
+
 WorkPtr ProcessGroupHSDP::gather(
     std::vector<std::vector<at::Tensor>>& outputs,
     std::vector<at::Tensor>& inputs,

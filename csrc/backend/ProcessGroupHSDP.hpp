@@ -98,6 +98,12 @@ class ProcessGroupHSDP final : public c10d::Backend {
       at::Tensor& output,
       at::Tensor& input,
       const c10d::AllgatherOptions& opts) override;
+  // dist.all_gather_coalesced: outputTensorLists[r][i] gets rank r's
+  // inputs[i]; any shapes and dtypes, one fused all-gather.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputTensorLists,
+      std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
