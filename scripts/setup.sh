@@ -23,9 +23,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
   "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
 fi
 
-if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, matplotlib" 2>/dev/null; then
+# expecttest: torch's own test utilities (the DistributedTest conformance run) import it.
+if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, matplotlib, expecttest" 2>/dev/null; then
   echo "[setup] installing build and test tools"
-  "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib
+  "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest
 fi
 
 # Rebuild when any input of the build changed since the last install.

@@ -41,15 +41,18 @@ if __name__ == "__main__":
 
 import hsdp_backend  # noqa: E402,F401  registers "hsdp"
 from torch.testing._internal.common_distributed import DistTestCases  # noqa: E402
+
+# Features hsdp has, for the suite's name-keyed gates: DDP, subgroups, the
+# plugin (out-of-tree backend) paths, and GPUs (through NCCL; tests that need
+# one still skip where there is none). Before the suite is imported: its
+# decorators read these sets when its classes are defined.
+for _feature in ("ddp", "subgroup", "plugin", "gpu", "cuda"):
+    DistTestCases.backend_feature[_feature].add("hsdp")
+
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest,
     TestDistBackend,
 )
-
-# Features hsdp has, for the suite's name-keyed gates: DDP, subgroups, and the
-# plugin (out-of-tree backend) paths. Not "gpu"/"cuda": these machines have none.
-for _feature in ("ddp", "subgroup", "plugin"):
-    DistTestCases.backend_feature[_feature].add("hsdp")
 
 
 class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
