@@ -40,6 +40,17 @@ void waitOnCurrentStream(c10d::Work& w) {
 
 } // namespace
 
+std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
+  if (steps.empty()) {
+    return {};
+  }
+  return [steps = std::move(steps)] {
+    for (const auto& step : steps) {
+      step();
+    }
+  };
+}
+
 InnerRoute::InnerRoute(
     c10::intrusive_ptr<c10d::Backend> backend,
     InnerCaps caps,
@@ -163,21 +174,13 @@ InnerRoute::WorkPtr InnerRoute::endCoalescing() {
   if (held.works.empty() && held.posts.empty()) {
     return {};
   }
-  std::function<void()> post;
-  if (!held.posts.empty()) {
-    post = [posts = std::move(held.posts)] {
-      for (const auto& p : posts) {
-        p();
-      }
-    };
-  }
   // Async: the caller of endCoalescing waits on the Work when it wants to.
   return finish(
       c10d::OpType::COALESCED,
       /*asyncOp=*/true,
       std::move(held.works),
       std::move(held.outputs),
-      std::move(post),
+      inOrder(std::move(held.posts)),
       std::move(held.keepAlive));
 }
 

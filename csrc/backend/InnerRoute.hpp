@@ -44,6 +44,9 @@ struct InnerCaps {
   bool nativeCoalescing = false;
 };
 
+// One post-step that runs `steps` in order (empty when they are).
+std::function<void()> inOrder(std::vector<std::function<void()>> steps);
+
 class InnerRoute {
  public:
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;

@@ -306,18 +306,6 @@ at::Tensor realView(const at::Tensor& flat) {
   return flat.is_complex() ? at::view_as_real(flat).view({-1}) : flat;
 }
 
-// One post-step that runs `steps` in order (empty when they are).
-std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
-  if (steps.empty()) {
-    return {};
-  }
-  return [steps = std::move(steps)] {
-    for (const auto& step : steps) {
-      step();
-    }
-  };
-}
-
 [[noreturn]] void rethrowAsDistBackendError(const shm::CommError& e) {
   C10_THROW_ERROR(DistBackendError, e.what());
 }
