@@ -42,6 +42,34 @@ PYBIND11_MODULE(_C, m) {
   // Registers c10d's Python types (Backend, Work, ReduceOp) before we use them.
   py::module::import("torch.distributed");
 
+  // Argument errors (common/Errors.hpp): RuntimeError as gloo's, and
+  // ValueError/TypeError as NCCL's. Registered after torch's translator, so
+  // tried before it, wherever the exception surfaces (a call, or wait()).
+  auto newError = [&m](const char* name, PyObject* base, const char* doc) {
+    auto bases = py::make_tuple(py::handle(PyExc_RuntimeError), py::handle(base));
+    auto cls = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
+        (std::string("hsdp_backend._C.") + name).c_str(), doc, bases.ptr(), nullptr));
+    m.attr(name) = cls;
+    return cls.release().ptr(); // kept for the life of the process
+  };
+  static PyObject* argumentError = newError(
+      "ArgumentError", PyExc_ValueError,
+      "An invalid argument to an hsdp collective: a RuntimeError (as gloo raises) and a ValueError (as NCCL).");
+  static PyObject* argumentTypeError = newError(
+      "ArgumentTypeError", PyExc_TypeError,
+      "Tensors of mismatched dtypes in an hsdp collective: a RuntimeError (as gloo raises) and a TypeError (as NCCL).");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) {
+        std::rethrow_exception(p);
+      }
+    } catch (const hsdp::ArgumentError& e) {
+      PyErr_SetString(argumentError, e.what_without_backtrace());
+    } catch (const hsdp::ArgumentTypeError& e) {
+      PyErr_SetString(argumentTypeError, e.what_without_backtrace());
+    }
+  });
+
   m.def(
       "create_backend",
       [](c10d::Store& store,

@@ -12,6 +12,8 @@ loads nothing heavy, and the public API below is imported on first use.
 from hsdp_backend._registration import BACKEND_NAME, register
 
 _API = (
+    "ArgumentError",
+    "ArgumentTypeError",
     "all_reduce",
     "all_reduce_coalesced",
     "comm_stats",

@@ -7,6 +7,11 @@ import torch.distributed as dist
 
 from hsdp_backend import _C
 
+# Raised for invalid arguments: each is a RuntimeError (what gloo raises) and a
+# ValueError or TypeError (what NCCL raises), so handlers written for either catch it.
+ArgumentError = _C.ArgumentError
+ArgumentTypeError = _C.ArgumentTypeError
+
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 

@@ -73,7 +73,7 @@ def stuck_peer_body(rank, world):
         expect_backend_error(lambda: dist.all_reduce(t), "[rank 1/2] all_reduce:", "rank 0")
         return None
     elapsed, text = expect_backend_error(
-        lambda: dist.all_reduce(t), "[rank 0/2] all_reduce:", "timed out after 1500 ms", "rank 1"
+        lambda: dist.all_reduce(t), "[rank 0/2] all_reduce:", "Timed out after 1500 ms", "rank 1"
     )
     return elapsed
 

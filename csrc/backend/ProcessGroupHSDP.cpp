@@ -38,6 +38,18 @@ void checkOne(const OpContext& ctx, const std::vector<at::Tensor>& ts) {
       ts.size());
 }
 
+// One dense tensor per rank: the form every route below plans for. Other
+// forms (several tensors per rank, as in gloo's and the old multi-GPU
+// API, or sparse tensors) go to the inner backend as they are, which
+// serves them as gloo does or refuses them with its own error.
+bool oneDense(const std::vector<at::Tensor>& ts) {
+  return ts.size() == 1 && !ts[0].is_sparse();
+}
+
+void checkNotEmpty(const OpContext& ctx, const std::vector<at::Tensor>& ts) {
+  HSDP_CHECK_VALUE(!ts.empty(), ctx, "expected a tensor, got an empty list");
+}
+
 void checkRank(const OpContext& ctx, int64_t r, const char* what) {
   HSDP_CHECK_VALUE(
       r >= 0 && r < ctx.size,
@@ -498,8 +510,17 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       shmOptions_);
 }
 
+void ProcessGroupHSDP::recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes) {
+  stats_.record(c.op, collectives, bytes);
+  sequence_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void ProcessGroupHSDP::setSequenceNumberForGroup() {
+  sequence_.store(0); // every rank starts at 0, as gloo's
+}
+
 uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {
-  return cpu_->backend().getSequenceNumberForGroup();
+  return sequence_.load(std::memory_order_relaxed);
 }
 
 void ProcessGroupHSDP::abort() {
@@ -580,9 +601,14 @@ WorkPtr ProcessGroupHSDP::broadcast(
     std::vector<at::Tensor>& tensors,
     const c10d::BroadcastOptions& opts) {
   const auto c = ctx("broadcast");
-  checkOne(c, tensors);
+  checkNotEmpty(c, tensors);
   checkRank(c, opts.rootRank, "root");
-  stats_.record(c.op, 1, bytesOf(tensors));
+  recordCollective(c, 1, bytesOf(tensors));
+  if (!oneDense(tensors)) {
+    auto& r = route(c, tensors[0]);
+    auto work = r.backend().broadcast(tensors, opts);
+    return track(r.finish(OpType::BROADCAST, opts.asyncOp, {work}, tensors, {}, tensors));
+  }
   if (onShm(tensors)) {
     auto t = tensors[0];
     return track(runShm(OpType::BROADCAST, opts.asyncOp, {t}, [this, t, root = opts.rootRank] {
@@ -623,11 +649,28 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
     const c10d::AllreduceOptions& opts,
     double divideBy) {
   const auto c = ctx("all_reduce");
-  checkOne(c, tensors);
+  checkNotEmpty(c, tensors);
   auto& r = route(c, tensors[0]);
+  // AVG averages every contribution: all tensors of all ranks.
+  const int contributions = size_ * static_cast<int>(tensors.size());
   auto plan = planReduce(
-      c, opts.reduceOp, tensors[0].scalar_type(), size_, divideBy, r.caps().nativeScale);
-  stats_.record(c.op, 1, bytesOf(tensors));
+      c, opts.reduceOp, tensors[0].scalar_type(), contributions, divideBy, r.caps().nativeScale);
+  recordCollective(c, 1, bytesOf(tensors));
+  if (!oneDense(tensors)) {
+    c10d::AllreduceOptions innerOpts = opts;
+    innerOpts.reduceOp = plan.innerOp;
+    auto work = r.backend().allreduce(tensors, innerOpts);
+    std::function<void()> post;
+    if (!plan.post.isNone()) {
+      post = [tensors, post = plan.post] {
+        for (const auto& t : tensors) {
+          post.apply(t);
+        }
+      };
+    }
+    return track(
+        r.finish(OpType::ALLREDUCE, opts.asyncOp, {work}, tensors, std::move(post), tensors));
+  }
   if (auto red = shmReduction(plan, tensors[0].scalar_type()); red && onShm(tensors)) {
     auto t = tensors[0];
     return track(runShm(OpType::ALLREDUCE, opts.asyncOp, {t}, [this, t, red = *red] {
@@ -674,7 +717,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
       pending->push_back({std::move(bucket), plan});
     }
   }
-  stats_.record(c.op, pending->size(), bytesOf(tensors));
+  recordCollective(c, pending->size(), bytesOf(tensors));
   bool shmServes = onShm(tensors);
   for (const auto& p : *pending) {
     shmServes = shmServes && shmReduction(p.plan, p.bucket.flat.scalar_type());
@@ -747,7 +790,7 @@ WorkPtr ProcessGroupHSDP::allreduceNative(
       ++buckets;
     }
   }
-  stats_.record(c.op, buckets, bytesOf(tensors));
+  recordCollective(c, buckets, bytesOf(tensors));
   return track(r.finish(
       OpType::ALLREDUCE_COALESCED, asyncOp, std::move(works), tensors, inOrder(std::move(posts)),
       std::move(staged)));
@@ -770,7 +813,7 @@ WorkPtr ProcessGroupHSDP::reduce(
       c, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
   c10d::ReduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  stats_.record(c.op, 1, bytesOf(tensors));
+  recordCollective(c, 1, bytesOf(tensors));
   auto arg = FlatArg::of(tensors[0]);
   std::vector<at::Tensor> io{arg.flat};
   auto work = r.backend().reduce(io, innerOpts);
@@ -785,10 +828,20 @@ WorkPtr ProcessGroupHSDP::allgather(
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
   const auto c = ctx("all_gather");
-  checkOne(c, inputs);
+  checkNotEmpty(c, inputs);
+  if (!oneDense(inputs)) {
+    auto& r = route(c, inputs[0]);
+    recordCollective(c, 1, bytesOf(inputs));
+    auto work = r.backend().allgather(outputs, inputs, opts);
+    std::vector<at::Tensor> outs;
+    for (const auto& list : outputs) {
+      outs.insert(outs.end(), list.begin(), list.end());
+    }
+    return track(r.finish(OpType::ALLGATHER, opts.asyncOp, {work}, outs, {}, inputs));
+  }
   checkPerRankList(c, outputs, inputs[0], "output tensor");
   auto& r = route(c, inputs[0]);
-  stats_.record(c.op, 1, bytesOf(inputs));
+  recordCollective(c, 1, bytesOf(inputs));
   if (onShm(inputs) && onShm(outputs[0])) {
     auto in = inputs[0];
     auto outs = outputs[0];
@@ -835,7 +888,7 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
   checkNumel(c, output, input.numel() * size_, "the output (world size x input)");
   checkContiguous(c, output, "the output");
   auto& r = route(c, input);
-  stats_.record(c.op, 1, bytesOf(input));
+  recordCollective(c, 1, bytesOf(input));
   if (onShm({&input, &output})) {
     return track(runShm(OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [this, input, output] {
       const auto in = input.contiguous(); // output is contiguous (checked)
@@ -863,7 +916,7 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
   auto& r = route(c, inputs[0]);
   const auto inputBytes = bytesOf(inputs);
   const bool shm = onShm(inputs) && onShm(outputs);
-  stats_.record(c.op, 1, inputBytes);
+  recordCollective(c, 1, inputBytes);
   if (r.caps().nativeCoalescing) {
     // One launch of the callers' tensors (outputs are contiguous: checked).
     std::vector<at::Tensor> ins, outs;
@@ -978,7 +1031,7 @@ WorkPtr ProcessGroupHSDP::gather(
     checkPerRankList(c, outputs, inputs[0], "output tensor");
   }
   auto& r = route(c, inputs[0]);
-  stats_.record(c.op, 1, bytesOf(inputs));
+  recordCollective(c, 1, bytesOf(inputs));
   auto work = r.backend().gather(outputs, inputs, opts);
   return track(r.finish(
       OpType::GATHER, opts.asyncOp, {work}, inputs, {}, outputs.empty() ? inputs : outputs[0]));
@@ -995,7 +1048,7 @@ WorkPtr ProcessGroupHSDP::scatter(
     checkPerRankList(c, inputs, outputs[0], "input tensor");
   }
   auto& r = route(c, outputs[0]);
-  stats_.record(c.op, 1, bytesOf(outputs));
+  recordCollective(c, 1, bytesOf(outputs));
   auto work = r.backend().scatter(outputs, inputs, opts);
   return track(r.finish(
       OpType::SCATTER, opts.asyncOp, {work}, outputs, {}, inputs.empty() ? outputs : inputs[0]));
@@ -1007,13 +1060,30 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
     const c10d::ReduceScatterOptions& opts) {
   const auto c = ctx("reduce_scatter");
   checkOne(c, outputs);
-  checkPerRankList(c, inputs, outputs[0], "input tensor");
+  // Per-rank sizes may differ (rank q's output has inputs[q]'s size); the
+  // engine's reduce-scatter has equal pieces, the inner backend has both.
+  const bool even = inputs.size() == 1 &&
+      std::all_of(inputs[0].begin(), inputs[0].end(), [&](const at::Tensor& in) {
+                       return in.numel() == outputs[0].numel();
+                     });
+  if (even) {
+    checkPerRankList(c, inputs, outputs[0], "input tensor");
+  } else {
+    HSDP_CHECK_VALUE(
+        inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
+        c,
+        "expected one list of ",
+        size_,
+        " input tensors (one per rank), got ",
+        inputs.empty() ? 0 : inputs[0].size());
+    checkNumel(c, inputs[0][rank_], outputs[0].numel(), "this rank's input tensor");
+  }
   auto& r = route(c, outputs[0]);
   auto plan = planReduce(
       c, opts.reduceOp, outputs[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
-  stats_.record(c.op, 1, bytesOf(inputs[0]));
+  recordCollective(c, 1, bytesOf(inputs[0]));
   if (auto red = shmReduction(plan, outputs[0].scalar_type());
-      red && onShm(outputs) && onShm(inputs[0])) {
+      red && even && onShm(outputs) && onShm(inputs[0])) {
     auto out = outputs[0];
     auto ins = inputs[0];
     return track(runShm(OpType::REDUCE_SCATTER, opts.asyncOp, {out}, [this, out, ins, red = *red] {
@@ -1066,7 +1136,7 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   checkContiguous(c, input, "the input");
   auto& r = route(c, input);
   auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy, r.caps().nativeScale);
-  stats_.record(c.op, 1, bytesOf(input));
+  recordCollective(c, 1, bytesOf(input));
   if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
     return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
       onContiguous(output, [&](const at::Tensor& o) { // input is contiguous (checked)
@@ -1125,7 +1195,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
       innerOpts.reduceOp = plan.innerOp;
       works.push_back(r.backend().reduce_scatter_tensor_coalesced(groupOuts, groupIns, innerOpts));
     }
-    stats_.record(c.op, works.size(), bytesOf(inputs));
+    recordCollective(c, works.size(), bytesOf(inputs));
     return track(r.finish(
         OpType::COALESCED, opts.asyncOp, std::move(works), outputs, inOrder(std::move(posts)),
         std::move(ins)));
@@ -1148,7 +1218,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     }
     pending->push_back({packReduceScatter(ins, outs, size_, *staging_), std::move(outs), plan});
   }
-  stats_.record(c.op, pending->size(), bytesOf(inputs));
+  recordCollective(c, pending->size(), bytesOf(inputs));
   if (shmServes) {
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pending] {
       for (const auto& p : *pending) {
@@ -1196,7 +1266,7 @@ WorkPtr ProcessGroupHSDP::alltoall_base(
         splits->size());
   }
   auto& r = route(c, input);
-  stats_.record(c.op, 1, bytesOf(input));
+  recordCollective(c, 1, bytesOf(input));
   auto work = r.backend().alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
   return track(r.finish(OpType::ALLTOALL_BASE, opts.asyncOp, {work}, {output}, {}, {input}));
 }
@@ -1226,7 +1296,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
     outSplits.push_back(outputs[i].numel());
   }
   auto& r = route(c, inputs[0]);
-  stats_.record(c.op, 1, bytesOf(inputs));
+  recordCollective(c, 1, bytesOf(inputs));
   // Gloo's list all-to-all needs equal sizes; sending one flat buffer with
   // per-peer splits serves any sizes with a single inner collective.
   std::vector<at::Tensor> flatInputs;
@@ -1252,6 +1322,8 @@ WorkPtr ProcessGroupHSDP::alltoall(
       {input, output}));
 }
 
+// Point-to-point calls are counted in comm_stats but are not collectives:
+// they leave the sequence number alone, as on gloo.
 WorkPtr ProcessGroupHSDP::send(
     std::vector<at::Tensor>& tensors,
     int dstRank,
@@ -1288,7 +1360,7 @@ WorkPtr ProcessGroupHSDP::recvAnysource(
 }
 
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
-  stats_.record("barrier", 1, 0);
+  recordCollective(ctx("barrier"), 1, 0);
   // Barriers synchronise processes, not devices: the CPU engines serve them
   // whatever devices the group also handles.
   if (engine_) {

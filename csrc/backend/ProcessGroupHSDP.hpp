@@ -34,6 +34,7 @@
 #include "fusion/ReducePlan.hpp"
 #include "fusion/StagingPool.hpp"
 
+#include <atomic>
 #include <mutex>
 
 namespace hsdp {
@@ -72,6 +73,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       const c10::intrusive_ptr<c10d::Store>& store,
       const std::vector<int>& ranks,
       const c10::intrusive_ptr<Options>& opts) override;
+  // Counts this group's collectives (hsdp's own: most never reach an inner backend).
+  void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
   void abort() override;
   void shutdown() override;
@@ -237,12 +240,15 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Records `work` when called between startCoalescing and endCoalescing
   // (routes that coalesce natively hold their own).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // comm_stats' counters and the sequence number, for one collective call.
+  void recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes);
 
   c10::intrusive_ptr<Options> options_;
   ShmOptions shmOptions_; // what a split child negotiates with
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;
+  std::atomic<uint64_t> sequence_{0};
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::string shmWhyNot_;
   // Declared in this order so the queue (whose tasks use the engine) is

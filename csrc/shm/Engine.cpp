@@ -239,7 +239,9 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
     const auto now = Clock::now();
     if (now >= op.deadline) {
       h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      fail(op, "timed out after " +
+      // "Timed out", as gloo words it: code that matches gloo's timeout
+      // message (PyTorch's own tests do) matches this one.
+      fail(op, "Timed out after " +
                std::to_string(config_.timeout.count()) + " ms waiting for rank " +
                std::to_string(laggard) + " (it has not reached step " + std::to_string(target) +
                " of the group; is it stuck, or did it call a different collective?)");
