@@ -36,6 +36,16 @@ def error_of(fn):
     return None
 
 
+def pg(group):
+    return group or dist.group.WORLD
+
+
+def root_options(kind, root_tensor):
+    opts = kind()
+    opts.rootRank, opts.rootTensor = 0, root_tensor
+    return opts
+
+
 def dense(t: torch.Tensor) -> torch.Tensor:
     return t.coalesce().to_dense() if t.is_sparse else t
 
@@ -168,6 +178,10 @@ def bad_arguments_raise_what_gloo_raises(rank, world, ref):
         "all_reduce: BXOR on floats": lambda g: dist.all_reduce(torch.ones(n, dtype=f32), op=dist.ReduceOp.BXOR, group=g),
         "all_to_all_single: too many splits": lambda g: dist.all_to_all_single(torch.empty(world + 1), torch.ones(world + 1), [1] * (world + 1), [1] * (world + 1), group=g),
         "broadcast: no such source": lambda g: dist.broadcast(torch.ones(n), src=world + 2, group=g),
+        "broadcast: no such root tensor": lambda g: pg(g).broadcast([torch.ones(n)], root_options(dist.BroadcastOptions, 1)),
+        "reduce: no such root tensor": lambda g: pg(g).reduce([torch.ones(n)], root_options(dist.ReduceOptions, 1)),
+        "all_reduce_coalesced: sparse tensors": lambda g: pg(g).allreduce_coalesced(
+            [torch.ones(n).to_sparse()] * 2, dist.AllreduceCoalescedOptions()),
     }
     for what, call in mistakes.items():
         gloo_error = error_of(lambda: call(ref))
@@ -183,6 +197,25 @@ def bad_arguments_raise_what_gloo_raises(rank, world, ref):
     dist.barrier()
 
 
+@case
+def async_ops_keep_the_callers_inference_mode(rank, world, ref):
+    """Async collectives on inference tensors, under inference mode: the
+    work runs on another thread, which gets the caller's thread-local state
+    (as gloo's workers do), so writing the outputs is allowed there."""
+    with torch.inference_mode():
+        for group in (None, ref):
+            outs = [torch.empty(5) for _ in range(world)]
+            works = [dist.all_gather(outs, data(rank, 5, torch.float32), group=group, async_op=True)]
+            t = data(rank, 5, torch.float32)
+            works.append(dist.all_reduce(t, op=dist.ReduceOp.AVG if group is None else dist.ReduceOp.SUM, group=group, async_op=True))
+            for w in works:
+                w.wait()
+            for r in range(world):
+                check(outs[r], data(r, 5, torch.float32), f"all_gather under inference mode on {dist.get_backend(group)}")
+            total = sum(data(r, 5, torch.float32) for r in range(world))
+            check(t, total / world if group is None else total, f"all_reduce under inference mode on {dist.get_backend(group)}")
+
+
 # ------------------------------------------------------- monitored_barrier
 
 
@@ -191,25 +224,26 @@ def monitored_barrier(rank, world, ref):
     """Every rank arrives: it returns, with and without wait_all_ranks. The
     last rank never arrives: every rank that called it raises within the
     timeout, and rank 0's error names the missing rank, as on gloo."""
-    timeout = datetime.timedelta(seconds=2)
+    timeout = datetime.timedelta(seconds=1)
     for wait_all in (False, True):
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=wait_all)
     if world == 1:
         return
-    errors = {}
-    for backend in ("hsdp", "gloo"):
-        g = dist.new_group(backend=backend)
-        if rank != world - 1:
-            errors[backend] = error_of(lambda: dist.monitored_barrier(g, timeout=timeout, wait_all_ranks=True))
-        dist.barrier()  # on the default group: everyone is past the failure
-        dist.destroy_process_group(g)
-    if rank == world - 1:
-        return
-    for backend, err in errors.items():
-        assert isinstance(err, RuntimeError), f"{backend}: {err!r}"
-    assert type(errors["hsdp"]) is type(errors["gloo"]), errors
-    if rank == 0:
-        assert f"{world - 1}" in str(errors["hsdp"]), errors["hsdp"]
+    for wait_all in (False, True):
+        errors = {}
+        for backend in ("hsdp", "gloo"):
+            g = dist.new_group(backend=backend)
+            if rank != world - 1:
+                errors[backend] = error_of(lambda: dist.monitored_barrier(g, timeout=timeout, wait_all_ranks=wait_all))
+            dist.barrier()  # on the default group: everyone is past the failure
+            dist.destroy_process_group(g)
+        if rank == world - 1:
+            continue
+        for backend, err in errors.items():
+            assert isinstance(err, RuntimeError), f"{backend}, wait_all_ranks={wait_all}: {err!r}"
+        assert type(errors["hsdp"]) is type(errors["gloo"]), errors
+        if rank == 0:
+            assert f"{world - 1}" in str(errors["hsdp"]), errors["hsdp"]
 
 
 # ------------------------------------------------------------------- p2p

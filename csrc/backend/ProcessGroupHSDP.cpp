@@ -63,6 +63,19 @@ void checkRank(const OpContext& ctx, int64_t r, const char* what) {
       ")");
 }
 
+// The index of the root's tensor that is sent (the list forms of broadcast
+// and reduce): within this call's tensors on every rank.
+void checkRootTensor(const OpContext& ctx, int64_t index, const std::vector<at::Tensor>& ts) {
+  HSDP_CHECK_VALUE(
+      index >= 0 && index < static_cast<int64_t>(ts.size()),
+      ctx,
+      "invalid root tensor ",
+      index,
+      "; expected an index into this call's ",
+      ts.size(),
+      " tensor(s)");
+}
+
 void checkSameDtype(
     const OpContext& ctx,
     const at::Tensor& expected,
@@ -603,6 +616,7 @@ WorkPtr ProcessGroupHSDP::broadcast(
   const auto c = ctx("broadcast");
   checkNotEmpty(c, tensors);
   checkRank(c, opts.rootRank, "root");
+  checkRootTensor(c, opts.rootTensor, tensors);
   recordCollective(c, 1, bytesOf(tensors));
   if (!oneDense(tensors)) {
     auto& r = route(c, tensors[0]);
@@ -698,6 +712,13 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   const auto c = ctx("all_reduce_coalesced");
   if (tensors.empty()) {
     return WorkHSDP::completed(rank_, OpType::ALLREDUCE_COALESCED, {});
+  }
+  for (const auto& t : tensors) {
+    // Gloo and NCCL refuse them too; say what does serve them.
+    HSDP_CHECK_VALUE(
+        !t.is_sparse(),
+        c,
+        "sparse tensors are not supported here; all_reduce serves them, one tensor per call");
   }
   auto& r = route(c, tensors[0]);
   for (const auto& t : tensors) {
@@ -808,6 +829,7 @@ WorkPtr ProcessGroupHSDP::reduce(
   const auto c = ctx("reduce");
   checkOne(c, tensors);
   checkRank(c, opts.rootRank, "root");
+  checkRootTensor(c, opts.rootTensor, tensors);
   auto& r = route(c, tensors[0]);
   auto plan = planReduce(
       c, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.caps().nativeScale);

@@ -1,5 +1,7 @@
 #include "backend/WorkHSDP.hpp"
 
+#include <ATen/ThreadLocalState.h>
+
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -112,7 +114,11 @@ c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(
   auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
   auto error = std::make_shared<std::exception_ptr>();
   queue.submit(
-      [task = std::move(task), error]() {
+      // The caller's thread-local state (inference mode, grad mode, ...)
+      // goes with the task, as gloo's worker threads take it: the task
+      // writes the caller's tensors, which may be inference tensors.
+      [task = std::move(task), error, tls = at::ThreadLocalState()]() {
+        at::ThreadLocalStateGuard guard(tls);
         try {
           task();
         } catch (...) {
