@@ -29,9 +29,20 @@ if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, m
   "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest
 fi
 
+# googletest's sources (Debian): the engine's C++ tests (scripts/cpp_tests.sh)
+# build them with their own sanitizer flags.
+if [ ! -f /usr/src/googletest/CMakeLists.txt ]; then
+  echo "[setup] installing googletest (Debian) for the C++ engine tests"
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest > /dev/null 2>&1 ||
+         { apt-get update -q > /dev/null 2>&1 &&
+           DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest > /dev/null 2>&1; }; }; then
+    echo "[setup] WARNING: could not install googletest; tests/test_cpp_engine.py will fail" >&2
+  fi
+fi
+
 # Rebuild when any input of the build changed since the last install.
 stamp_file=build/.setup-stamp
-stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc hsdp_backend -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' \) | sort) | sha256sum | cut -d' ' -f1)
+stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc hsdp_backend -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort) | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || ! (cd /tmp && "$ROOT/$PY" -c "import hsdp_backend._C") 2>/dev/null; then
   echo "[setup] building hsdp_backend (C++ extension; about a minute on 2 cores)"
   # --no-build-isolation: build against the torch in $VENV, never a second one.

@@ -87,6 +87,14 @@ std::string describe(const Signature& s) {
   return out + ") as collective #" + std::to_string(s.opSeq);
 }
 
+// memcpy for buffers that may be empty: an empty tensor's data pointer may be
+// null, and memcpy from or to null is undefined even for 0 bytes.
+inline void copyBytes(void* dst, const void* src, size_t n) {
+  if (n > 0) {
+    std::memcpy(dst, src, n);
+  }
+}
+
 size_t ceilDiv(size_t a, size_t b) {
   return (a + b - 1) / b;
 }
@@ -382,7 +390,7 @@ void Engine::allGatherPieces(
   for (size_t i = 0; i < inputs.size(); ++i) {
     const Span& mine = outputs[rank_][i];
     if (mine.data != inputs[i].data && inputs[i].bytes > 0) {
-      std::memcpy(mine.data, inputs[i].data, inputs[i].bytes);
+      copyBytes(mine.data, inputs[i].data, inputs[i].bytes);
     }
   }
   for (int k = 1; k < size_; ++k) {
@@ -439,7 +447,7 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
   if (directReads_ && n >= config_.directReadBytes) {
     if (!inPlace) {
-      std::memcpy(out + static_cast<size_t>(rank_) * n, in, n);
+      copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
     }
     directStep(op, in, [&](int q, uint64_t address) {
       readPeer(op, q, address, out + static_cast<size_t>(q) * n, n);
@@ -449,15 +457,15 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   pipelineBytes(
       op,
       n,
-      [&](char* dst, size_t off, size_t len) { std::memcpy(dst, in + off, len); },
+      [&](char* dst, size_t off, size_t len) { copyBytes(dst, in + off, len); },
       [&](int slot, size_t off, size_t len) {
         if (!inPlace) {
-          std::memcpy(out + static_cast<size_t>(rank_) * n + off, in + off, len);
+          copyBytes(out + static_cast<size_t>(rank_) * n + off, in + off, len);
         }
         // Start with the next rank so ranks do not all read rank 0 first.
         for (int i = 1; i < size_; ++i) {
           const int q = (rank_ + i) % size_;
-          std::memcpy(out + static_cast<size_t>(q) * n + off, segment_.slot(q, slot), len);
+          copyBytes(out + static_cast<size_t>(q) * n + off, segment_.slot(q, slot), len);
         }
       });
 }
@@ -505,7 +513,7 @@ void Engine::reduceScatter(
     const int slot = post(op, s, [&](char* dst) {
       for (int q = 0; q < size_; ++q) {
         if (q != rank_) {
-          std::memcpy(dst + q * len * es, in + (q * n + off) * es, len * es);
+          copyBytes(dst + q * len * es, in + (q * n + off) * es, len * es);
         }
       }
     });
@@ -533,7 +541,7 @@ void Engine::allReduce(
   if (n * es <= std::min(config_.oneShotBytes, slotBytes())) {
     // One round: every rank reduces all of it from every slot.
     const uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) { std::memcpy(dst, buf, n * es); });
+    const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf, n * es); });
     for (int r = 0; r < size_; ++r) {
       srcs[r] = segment_.slot(r, slot);
     }
@@ -562,8 +570,8 @@ void Engine::allReduce(
       char* mine = buf + off * es;
       op.sig.sourceAddress = reinterpret_cast<uint64_t>(mine);
       const int slot = post(op, s, [&](char* dst) {
-        std::memcpy(dst, mine, a * es);
-        std::memcpy(dst + b * es, mine + b * es, (len - b) * es);
+        copyBytes(dst, mine, a * es);
+        copyBytes(dst + b * es, mine + b * es, (len - b) * es);
       });
       for (int r = 0; r < size_; ++r) {
         srcs[r] = r == rank_ ? mine + a * es : segment_.slot(r, slot) + a * es;
@@ -589,7 +597,7 @@ void Engine::allReduce(
     const size_t units = ceilDiv(len, unit);
     auto partBegin = [&](int q) { return std::min(len, units * q / size_ * unit); };
     const uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) { std::memcpy(dst, buf + off * es, len * es); });
+    const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf + off * es, len * es); });
     const size_t a = partBegin(rank_), b = partBegin(rank_ + 1);
     for (int r = 0; r < size_; ++r) {
       srcs[r] = segment_.slot(r, slot) + a * es;
@@ -600,7 +608,7 @@ void Engine::allReduce(
     for (int i = 0; i < size_; ++i) {
       const int q = (rank_ + i) % size_;
       const size_t qa = partBegin(q), qb = partBegin(q + 1);
-      std::memcpy(buf + (off + qa) * es, segment_.slot(q, slot) + qa * es, (qb - qa) * es);
+      copyBytes(buf + (off + qa) * es, segment_.slot(q, slot) + qa * es, (qb - qa) * es);
     }
     publish(Counter::Done, s);
     step_ = s;
@@ -623,12 +631,12 @@ void Engine::broadcast(const char* name, void* data, size_t n, int root) {
       n,
       [&](char* dst, size_t off, size_t len) {
         if (rank_ == root) {
-          std::memcpy(dst, buf + off, len);
+          copyBytes(dst, buf + off, len);
         }
       },
       [&](int slot, size_t off, size_t len) {
         if (rank_ != root) {
-          std::memcpy(buf + off, segment_.slot(root, slot), len);
+          copyBytes(buf + off, segment_.slot(root, slot), len);
         }
       });
 }

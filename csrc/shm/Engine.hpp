@@ -27,6 +27,9 @@
 // deadline, as a CommError that names the rank and the op. The first rank
 // that fails marks the segment broken and wakes everyone, so all ranks fail
 // fast; a broken engine refuses further work.
+//
+// Tested on its own, ranks as threads, plain and under ThreadSanitizer and
+// ASan+UBSan: tests/cpp/engine_test.cpp (bash scripts/cpp_tests.sh).
 
 #include "shm/Segment.hpp"
 #include "shm/Types.hpp"

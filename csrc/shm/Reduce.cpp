@@ -200,7 +200,15 @@ __attribute__((always_inline)) inline void reduceTyped(
   }
 }
 
+#if defined(__SANITIZE_THREAD__)
+// The ifunc resolvers that multi-versioning generates run while the dynamic
+// loader relocates the binary, before ThreadSanitizer's runtime is up, and
+// crash there (they are instrumented too). TSan builds check the baseline
+// kernel: the versions are one source compiled for three instruction sets.
+#define HSDP_MULTIVERSION
+#else
 #define HSDP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 #define HSDP_KERNEL(NAME, T)                                                    \
   HSDP_MULTIVERSION void NAME(                                                   \
       void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) { \

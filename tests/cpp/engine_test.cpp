@@ -1,0 +1,540 @@
+// The shared-memory engine (csrc/shm) on its own: W ranks as threads of this
+// process over one segment. Every result is compared bitwise with a scalar
+// reference written independently of the kernels: the reduction in rank order
+// in the accumulation type (fp32 for bf16/fp16), scaled there, rounded once.
+// Run plain and under ThreadSanitizer and ASan+UBSan by scripts/cpp_tests.sh.
+
+#include "shm/Engine.hpp"
+#include "shm/Reduce.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+namespace hsdp::shm {
+namespace {
+
+// A small slot, so that "several slots" stays cheap under the sanitizers.
+constexpr size_t kSlotBytes = 4096;
+
+EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  EngineConfig c;
+  c.timeout = timeout;
+  c.spin = std::chrono::nanoseconds(0); // more ranks than cores: sleep at once, as hsdp does
+  c.oneShotBytes = 256;
+  c.directReadBytes = 512;
+  return c;
+}
+
+// W engines over one fresh segment (its name is unlinked at once).
+class Group {
+ public:
+  Group(int size, EngineConfig config, bool directReads) {
+    const std::string name = Segment::randomName();
+    std::vector<Segment> segments;
+    segments.reserve(size);
+    segments.push_back(Segment::create(name, size, kSlotBytes));
+    for (int r = 1; r < size; ++r) {
+      segments.push_back(Segment::open(name, size, kSlotBytes));
+    }
+    Segment::unlink(name);
+    for (int r = 0; r < size; ++r) {
+      engines_.push_back(std::make_unique<Engine>(std::move(segments[r]), r, config));
+      if (directReads) {
+        engines_.back()->enableDirectReads();
+      }
+    }
+  }
+
+  Engine& engine(int rank) {
+    return *engines_[rank];
+  }
+  int size() const {
+    return static_cast<int>(engines_.size());
+  }
+
+  // Runs body(engine) on every rank at once; returns each rank's error ("" if none).
+  std::vector<std::string> run(const std::function<void(Engine&)>& body) {
+    std::vector<std::string> errors(engines_.size());
+    std::vector<std::thread> threads;
+    for (size_t r = 0; r < engines_.size(); ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          body(*engines_[r]);
+        } catch (const std::exception& e) {
+          errors[r] = std::string("threw: ") + e.what();
+        }
+      });
+    }
+    for (auto& t : threads) {
+      t.join();
+    }
+    return errors;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Engine>> engines_;
+};
+
+void expectNoErrors(const std::vector<std::string>& errors) {
+  for (size_t r = 0; r < errors.size(); ++r) {
+    EXPECT_EQ(errors[r], "") << "rank " << r;
+  }
+}
+
+// ------------------------------------------------------------ references
+
+struct BF16 {
+  uint16_t bits;
+};
+
+float bf16ToFloat(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The bf16 nearest to f, ties to the even one: chosen between the two bf16
+// neighbours of f by their distance in double (no bit tricks, unlike the kernel).
+uint16_t floatToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t down = static_cast<uint16_t>(u >> 16); // toward zero
+  const uint16_t up = static_cast<uint16_t>(down + 1); // away from zero
+  const double dd = std::fabs(static_cast<double>(f) - bf16ToFloat(down));
+  const double du = std::fabs(static_cast<double>(f) - bf16ToFloat(up));
+  if (dd != du) {
+    return dd < du ? down : up;
+  }
+  return (down & 1) ? up : down;
+}
+
+// Element type -> accumulation type and conversions.
+template <typename T>
+struct Traits {
+  using Acc = T;
+  static Acc load(T v) {
+    return v;
+  }
+  static T store(Acc a) {
+    return a;
+  }
+};
+template <>
+struct Traits<BF16> {
+  using Acc = float;
+  static float load(BF16 v) {
+    return bf16ToFloat(v.bits);
+  }
+  static BF16 store(float a) {
+    return BF16{floatToBf16(a)};
+  }
+};
+template <>
+struct Traits<_Float16> {
+  using Acc = float;
+  static float load(_Float16 v) {
+    return static_cast<float>(v);
+  }
+  static _Float16 store(float a) {
+    return static_cast<_Float16>(a);
+  }
+};
+
+template <typename A>
+A combine(RedOp op, A a, A b) {
+  if constexpr (std::is_integral_v<A>) {
+    using U = std::make_unsigned_t<A>; // torch's integers wrap around
+    switch (op) {
+      case RedOp::Sum:
+        return static_cast<A>(static_cast<U>(static_cast<U>(a) + static_cast<U>(b)));
+      case RedOp::Prod:
+        return static_cast<A>(static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+      case RedOp::BAnd:
+        return a & b;
+      case RedOp::BOr:
+        return a | b;
+      case RedOp::BXor:
+        return a ^ b;
+      default:
+        break;
+    }
+  } else {
+    if (op == RedOp::Sum) {
+      return a + b;
+    }
+    if (op == RedOp::Prod) {
+      return a * b;
+    }
+  }
+  return op == RedOp::Min ? std::min(a, b) : std::max(a, b); // inputs have no NaN, no zero
+}
+
+template <typename T>
+T referenceReduce(const std::vector<T>& values, RedOp op, Scale scale) {
+  using A = typename Traits<T>::Acc;
+  A acc = Traits<T>::load(values[0]);
+  for (size_t r = 1; r < values.size(); ++r) {
+    acc = combine<A>(op, acc, Traits<T>::load(values[r]));
+  }
+  if constexpr (std::is_integral_v<A>) {
+    const auto factor = static_cast<int64_t>(scale.value);
+    if (scale.kind == Scale::Kind::Multiply) {
+      acc = static_cast<A>(static_cast<int64_t>(acc) * factor);
+    } else if (scale.kind == Scale::Kind::Divide) {
+      acc = static_cast<A>(static_cast<int64_t>(acc) / factor); // truncates toward zero
+    }
+  } else {
+    if (scale.kind == Scale::Kind::Multiply) {
+      acc = acc * static_cast<A>(scale.value);
+    } else if (scale.kind == Scale::Kind::Divide) {
+      acc = acc / static_cast<A>(scale.value);
+    }
+  }
+  return Traits<T>::store(acc);
+}
+
+// Rank r's i-th input: deterministic, nonzero, no NaN; small for products.
+template <typename T>
+T input(int rank, size_t i, RedOp op) {
+  // splitmix64 of (rank, i, op): cheap and well mixed.
+  uint64_t bits = rank * 0x9e3779b97f4a7c15ull + i * 0xbf58476d1ce4e5b9ull + static_cast<int>(op);
+  bits = (bits ^ (bits >> 30)) * 0xbf58476d1ce4e5b9ull;
+  bits = (bits ^ (bits >> 27)) * 0x94d049bb133111ebull;
+  bits ^= bits >> 31;
+  if constexpr (std::is_integral_v<T>) {
+    if (op == RedOp::Prod) {
+      return static_cast<T>(1 + bits % 3);
+    }
+    return static_cast<T>(bits);
+  } else {
+    const double magnitude = 0.25 + static_cast<double>(bits % 1000003) / 1000003.0 * 7.75;
+    const double v = (bits >> 40) & 1 ? -magnitude : magnitude;
+    if constexpr (std::is_same_v<T, BF16>) {
+      return BF16{floatToBf16(static_cast<float>(v))};
+    } else {
+      return static_cast<T>(v);
+    }
+  }
+}
+
+template <typename T>
+bool sameBits(const T& a, const T& b) {
+  return std::memcmp(&a, &b, sizeof(T)) == 0;
+}
+
+template <typename T>
+constexpr DType dtypeOf() {
+  if constexpr (std::is_same_v<T, float>) return DType::F32;
+  else if constexpr (std::is_same_v<T, double>) return DType::F64;
+  else if constexpr (std::is_same_v<T, BF16>) return DType::BF16;
+  else if constexpr (std::is_same_v<T, _Float16>) return DType::F16;
+  else if constexpr (std::is_same_v<T, int8_t>) return DType::I8;
+  else if constexpr (std::is_same_v<T, uint8_t>) return DType::U8;
+  else if constexpr (std::is_same_v<T, int16_t>) return DType::I16;
+  else if constexpr (std::is_same_v<T, int32_t>) return DType::I32;
+  else return DType::I64;
+}
+
+std::vector<RedOp> opsFor(DType d) {
+  std::vector<RedOp> ops{RedOp::Sum, RedOp::Prod, RedOp::Min, RedOp::Max};
+  if (!isFloating(d)) {
+    ops.insert(ops.end(), {RedOp::BAnd, RedOp::BOr, RedOp::BXor});
+  }
+  return ops;
+}
+
+std::vector<Scale> scalesFor(DType d, RedOp op, int size) {
+  std::vector<Scale> scales{Scale{}};
+  if (op == RedOp::Sum) {
+    scales.push_back(Scale{Scale::Kind::Divide, static_cast<double>(size)}); // AVG
+    if (isFloating(d)) {
+      scales.push_back(Scale{Scale::Kind::Multiply, 0.37}); // PREMUL_SUM
+    }
+  }
+  return scales;
+}
+
+// Element counts: empty, one, odd; then exactly a reduce-scatter step's piece,
+// exactly one slot, several slots.
+std::vector<size_t> smallCounts() {
+  return {0, 1, 7};
+}
+std::vector<size_t> largeCounts(size_t elementSize, int size) {
+  const size_t slot = kSlotBytes / elementSize;
+  return {slot / size, slot, 2 * slot + slot / 2 + 3};
+}
+std::vector<size_t> countsFor(size_t elementSize, int size) {
+  auto counts = smallCounts();
+  for (size_t n : largeCounts(elementSize, size)) {
+    counts.push_back(n);
+  }
+  return counts;
+}
+
+// ----------------------------------------------------------- reductions
+
+// reduceScatter and allReduce on dtype T: every op and scale on small counts;
+// with `large`, SUM (and its scales) on counts of one and several slots (the
+// data paths do not depend on the op; the kernels are covered by the small ones).
+template <typename T, bool large>
+std::string checkReductions(Engine& e) {
+  const int W = e.size(), me = e.rank();
+  const DType d = dtypeOf<T>();
+  for (RedOp op : large ? std::vector<RedOp>{RedOp::Sum} : opsFor(d)) {
+    for (const Scale& scale : scalesFor(d, op, W)) {
+      for (size_t n : large ? largeCounts(sizeof(T), W) : smallCounts()) {
+        auto expected = [&](size_t i) {
+          std::vector<T> column;
+          for (int r = 0; r < W; ++r) {
+            column.push_back(input<T>(r, i, op));
+          }
+          return referenceReduce(column, op, scale);
+        };
+        const std::string what = std::string(dtypeName(d)) + " " + redOpName(op) + " scale " +
+            std::to_string(static_cast<int>(scale.kind)) + " count " + std::to_string(n);
+        // reduce-scatter: rank r's input holds W chunks of n; chunk q goes to q.
+        std::vector<T> in(W * n), out(n);
+        for (size_t i = 0; i < W * n; ++i) {
+          in[i] = input<T>(me, i, op);
+        }
+        e.reduceScatter("reduce_scatter", in.data(), out.data(), n, d, op, scale);
+        for (size_t i = 0; i < n; ++i) {
+          if (!sameBits(out[i], expected(me * n + i))) {
+            return "reduce_scatter " + what + ": element " + std::to_string(i) + " differs";
+          }
+        }
+        // all-reduce in place (one-shot below oneShotBytes, two rounds above).
+        std::vector<T> data(W * n);
+        for (size_t i = 0; i < data.size(); ++i) {
+          data[i] = input<T>(me, i, op);
+        }
+        e.allReduce("all_reduce", data.data(), data.size(), d, op, scale);
+        for (size_t i = 0; i < data.size(); ++i) {
+          if (!sameBits(data[i], expected(i))) {
+            return "all_reduce " + what + ": element " + std::to_string(i) + " differs";
+          }
+        }
+      }
+    }
+  }
+  return "";
+}
+
+std::string checkEveryDtype(Engine& e) {
+  for (const auto& check :
+       {checkReductions<float, false>, checkReductions<double, false>,
+        checkReductions<BF16, false>, checkReductions<_Float16, false>,
+        checkReductions<int8_t, false>, checkReductions<uint8_t, false>,
+        checkReductions<int16_t, false>, checkReductions<int32_t, false>,
+        checkReductions<int64_t, false>, checkReductions<float, true>,
+        checkReductions<BF16, true>, checkReductions<_Float16, true>,
+        checkReductions<int64_t, true>}) {
+    if (auto why = check(e); !why.empty()) {
+      return why;
+    }
+  }
+  return "";
+}
+
+class EngineWorlds : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(EngineWorlds, ReductionsMatchTheScalarReferenceBitwise) {
+  const auto [size, direct] = GetParam();
+  Group g(size, testConfig(), direct);
+  std::vector<std::string> why(size);
+  expectNoErrors(g.run([&](Engine& e) { why[e.rank()] = checkEveryDtype(e); }));
+  for (int r = 0; r < size; ++r) {
+    EXPECT_EQ(why[r], "") << "rank " << r;
+  }
+}
+
+// ------------------------------------------------------------ data movement
+
+uint8_t byteOf(int rank, size_t i) {
+  return static_cast<uint8_t>(rank * 37 + i * 11 + 1);
+}
+
+TEST_P(EngineWorlds, AllGatherBroadcastAndBarrierMoveEveryByte) {
+  const auto [size, direct] = GetParam();
+  Group g(size, testConfig(), direct);
+  expectNoErrors(g.run([&](Engine& e) {
+    const int W = e.size(), me = e.rank();
+    for (size_t n : countsFor(1, W)) {
+      std::vector<uint8_t> in(n), out(W * n, 0);
+      for (size_t i = 0; i < n; ++i) {
+        in[i] = byteOf(me, i);
+      }
+      e.allGather("all_gather", in.data(), out.data(), n);
+      for (int q = 0; q < W; ++q) {
+        for (size_t i = 0; i < n; ++i) {
+          if (out[q * n + i] != byteOf(q, i)) {
+            throw std::runtime_error("all_gather of " + std::to_string(n) + " bytes: byte " +
+                                     std::to_string(i) + " from rank " + std::to_string(q));
+          }
+        }
+      }
+      // In place, as FSDP2 gathers: the input is this rank's slice of the output.
+      std::vector<uint8_t> flat(W * n, 0);
+      std::copy(in.begin(), in.end(), flat.begin() + me * n);
+      e.allGather("all_gather_in_place", flat.data() + me * n, flat.data(), n);
+      if (flat != out) {
+        throw std::runtime_error("in-place all_gather of " + std::to_string(n) + " bytes differs");
+      }
+      for (int root = 0; root < W; ++root) {
+        std::vector<uint8_t> buf(n);
+        for (size_t i = 0; i < n; ++i) {
+          buf[i] = me == root ? byteOf(root, i) : 0;
+        }
+        e.broadcast("broadcast", buf.data(), n, root);
+        for (size_t i = 0; i < n; ++i) {
+          if (buf[i] != byteOf(root, i)) {
+            throw std::runtime_error("broadcast of " + std::to_string(n) + " bytes from " +
+                                     std::to_string(root) + ": byte " + std::to_string(i));
+          }
+        }
+      }
+      e.barrier("barrier");
+    }
+  }));
+}
+
+// Pieces are read directly from peers' memory: a direct-reads path only.
+class EnginePieces : public ::testing::TestWithParam<int> {};
+
+TEST_P(EnginePieces, AllGatherPiecesLandWhereTheyGo) {
+  Group g(GetParam(), testConfig(), /*directReads=*/true);
+  expectNoErrors(g.run([&](Engine& e) {
+    const int W = e.size(), me = e.rank();
+    const std::vector<size_t> sizes{0, 1, 300, 17, 1000, 0, 64};
+    std::vector<std::vector<uint8_t>> mine(sizes.size());
+    std::vector<Span> inputs;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      mine[i].resize(sizes[i]);
+      for (size_t j = 0; j < sizes[i]; ++j) {
+        mine[i][j] = byteOf(me, i * 1000 + j);
+      }
+      inputs.push_back({reinterpret_cast<char*>(mine[i].data()), sizes[i]});
+    }
+    std::vector<std::vector<std::vector<uint8_t>>> landed(W, std::vector<std::vector<uint8_t>>(sizes.size()));
+    std::vector<std::vector<Span>> outputs(W);
+    for (int q = 0; q < W; ++q) {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        landed[q][i].assign(sizes[i], 0);
+        outputs[q].push_back({reinterpret_cast<char*>(landed[q][i].data()), sizes[i]});
+      }
+    }
+    size_t total = 0;
+    for (size_t s : sizes) {
+      total += s;
+    }
+    if (!e.gathersPieces(sizes.size(), total)) {
+      throw std::runtime_error("gathersPieces refused a case it should serve");
+    }
+    e.allGatherPieces("all_gather_coalesced", inputs, outputs);
+    for (int q = 0; q < W; ++q) {
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        for (size_t j = 0; j < sizes[i]; ++j) {
+          if (landed[q][i][j] != byteOf(q, i * 1000 + j)) {
+            throw std::runtime_error("piece " + std::to_string(i) + " of rank " + std::to_string(q));
+          }
+        }
+      }
+    }
+  }));
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, EnginePieces, ::testing::Range(1, 9), [](const auto& info) {
+  return "W" + std::to_string(info.param);
+});
+
+INSTANTIATE_TEST_SUITE_P(
+    Worlds,
+    EngineWorlds,
+    ::testing::Combine(::testing::Range(1, 9), ::testing::Bool()),
+    [](const auto& info) {
+      return "W" + std::to_string(std::get<0>(info.param)) +
+          (std::get<1>(info.param) ? "_direct" : "_slots");
+    });
+
+// ---------------------------------------------------------------- failures
+
+bool contains(const std::string& s, const std::string& part) {
+  return s.find(part) != std::string::npos;
+}
+
+TEST(EngineFailures, RanksThatCallDifferentCollectivesAllFailAndTheGroupStaysBroken) {
+  Group g(3, testConfig(), false);
+  const auto errors = g.run([](Engine& e) {
+    float x[4] = {1, 2, 3, 4};
+    if (e.rank() == 1) {
+      e.allGather("all_gather", x, x, 4); // the others all-reduce
+    } else {
+      e.allReduce("all_reduce", x, 4, DType::F32, RedOp::Sum, Scale{});
+    }
+  });
+  bool named = false;
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(contains(errors[r], "[rank " + std::to_string(r) + "/3]")) << errors[r];
+    named = named || contains(errors[r], "ranks called different collectives");
+  }
+  EXPECT_TRUE(named) << errors[0];
+  // A broken group refuses work at once, naming the first failure.
+  const auto after = g.run([](Engine& e) { e.barrier("barrier"); });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(contains(after[r], "the group is unusable after rank")) << after[r];
+  }
+}
+
+TEST(EngineFailures, ARankThatNeverArrivesIsNamedAtTheDeadline) {
+  Group g(3, testConfig(std::chrono::milliseconds(300)), false);
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = g.run([](Engine& e) {
+    if (e.rank() != 2) {
+      e.barrier("barrier");
+    }
+  });
+  const auto took = std::chrono::steady_clock::now() - start;
+  EXPECT_EQ(errors[2], "");
+  for (int r : {0, 1}) {
+    EXPECT_TRUE(contains(errors[r], "rank 2")) << errors[r];
+    EXPECT_TRUE(contains(errors[r], "Timed out after 300 ms")) << errors[r];
+  }
+  EXPECT_LT(took, std::chrono::seconds(10));
+}
+
+TEST(EngineFailures, AbortFromAnotherThreadWakesEveryWaiter) {
+  Group g(3, testConfig(), false);
+  const auto start = std::chrono::steady_clock::now();
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    g.engine(2).abort("aborted by the test");
+  });
+  const auto errors = g.run([](Engine& e) {
+    if (e.rank() != 2) {
+      std::vector<float> big(10000, 1.0f); // several steps
+      e.allReduce("all_reduce", big.data(), big.size(), DType::F32, RedOp::Sum, Scale{});
+    }
+  });
+  aborter.join();
+  for (int r : {0, 1}) {
+    EXPECT_TRUE(contains(errors[r], "aborted by the test")) << errors[r];
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)); // not the 60 s deadline
+  const auto after = g.run([](Engine& e) { e.barrier("barrier"); });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(contains(after[r], "unusable")) << after[r];
+  }
+}
+
+} // namespace
+} // namespace hsdp::shm
