@@ -53,6 +53,11 @@ bool processGone(int32_t pid) {
   return state == 'Z' || state == 'X';
 }
 
+std::string peerExited(int q, int32_t pid) {
+  return "rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
+      ") exited before finishing this collective";
+}
+
 const char* kindName(uint32_t kind) {
   switch (kind) {
     case 1:
@@ -265,8 +270,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
         const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
                                 ->load(std::memory_order_acquire);
         if (processGone(pid)) {
-          fail(op, "rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
-                   ") exited before finishing this collective");
+          fail(op, peerExited(q, pid));
         }
       }
     }
@@ -288,6 +292,16 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
   }
 }
 
+void Engine::failedRead(const OpState& op, int q, int32_t pid, const std::string& what) {
+  const int err = errno;
+  // A peer killed mid-read is a dead peer, and is reported as one.
+  if (err == ESRCH || processGone(pid)) {
+    fail(op, peerExited(q, pid));
+  }
+  fail(op, "reading " + what + " from rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
+           ") failed: " + std::strerror(err));
+}
+
 void Engine::readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes) {
   const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
                           ->load(std::memory_order_acquire);
@@ -301,8 +315,7 @@ void Engine::readPeer(const OpState& op, int q, uint64_t address, void* dst, siz
     };
     const ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
     if (n <= 0) {
-      fail(op, "reading " + std::to_string(bytes) + " bytes from rank " + std::to_string(q) +
-               " (pid " + std::to_string(pid) + ") failed: " + std::strerror(errno));
+      failedRead(op, q, pid, std::to_string(bytes) + " bytes");
     }
     doneBytes += static_cast<size_t>(n);
   }
@@ -341,8 +354,7 @@ void Engine::readPeerPieces(
     }
     ssize_t n = process_vm_readv(pid, l.data(), l.size(), r.data(), r.size(), 0);
     if (n <= 0) {
-      fail(op, "reading pieces from rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
-               ") failed: " + std::strerror(errno));
+      failedRead(op, q, pid, "pieces");
     }
     // Advance past what was read.
     size_t left = static_cast<size_t>(n);

@@ -148,6 +148,9 @@ class Engine {
   // "rank r failed: reason" once the group is broken, else empty.
   std::string brokenBy() const;
   std::string prefix(const char* op) const;
+  // Fails the op after a direct read of rank q (`pid`) failed: as a dead peer
+  // when q is gone, else with errno's reason.
+  [[noreturn]] void failedRead(const OpState& op, int q, int32_t pid, const std::string& what);
   // Copies `bytes` at `address` in rank q's memory to `dst`.
   void readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes);
   // Copies rank q's pieces `remote` (address, bytes pairs) into `local`.
