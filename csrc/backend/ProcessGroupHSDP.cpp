@@ -124,10 +124,9 @@ void checkNumel(
 // `lists` must be one list of one tensor per rank, each with `like`'s
 // dtype and element count: the per-rank side of all_gather, gather, scatter
 // and reduce_scatter.
-void checkPerRankList(
+void checkOneListPerRank(
     const OpContext& ctx,
     const std::vector<std::vector<at::Tensor>>& lists,
-    const at::Tensor& like,
     const char* what) {
   HSDP_CHECK_VALUE(
       lists.size() == 1 && lists[0].size() == static_cast<size_t>(ctx.size),
@@ -138,6 +137,14 @@ void checkPerRankList(
       what,
       "s (one per rank), got ",
       lists.empty() ? 0 : lists[0].size());
+}
+
+void checkPerRankList(
+    const OpContext& ctx,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const at::Tensor& like,
+    const char* what) {
+  checkOneListPerRank(ctx, lists, what);
   for (const auto& t : lists[0]) {
     checkSameDtype(ctx, like, t, what);
     checkSameDevice(ctx, like, t, what);
@@ -713,15 +720,13 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
   if (tensors.empty()) {
     return WorkHSDP::completed(rank_, OpType::ALLREDUCE_COALESCED, {});
   }
+  auto& r = route(c, tensors[0]);
   for (const auto& t : tensors) {
-    // Gloo and NCCL refuse them too; say what does serve them.
+    // Gloo and NCCL refuse sparse tensors too; say what does serve them.
     HSDP_CHECK_VALUE(
         !t.is_sparse(),
         c,
         "sparse tensors are not supported here; all_reduce serves them, one tensor per call");
-  }
-  auto& r = route(c, tensors[0]);
-  for (const auto& t : tensors) {
     checkSameDevice(c, tensors[0], t, "a tensor");
   }
   if (r.caps().nativeCoalescing) {
@@ -1084,20 +1089,13 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   checkOne(c, outputs);
   // Per-rank sizes may differ (rank q's output has inputs[q]'s size); the
   // engine's reduce-scatter has equal pieces, the inner backend has both.
-  const bool even = inputs.size() == 1 &&
-      std::all_of(inputs[0].begin(), inputs[0].end(), [&](const at::Tensor& in) {
-                       return in.numel() == outputs[0].numel();
-                     });
+  checkOneListPerRank(c, inputs, "input tensor");
+  const bool even = std::all_of(inputs[0].begin(), inputs[0].end(), [&](const at::Tensor& in) {
+    return in.numel() == outputs[0].numel();
+  });
   if (even) {
     checkPerRankList(c, inputs, outputs[0], "input tensor");
   } else {
-    HSDP_CHECK_VALUE(
-        inputs.size() == 1 && inputs[0].size() == static_cast<size_t>(size_),
-        c,
-        "expected one list of ",
-        size_,
-        " input tensors (one per rank), got ",
-        inputs.empty() ? 0 : inputs[0].size());
     checkNumel(c, inputs[0][rank_], outputs[0].numel(), "this rank's input tensor");
   }
   auto& r = route(c, outputs[0]);
