@@ -100,6 +100,13 @@ inline void copyBytes(void* dst, const void* src, size_t n) {
   }
 }
 
+// The tail of every error about a value in the segment that hsdp never
+// writes: a stray writer (a bug elsewhere, or a process that mapped the
+// segment) rather than a peer that called something else.
+constexpr const char* kCorrupted =
+    ": the shared-memory segment holds a value hsdp never writes (was it overwritten?); create "
+    "a new process group";
+
 size_t ceilDiv(size_t a, size_t b) {
   return (a + b - 1) / b;
 }
@@ -140,10 +147,15 @@ Engine::OpState Engine::begin(
     throw CommError(prefix(op) + "the group is unusable after " + broken +
                     "; create a new process group");
   }
+  if (segment_.header().magic != kMagic) {
+    markBroken(prefix(op) + "the segment header's magic number was overwritten");
+    throw CommError(prefix(op) + "the shared-memory segment's header was overwritten" +
+                    kCorrupted);
+  }
   OpState st;
   st.name = op;
   st.sig = Signature{0, ++opSeq_, count, static_cast<uint32_t>(kind),
-                     static_cast<uint32_t>(dtype), static_cast<uint32_t>(redop), root};
+                     static_cast<uint32_t>(dtype), static_cast<uint32_t>(redop), root, 0, 0};
   st.deadline = Clock::now() + config_.timeout;
   return st;
 }
@@ -184,6 +196,10 @@ std::string Engine::brokenBy() const {
   if (by == UINT32_MAX) {
     return "a rank failed (its reason is being written)";
   }
+  if (by > static_cast<uint32_t>(size_)) {
+    return "the segment's failure record names rank " + std::to_string(by - 1) +
+        " of a group of " + std::to_string(size_) + kCorrupted;
+  }
   char reason[sizeof h.brokenReason];
   std::memcpy(reason, h.brokenReason, sizeof reason);
   reason[sizeof reason - 1] = '\0';
@@ -199,15 +215,37 @@ void Engine::fail(const OpState& op, const std::string& what) {
   throw CommError(prefix(op.name) + what);
 }
 
+int32_t Engine::peerPid(int q) const {
+  if (!pids_.empty()) {
+    return pids_[q];
+  }
+  return reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
+      ->load(std::memory_order_acquire);
+}
+
+uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
+  auto& c = segment_.control(q);
+  const uint64_t v = (which == Counter::Posted ? c.posted
+                          : which == Counter::Reduced ? c.reduced
+                                                      : c.done)
+                         .load(std::memory_order_acquire);
+  // A peer posts step t only after every rank, this one included, posted
+  // t - 1, and its other counters never pass its own posted: no counter can
+  // exceed this rank's posted step + 1. Anything larger was not written by
+  // hsdp, and would let this rank read a slot before its data is there.
+  if (v > posted_ + 1) {
+    fail(op, "rank " + std::to_string(q) + "'s " + counterName(which) + " counter reads " +
+             std::to_string(v) + ", but no rank can be past step " + std::to_string(posted_ + 1) +
+             " while this rank has posted step " + std::to_string(posted_) + kCorrupted);
+  }
+  return v;
+}
+
 void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
-  auto counterOf = [&](int q) -> const std::atomic<uint64_t>& {
-    auto& c = segment_.control(q);
-    return which == Counter::Posted ? c.posted : which == Counter::Reduced ? c.reduced : c.done;
-  };
   int laggard = 0;
   auto ready = [&]() {
     for (int i = 0; i < size_; ++i) {
-      if (counterOf(laggard).load(std::memory_order_acquire) < target) {
+      if (loadCounter(op, which, laggard) < target) {
         return false;
       }
       laggard = (laggard + 1) % size_;
@@ -238,37 +276,46 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       return;
     }
   }
+  // Announces this rank as a sleeper for as long as it exists, so that an
+  // exception thrown while announced does not leave the count raised.
+  struct Sleeping {
+    std::atomic<uint32_t>& sleepers;
+    explicit Sleeping(std::atomic<uint32_t>& s) : sleepers(s) {
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+    }
+    ~Sleeping() {
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  };
   constexpr auto kSlice = std::chrono::milliseconds(50);
   while (true) {
-    const uint32_t seq = h.wakeSeq.load(std::memory_order_seq_cst);
-    h.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    // Re-check after announcing ourselves: a publisher that bumped wakeSeq
-    // before our load is visible now; one that bumps it later changes the
-    // futex word, so the wait below returns at once.
-    if (ready()) {
-      h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      return;
+    {
+      const uint32_t seq = h.wakeSeq.load(std::memory_order_seq_cst);
+      Sleeping sleeping(h.sleepers);
+      // Re-check after announcing ourselves: a publisher that bumped wakeSeq
+      // before our load is visible now; one that bumps it later changes the
+      // futex word, so the wait below returns at once.
+      if (ready()) {
+        return;
+      }
+      const auto now = Clock::now();
+      if (now >= op.deadline) {
+        // "Timed out", as gloo words it: code that matches gloo's timeout
+        // message (PyTorch's own tests do) matches this one.
+        fail(op, "Timed out after " +
+                 std::to_string(config_.timeout.count()) + " ms waiting for rank " +
+                 std::to_string(laggard) + " (it has not reached step " + std::to_string(target) +
+                 " of the group; is it stuck, or did it call a different collective?)");
+      }
+      futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
     }
-    const auto now = Clock::now();
-    if (now >= op.deadline) {
-      h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      // "Timed out", as gloo words it: code that matches gloo's timeout
-      // message (PyTorch's own tests do) matches this one.
-      fail(op, "Timed out after " +
-               std::to_string(config_.timeout.count()) + " ms waiting for rank " +
-               std::to_string(laggard) + " (it has not reached step " + std::to_string(target) +
-               " of the group; is it stuck, or did it call a different collective?)");
-    }
-    futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
-    h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (ready()) {
       return;
     }
     checkBroken();
     for (int q = 0; q < size_; ++q) {
-      if (counterOf(q).load(std::memory_order_acquire) < target) {
-        const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
-                                ->load(std::memory_order_acquire);
+      if (loadCounter(op, which, q) < target) {
+        const int32_t pid = peerPid(q);
         if (processGone(pid)) {
           fail(op, peerExited(q, pid));
         }
@@ -282,6 +329,14 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
   for (int q = 0; q < size_; ++q) {
     const Signature s = segment_.control(q).sig[slot];
     const Signature& mine = op.sig;
+    // Rank q posted `step`, so its slot's signature is for `step` and was
+    // written by hsdp: anything else was written by something else.
+    if (s.step != step || s.kind < 1 || s.kind > 6 || s.dtype > 8 || s.redop > 6) {
+      fail(op, "rank " + std::to_string(q) + "'s signature for step " + std::to_string(step) +
+               " is not one hsdp writes (step=" + std::to_string(s.step) +
+               ", kind=" + std::to_string(s.kind) + ", dtype=" + std::to_string(s.dtype) +
+               ", op=" + std::to_string(s.redop) + ")" + kCorrupted);
+    }
     if (s.step != step || s.opSeq != mine.opSeq || s.kind != mine.kind || s.count != mine.count ||
         s.dtype != mine.dtype || s.redop != mine.redop || s.root != mine.root ||
         s.pieces != mine.pieces) {
@@ -303,8 +358,7 @@ void Engine::failedRead(const OpState& op, int q, int32_t pid, const std::string
 }
 
 void Engine::readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes) {
-  const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
-                          ->load(std::memory_order_acquire);
+  const int32_t pid = peerPid(q);
   size_t doneBytes = 0;
   while (doneBytes < bytes) {
     struct iovec local {
@@ -326,8 +380,7 @@ void Engine::readPeerPieces(
     int q,
     const uint64_t* remote,
     const std::vector<Span>& local) {
-  const int32_t pid = reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
-                          ->load(std::memory_order_acquire);
+  const int32_t pid = peerPid(q);
   for (size_t i = 0; i < local.size(); ++i) {
     if (remote[2 * i + 1] != local[i].bytes) {
       fail(op, "rank " + std::to_string(q) + "'s piece " + std::to_string(i) + " has " +
@@ -445,9 +498,19 @@ int Engine::post(OpState& op, uint64_t step, const std::function<void(char*)>& f
   Signature sig = op.sig;
   sig.step = step;
   segment_.control(rank_).sig[slot] = sig;
+  posted_ = step;
   publish(Counter::Posted, step);
   waitAll(op, Counter::Posted, step);
   checkSignatures(op, step);
+  if (pids_.empty()) {
+    // Every rank published its pid before its first post: from here on the
+    // pids are this rank's own copy, which nothing in the segment can change.
+    std::vector<int32_t> pids;
+    for (int q = 0; q < size_; ++q) {
+      pids.push_back(peerPid(q));
+    }
+    pids_ = std::move(pids);
+  }
   return slot;
 }
 

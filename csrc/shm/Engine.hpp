@@ -20,6 +20,14 @@
 // step s. A counter is only ever written by its owner (release) and read by
 // others (acquire), so the data it guards is visible before the counter is.
 //
+// Everything a peer wrote is untrusted input: a counter above the bound the
+// protocol allows (this rank's posted step + 1), a signature for another
+// step or of a kind hsdp never writes, a piece table whose sizes differ from
+// this rank's, or a failure record naming a rank outside the group fails
+// the op on every rank. Sizes and offsets are always this rank's own (peers'
+// are compared, never used), and peers' addresses are only read through
+// process_vm_readv, which cannot fault this process.
+//
 // Waiting spins briefly, then sleeps on a futex in the segment (shared, not
 // FUTEX_PRIVATE: the waker is another process). Every wait has a deadline;
 // while waiting, peers that have not arrived are checked for liveness, so a
@@ -129,6 +137,9 @@ class Engine {
     AllGatherPieces
   };
   enum class Counter { Posted, Reduced, Done };
+  static const char* counterName(Counter which) {
+    return which == Counter::Posted ? "posted" : which == Counter::Reduced ? "reduced" : "done";
+  }
 
   struct OpState {
     const char* name;
@@ -140,6 +151,12 @@ class Engine {
   // Steps 1-3 of the protocol; returns the slot index to use.
   int post(OpState& op, uint64_t step, const std::function<void(char*)>& fill);
   void publish(Counter which, uint64_t step);
+  // Rank q's counter, checked against what the protocol allows (fails the op
+  // on a value no rank could have written).
+  uint64_t loadCounter(const OpState& op, Counter which, int q);
+  // Rank q's pid: as published in the segment until this rank's first step
+  // completes, from this rank's own copy after that.
+  int32_t peerPid(int q) const;
   void waitAll(OpState& op, Counter which, uint64_t target);
   void checkSignatures(const OpState& op, uint64_t step);
   [[noreturn]] void fail(const OpState& op, const std::string& what);
@@ -181,6 +198,7 @@ class Engine {
   const int size_;
   const EngineConfig config_;
   uint64_t step_ = 0; // last step this rank finished
+  uint64_t posted_ = 0; // last step this rank posted
   uint64_t opSeq_ = 0;
   bool directReads_ = false;
   std::vector<int32_t> pids_;

@@ -4,7 +4,7 @@
 // in the accumulation type (fp32 for bf16/fp16), scaled there, rounded once.
 // Run plain and under ThreadSanitizer and ASan+UBSan by scripts/cpp_tests.sh.
 
-#include "shm/Engine.hpp"
+#include "group.hpp"
 #include "shm/Reduce.hpp"
 
 #include <gtest/gtest.h>
@@ -21,74 +21,6 @@
 
 namespace hsdp::shm {
 namespace {
-
-// A small slot, so that "several slots" stays cheap under the sanitizers.
-constexpr size_t kSlotBytes = 4096;
-
-EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
-  EngineConfig c;
-  c.timeout = timeout;
-  c.spin = std::chrono::nanoseconds(0); // more ranks than cores: sleep at once, as hsdp does
-  c.oneShotBytes = 256;
-  c.directReadBytes = 512;
-  return c;
-}
-
-// W engines over one fresh segment (its name is unlinked at once).
-class Group {
- public:
-  Group(int size, EngineConfig config, bool directReads) {
-    const std::string name = Segment::randomName();
-    std::vector<Segment> segments;
-    segments.reserve(size);
-    segments.push_back(Segment::create(name, size, kSlotBytes));
-    for (int r = 1; r < size; ++r) {
-      segments.push_back(Segment::open(name, size, kSlotBytes));
-    }
-    Segment::unlink(name);
-    for (int r = 0; r < size; ++r) {
-      engines_.push_back(std::make_unique<Engine>(std::move(segments[r]), r, config));
-      if (directReads) {
-        engines_.back()->enableDirectReads();
-      }
-    }
-  }
-
-  Engine& engine(int rank) {
-    return *engines_[rank];
-  }
-  int size() const {
-    return static_cast<int>(engines_.size());
-  }
-
-  // Runs body(engine) on every rank at once; returns each rank's error ("" if none).
-  std::vector<std::string> run(const std::function<void(Engine&)>& body) {
-    std::vector<std::string> errors(engines_.size());
-    std::vector<std::thread> threads;
-    for (size_t r = 0; r < engines_.size(); ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          body(*engines_[r]);
-        } catch (const std::exception& e) {
-          errors[r] = std::string("threw: ") + e.what();
-        }
-      });
-    }
-    for (auto& t : threads) {
-      t.join();
-    }
-    return errors;
-  }
-
- private:
-  std::vector<std::unique_ptr<Engine>> engines_;
-};
-
-void expectNoErrors(const std::vector<std::string>& errors) {
-  for (size_t r = 0; r < errors.size(); ++r) {
-    EXPECT_EQ(errors[r], "") << "rank " << r;
-  }
-}
 
 // ------------------------------------------------------------ references
 
@@ -467,10 +399,6 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // ---------------------------------------------------------------- failures
-
-bool contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 TEST(EngineFailures, RanksThatCallDifferentCollectivesAllFailAndTheGroupStaysBroken) {
   Group g(3, testConfig(), false);
