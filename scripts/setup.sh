@@ -30,13 +30,15 @@ if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, m
 fi
 
 # googletest's sources (Debian): the engine's C++ tests (scripts/cpp_tests.sh)
-# build them with their own sanitizer flags.
-if [ ! -f /usr/src/googletest/CMakeLists.txt ]; then
-  echo "[setup] installing googletest (Debian) for the C++ engine tests"
-  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest > /dev/null 2>&1 ||
+# build them with their own sanitizer flags. spin (Debian): the model checker
+# of the engine's protocol (scripts/check_protocol.sh).
+if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null; then
+  echo "[setup] installing googletest and spin (Debian) for the engine's C++ tests and model"
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin > /dev/null 2>&1 ||
          { apt-get update -q > /dev/null 2>&1 &&
-           DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest > /dev/null 2>&1; }; }; then
-    echo "[setup] WARNING: could not install googletest; tests/test_cpp_engine.py will fail" >&2
+           DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin > /dev/null 2>&1; }; }; then
+    echo "[setup] WARNING: could not install googletest/spin; tests/test_cpp_engine.py and" \
+         "tests/test_protocol_model.py will fail" >&2
   fi
 fi
 

@@ -20,6 +20,14 @@
 // step s. A counter is only ever written by its owner (release) and read by
 // others (acquire), so the data it guards is visible before the counter is.
 //
+// The protocol is model-checked in protocol.pml, next to this file (spin,
+// scripts/check_protocol.sh): no slot, part or directly read buffer is
+// overwritten while a peer may read it, and ranks that call the same steps
+// never deadlock. The model also shows rule 1 to be implied by the others
+// (a rank posts s + 1 only after its reads of s, and posts s + 2 only after
+// seeing every post of s + 1); it stays as a check that never blocks, and
+// `done` is what direct reads (the caller's buffer) need.
+//
 // Everything a peer wrote is untrusted input: a counter above the bound the
 // protocol allows (this rank's posted step + 1), a signature for another
 // step or of a kind hsdp never writes, a piece table whose sizes differ from

@@ -1,0 +1,198 @@
+/*
+ * The step protocol of Engine.hpp, as a model for the spin model checker.
+ * scripts/check_protocol.sh checks it (tests/test_protocol_model.py runs that
+ * in CI):
+ *   safety   - no rank reads a slot, a part of a slot or a direct-read buffer
+ *              that its owner is overwriting or has already overwritten for a
+ *              later step (every read asserts the version it expects, before
+ *              and after, so an overwrite in between is caught);
+ *   liveness - no deadlock: with every rank calling the same sequence of
+ *              steps, every rank reaches its end (spin's invalid end states).
+ * Each -D switch below breaks one rule of the protocol; the script checks
+ * that spin then finds a violation, so the assertions are known to bite:
+ *   NO_REDUCED_WAIT - read reduced parts without waiting for every reduced;
+ *   NO_DIRECT_WAIT  - return from a direct step before every peer is done;
+ *   ONE_SLOT        - one slot a rank instead of two;
+ *   SKIP_STEP       - the last rank skips the last step (callers that break
+ *                     c10d's contract): spin must report the deadlock.
+ * NO_REUSE_WAIT (no overwrite rule) is safe, and the script checks that too:
+ * a rank posts s + 1 only after it finished reading step s, and a rank posts
+ * s + 2 only after it saw every rank's post of s + 1, so nobody still reads
+ * step s's slot when it is overwritten: the rule is implied by the order of
+ * the steps. The engine keeps the explicit wait (W loads that never block)
+ * so that slot safety does not rest on that order alone; the done counter
+ * is what direct steps need (NO_DIRECT_WAIT).
+ *
+ * Modelled: W ranks, two slots each, and a sequence of K steps whose kinds
+ * are chosen nondeterministically (spin explores every sequence):
+ *   SLOTS  - post, read every peer's slot, done (all-gather, broadcast,
+ *            reduce-scatter, one-shot all-reduce, barrier);
+ *   REDUCE - post, reduce my part of every slot into my own slot, reduced,
+ *            wait for every reduced, read every rank's part from its slot,
+ *            done (the two-round all-reduce);
+ *   DIRECT - my buffer is written by my caller, post its address, read every
+ *            peer's buffer, done, wait for every done before returning (the
+ *            caller may then overwrite it): direct reads.
+ * A counter and the data it guards become visible together (release/acquire
+ * in the engine); spin's interleaving semantics is sequentially consistent.
+ */
+
+#ifndef W
+#define W 3
+#endif
+#ifndef K
+#define K 4
+#endif
+
+#ifdef SKIP_STEP
+#define LAST(r) (K - ((r) == W - 1))
+#else
+#define LAST(r) K
+#endif
+
+#define SLOTS 0
+#define REDUCE 1
+#define DIRECT 2
+#define WRITING 255
+
+byte kind[K + 1];             /* kind of step s, 1..K (0 unused) */
+byte posted[W];
+byte reduced[W];
+byte done[W];
+byte ver[W * 2];              /* step whose data slot (r, i) holds */
+byte part[W * 2 * W];         /* part p of slot (r, i): 2s raw, 2s+1 reduced */
+byte buf[W];                  /* step whose data rank r's own buffer holds */
+bool chosen = false;
+
+#ifdef ONE_SLOT
+#define SLOT(r, s) ((r) * 2) /* one slot a rank: the overwrite rule is too weak */
+#else
+#define SLOT(r, s) ((r) * 2 + (s) % 2)
+#endif
+#define PART(r, s, p) (SLOT(r, s) * W + (p))
+
+/* Blocks until every rank's counter c reaches v (counters only grow, so
+   waiting for each in turn is waiting for all). */
+#define waitAll(c, v) \
+  q = 0; \
+  do \
+  :: q < W -> (c[q] >= v); q++ \
+  :: else -> break \
+  od
+
+/* Reads rank q's slot of step s, all of it or part p. */
+inline readSlot(s) {
+  assert(ver[SLOT(q, s)] == s);
+  skip; /* the copy: others may run here */
+  assert(ver[SLOT(q, s)] == s)
+}
+inline readPart(s, p, v) {
+  assert(part[PART(q, s, p)] == v);
+  skip;
+  assert(part[PART(q, s, p)] == v)
+}
+
+proctype Rank(byte me) {
+  byte s = 1;
+  byte q;
+  byte p;
+  (chosen);
+  do
+  :: s > LAST(me) -> break
+  :: else ->
+    if
+    :: kind[s] == DIRECT ->
+      /* The caller writes the buffer for this step: legal only once every
+         peer finished reading it for the last one (the wait at the end). */
+      buf[me] = WRITING;
+      buf[me] = s
+    :: else -> skip
+    fi;
+    /* 1. the overwrite rule: slot s % 2 was last read in step s - 2 */
+#ifndef NO_REUSE_WAIT
+    if
+    :: s > 2 -> waitAll(done, s - 2)
+    :: else -> skip
+    fi;
+#endif
+    /* 2. fill my slot, then post */
+    ver[SLOT(me, s)] = WRITING;
+    p = 0;
+    do
+    :: p < W -> part[PART(me, s, p)] = 2 * s; p++
+    :: else -> break
+    od;
+    ver[SLOT(me, s)] = s;
+    posted[me] = s;
+    /* 3. wait for every rank's post */
+    waitAll(posted, s);
+    /* 4. read */
+    if
+    :: kind[s] == SLOTS ->
+      q = 0;
+      do
+      :: q < W -> readSlot(s); q++
+      :: else -> break
+      od
+    :: kind[s] == REDUCE ->
+      q = 0;
+      do
+      :: q < W -> readPart(s, me, 2 * s); q++
+      :: else -> break
+      od;
+      part[PART(me, s, me)] = 2 * s + 1;
+      reduced[me] = s;
+#ifndef NO_REDUCED_WAIT
+      waitAll(reduced, s);
+#endif
+      q = 0;
+      do
+      :: q < W -> readPart(s, q, 2 * s + 1); q++
+      :: else -> break
+      od
+    :: kind[s] == DIRECT ->
+      q = 0;
+      do
+      :: q < W ->
+        assert(buf[q] == s);
+        skip;
+        assert(buf[q] == s);
+        q++
+      :: else -> break
+      od
+    fi;
+    /* 5. done */
+    done[me] = s;
+#ifndef NO_DIRECT_WAIT
+    if
+    :: kind[s] == DIRECT -> waitAll(done, s)
+    :: else -> skip
+    fi;
+#endif
+    s++
+  od
+}
+
+init {
+  byte s = 1;
+  byte r;
+  /* Every sequence of K step kinds; all ranks run the same one. */
+  do
+  :: s <= K ->
+    if
+    :: kind[s] = SLOTS
+    :: kind[s] = REDUCE
+    :: kind[s] = DIRECT
+    fi;
+    s++
+  :: else -> break
+  od;
+  chosen = true;
+  atomic {
+    r = 0;
+    do
+    :: r < W -> run Rank(r); r++
+    :: else -> break
+    od
+  }
+}
