@@ -136,6 +136,88 @@ std::string Engine::prefix(const char* op) const {
   return "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) + "] " + op + ": ";
 }
 
+Engine::OpState::OpState(Engine& e, const char* opName, Signature signature, uint64_t number)
+    : engine(e),
+      name(opName),
+      sig(signature),
+      deadline(Clock::now() + e.config_.timeout),
+      seq(number),
+      exceptionsAtStart(std::uncaught_exceptions()) {
+  Activity& a = engine.segment_.control(engine.rank_).activity;
+  char packed[sizeof a.name] = {};
+  std::strncpy(packed, name, sizeof packed - 1);
+  for (size_t w = 0; w < std::size(a.name); ++w) {
+    uint64_t word;
+    std::memcpy(&word, packed + 8 * w, 8);
+    a.name[w].store(word, std::memory_order_relaxed);
+  }
+  a.seq.store(seq, std::memory_order_relaxed);
+  a.count.store(sig.count, std::memory_order_relaxed);
+  a.steps.store(steps, std::memory_order_relaxed);
+  a.step.store(0, std::memory_order_relaxed);
+  a.state.store(Activity::Working, std::memory_order_relaxed);
+}
+
+Engine::OpState::~OpState() {
+  at(std::uncaught_exceptions() > exceptionsAtStart ? Activity::Failed : Activity::Idle);
+}
+
+void Engine::OpState::at(Activity::State state) const {
+  Activity& a = engine.segment_.control(engine.rank_).activity;
+  a.steps.store(steps, std::memory_order_relaxed);
+  a.step.store(stepIndex, std::memory_order_relaxed);
+  a.state.store(state, std::memory_order_relaxed);
+}
+
+std::string Engine::whereEveryRankIs() const {
+  std::string out;
+  for (int q = 0; q < size_; ++q) {
+    const Activity& a = segment_.control(q).activity;
+    char name[sizeof a.name + 1] = {};
+    for (size_t w = 0; w < std::size(a.name); ++w) {
+      const uint64_t word = a.name[w].load(std::memory_order_relaxed);
+      std::memcpy(name + 8 * w, &word, 8);
+    }
+    name[sizeof a.name - 1] = '\0'; // a peer's bytes: never trust a terminator
+    for (char* c = name; *c != '\0'; ++c) {
+      if (*c < 32 || *c > 126) {
+        *c = '?';
+      }
+    }
+    const uint64_t seq = a.seq.load(std::memory_order_relaxed);
+    const uint32_t state = a.state.load(std::memory_order_relaxed);
+    const std::string op = std::string(name) + " #" + std::to_string(seq);
+    const std::string at = " (step " + std::to_string(a.step.load(std::memory_order_relaxed)) +
+        " of " + std::to_string(a.steps.load(std::memory_order_relaxed)) + ")";
+    out += out.empty() ? "" : "; ";
+    out += "rank " + std::to_string(q) + (q == rank_ ? " (this rank)" : "");
+    switch (state) {
+      case Activity::Idle:
+        out += seq == 0 ? " has called no collective yet"
+                        : " finished " + op + " and has called no collective since";
+        break;
+      case Activity::Working:
+        out += " is still in " + op + at;
+        break;
+      case Activity::WaitingPosted:
+        out += " waits in " + op + at + " for every rank's post";
+        break;
+      case Activity::WaitingReduced:
+        out += " waits in " + op + at + " for every rank's reduced part";
+        break;
+      case Activity::WaitingDone:
+        out += " waits in " + op + at + " for every rank to finish reading";
+        break;
+      case Activity::Failed:
+        out += " failed in " + op + at;
+        break;
+      default:
+        out += " published a state hsdp never writes (" + std::to_string(state) + ")";
+    }
+  }
+  return out;
+}
+
 Engine::OpState Engine::begin(
     const char* op,
     Kind kind,
@@ -152,12 +234,15 @@ Engine::OpState Engine::begin(
     throw CommError(prefix(op) + "the shared-memory segment's header was overwritten" +
                     kCorrupted);
   }
-  OpState st;
-  st.name = op;
-  st.sig = Signature{0, ++opSeq_, count, static_cast<uint32_t>(kind),
-                     static_cast<uint32_t>(dtype), static_cast<uint32_t>(redop), root, 0, 0};
-  st.deadline = Clock::now() + config_.timeout;
-  return st;
+  ++opSeq_;
+  const uint64_t seq = callerSeq_ != 0 ? callerSeq_ : opSeq_;
+  callerSeq_ = 0;
+  return OpState(
+      *this,
+      op,
+      Signature{0, opSeq_, count, static_cast<uint32_t>(kind), static_cast<uint32_t>(dtype),
+                static_cast<uint32_t>(redop), root, 0, 0},
+      seq);
 }
 
 void Engine::wake() {
@@ -242,6 +327,15 @@ uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
 }
 
 void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
+  op.at(which == Counter::Posted    ? Activity::WaitingPosted
+            : which == Counter::Reduced ? Activity::WaitingReduced
+                                        : Activity::WaitingDone);
+  struct Working {
+    const OpState& op;
+    ~Working() {
+      op.at(Activity::Working);
+    }
+  } working{op};
   int laggard = 0;
   auto ready = [&]() {
     for (int i = 0; i < size_; ++i) {
@@ -305,7 +399,8 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
         fail(op, "Timed out after " +
                  std::to_string(config_.timeout.count()) + " ms waiting for rank " +
                  std::to_string(laggard) + " (it has not reached step " + std::to_string(target) +
-                 " of the group; is it stuck, or did it call a different collective?)");
+                 " of the group; is it stuck, or did it call a different collective?). " +
+                 whereEveryRankIs());
       }
       futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
     }
@@ -317,7 +412,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       if (loadCounter(op, which, q) < target) {
         const int32_t pid = peerPid(q);
         if (processGone(pid)) {
-          fail(op, peerExited(q, pid));
+          fail(op, peerExited(q, pid) + ". " + whereEveryRankIs());
         }
       }
     }
@@ -342,7 +437,8 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
         s.pieces != mine.pieces) {
       Signature expected = mine;
       fail(op, "ranks called different collectives: rank " + std::to_string(q) + " called " +
-               describe(s) + ", this rank called " + describe(expected));
+               describe(s) + ", this rank called " + describe(expected) + ". " +
+               whereEveryRankIs());
     }
   }
 }
@@ -351,7 +447,7 @@ void Engine::failedRead(const OpState& op, int q, int32_t pid, const std::string
   const int err = errno;
   // A peer killed mid-read is a dead peer, and is reported as one.
   if (err == ESRCH || processGone(pid)) {
-    fail(op, peerExited(q, pid));
+    fail(op, peerExited(q, pid) + ". " + whereEveryRankIs());
   }
   fail(op, "reading " + what + " from rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
            ") failed: " + std::strerror(err));
@@ -488,6 +584,8 @@ void Engine::directStep(
 
 int Engine::post(OpState& op, uint64_t step, const std::function<void(char*)>& fill) {
   const int slot = static_cast<int>(step % kSlots);
+  ++op.stepIndex;
+  op.at(Activity::Working);
   // Slot `slot` was last used by step - 2: reuse it once everyone is done.
   if (step > kSlots) {
     waitAll(op, Counter::Done, step - kSlots);
@@ -552,6 +650,7 @@ void Engine::pipelineBytes(
     const std::function<void(int, size_t, size_t)>& drain) {
   const size_t piece = slotBytes();
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece)); // >= 1: an empty call still syncs
+  op.steps = static_cast<uint32_t>(steps);
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
@@ -578,6 +677,7 @@ void Engine::reduceScatter(
   // A step carries `piece` elements of every rank's chunk.
   const size_t piece = std::max<size_t>(1, slotBytes() / (static_cast<size_t>(size_) * es));
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
+  op.steps = static_cast<uint32_t>(steps);
   std::vector<const void*> srcs(size_);
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
@@ -630,6 +730,7 @@ void Engine::allReduce(
   const size_t piece = slotBytes() / es;
   const size_t unit = std::max<size_t>(1, kCacheLine / es);
   const size_t steps = ceilDiv(n, piece);
+  op.steps = static_cast<uint32_t>(steps);
   if (directReads_ && n * es >= config_.directReadBytes) {
     // Part q of my data is read by nobody but me, so it is not copied in;
     // I reduce it in place in my own buffer, and peers read the result

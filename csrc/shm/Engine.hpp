@@ -130,6 +130,18 @@ class Engine {
     return directReads_;
   }
 
+  // Numbers the next collective for messages (a c10d sequence number): a
+  // timeout then says "rank 1 is still in all_reduce #812". Without it, the
+  // engine's own count numbers them.
+  void setCallerSeq(uint64_t seq) {
+    callerSeq_ = seq;
+  }
+  // Where every rank of the group is, from what each published in the
+  // segment: "rank 0 (this rank) waits in all_gather #13 (step 1 of 1) for
+  // every rank's post; rank 1 finished all_reduce #12 and has called no
+  // collective since".
+  std::string whereEveryRankIs() const;
+
   // Marks the group broken (if it is not already) and wakes every waiter:
   // peers blocked on this rank fail at once, naming `why`, instead of at
   // their deadline. For abort, and for a rank that leaves the group.
@@ -149,10 +161,25 @@ class Engine {
     return which == Counter::Posted ? "posted" : which == Counter::Reduced ? "reduced" : "done";
   }
 
+  // One collective in flight on this rank. Its lifetime is the call's: it
+  // publishes the call in the segment (Activity) on creation, and on
+  // destruction marks this rank idle, or failed if an exception is leaving.
   struct OpState {
+    OpState(Engine& engine, const char* name, Signature sig, uint64_t seq);
+    OpState(const OpState&) = delete;
+    OpState& operator=(const OpState&) = delete;
+    ~OpState();
+    // Publishes that this rank is at step `stepIndex` (of `steps`) in `state`.
+    void at(Activity::State state) const;
+
+    Engine& engine;
     const char* name;
     Signature sig;
     std::chrono::steady_clock::time_point deadline;
+    uint64_t seq; // the caller's number for it (setCallerSeq), else this engine's
+    uint32_t steps = 1;
+    uint32_t stepIndex = 0;
+    int exceptionsAtStart;
   };
 
   OpState begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop, int root);
@@ -208,6 +235,7 @@ class Engine {
   uint64_t step_ = 0; // last step this rank finished
   uint64_t posted_ = 0; // last step this rank posted
   uint64_t opSeq_ = 0;
+  uint64_t callerSeq_ = 0;
   bool directReads_ = false;
   std::vector<int32_t> pids_;
 };

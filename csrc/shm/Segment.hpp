@@ -21,7 +21,7 @@
 namespace hsdp::shm {
 
 constexpr uint64_t kMagic = 0x68736470'73686d31ull; // "hsdpshm1"
-constexpr uint32_t kLayoutVersion = 3;
+constexpr uint32_t kLayoutVersion = 4;
 constexpr size_t kCacheLine = 64;
 constexpr int kSlots = 2; // double buffering: step s uses slot s % 2
 
@@ -43,6 +43,28 @@ struct Signature {
   uint64_t sourceAddress;
 };
 
+// What a rank is doing, published for its peers' error messages (a timeout
+// names what every late rank was last doing). Written only by its rank with
+// relaxed stores, read by peers only to describe a failure: a reader may see
+// fields of two neighbouring moments, never a torn word.
+struct Activity {
+  enum State : uint32_t {
+    Idle = 0, // between collectives: `seq` is the last one it finished
+    Working, // copying or reducing in step `step` of `steps`
+    WaitingPosted, // waiting for every rank's post of the step
+    WaitingReduced,
+    WaitingDone,
+    Failed,
+  };
+  std::atomic<uint64_t> seq; // the caller's number for the collective (c10d's sequence number)
+  std::atomic<uint32_t> state;
+  std::atomic<uint32_t> step; // 1-based, within the collective
+  std::atomic<uint32_t> steps;
+  std::atomic<uint64_t> count;
+  // The caller's name of the op, up to 31 characters, 8 a word.
+  std::atomic<uint64_t> name[4];
+};
+
 // One rank's published progress. Each counter is written only by its rank
 // (single writer) and read by all; each sits on its own cache line so a
 // writer does not invalidate its neighbours' lines.
@@ -55,6 +77,7 @@ struct alignas(kCacheLine) RankControl {
   alignas(kCacheLine) std::atomic<uint64_t> done;
   alignas(kCacheLine) int32_t pid;
   Signature sig[kSlots];
+  alignas(kCacheLine) Activity activity;
 };
 
 struct alignas(4096) Header {

@@ -440,6 +440,34 @@ TEST(EngineFailures, ARankThatNeverArrivesIsNamedAtTheDeadline) {
   EXPECT_LT(took, std::chrono::seconds(10));
 }
 
+TEST(EngineFailures, ATimeoutSaysWhereEveryRankIs) {
+  // Rank 2 returns to its caller after collective #811 and never calls #812.
+  Group g(3, testConfig(std::chrono::milliseconds(300)), false);
+  const auto errors = g.run([](Engine& e) {
+    float x[4] = {1, 2, 3, 4};
+    e.setCallerSeq(811);
+    e.allReduce("all_reduce", x, 4, DType::F32, RedOp::Sum, Scale{});
+    if (e.rank() != 2) {
+      float all[12];
+      e.setCallerSeq(812);
+      e.allGather("all_gather_into_tensor", x, all, sizeof x);
+    }
+  });
+  EXPECT_EQ(errors[2], "");
+  for (int r : {0, 1}) {
+    EXPECT_TRUE(contains(errors[r], "Timed out after 300 ms waiting for rank 2")) << errors[r];
+    EXPECT_TRUE(contains(
+        errors[r], "rank 2 finished all_reduce #811 and has called no collective since"))
+        << errors[r];
+    EXPECT_TRUE(contains(
+        errors[r],
+        "rank " + std::to_string(r) +
+            " (this rank) waits in all_gather_into_tensor #812 (step 1 of 1) for every rank's post"))
+        << errors[r];
+  }
+  EXPECT_TRUE(contains(errors[0], "rank 1 ")) << errors[0];
+}
+
 TEST(EngineFailures, AbortFromAnotherThreadWakesEveryWaiter) {
   Group g(3, testConfig(), false);
   const auto start = std::chrono::steady_clock::now();
