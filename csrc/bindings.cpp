@@ -83,7 +83,9 @@ PYBIND11_MODULE(_C, m) {
          int64_t spinNs,
          int64_t oneShotBytes,
          int64_t directReadBytes,
-         int64_t engineTimeoutMs) -> c10::intrusive_ptr<c10d::Backend> {
+         int64_t engineTimeoutMs,
+         int64_t traceEntries,
+         const std::string& traceDir) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         TORCH_CHECK_VALUE(
             engine == "auto" || engine == "shm" || engine == "gloo" || engine == "nccl_contract",
@@ -97,6 +99,9 @@ PYBIND11_MODULE(_C, m) {
         shm.engine.oneShotBytes = static_cast<size_t>(oneShotBytes);
         shm.engine.directReadBytes = static_cast<size_t>(directReadBytes);
         shm.engine.timeout = std::chrono::milliseconds(engineTimeoutMs);
+        hsdp::TraceOptions trace;
+        trace.entries = static_cast<size_t>(traceEntries);
+        trace.dir = traceDir;
         std::unique_ptr<hsdp::InnerRoute> cpu;
         if (engine == "nccl_contract") {
           // Tests only: the CPU route runs the code CUDA tensors take.
@@ -115,7 +120,7 @@ PYBIND11_MODULE(_C, m) {
         }
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
         return c10::make_intrusive<hsdp::ProcessGroupHSDP>(
-            store, rank, size, timeout, std::move(cpu), std::move(cuda), shm);
+            store, rank, size, timeout, std::move(cpu), std::move(cuda), shm, trace);
       },
       py::arg("store"),
       py::arg("rank"),
@@ -128,7 +133,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("spin_ns"),
       py::arg("one_shot_bytes"),
       py::arg("direct_read_bytes"),
-      py::arg("engine_timeout_ms"));
+      py::arg("engine_timeout_ms"),
+      py::arg("trace_entries"),
+      py::arg("trace_dir"));
+
+  // Writes the flight record of every hsdp group of this process; returns
+  // the files' paths.
+  m.def("dump_trace", [](const std::string& reason) {
+    py::gil_scoped_release nogil;
+    return hsdp::FlightRecorder::dumpAll(reason);
+  });
 
   m.def("cpu_engine", [](c10d::Backend* backend) {
     auto& hsdp = asHSDP(backend);

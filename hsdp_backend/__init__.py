@@ -18,6 +18,7 @@ _API = (
     "all_reduce_coalesced",
     "comm_stats",
     "cpu_engine",
+    "dump_trace",
     "get_hsdp_backend",
     "reduce_scatter_tensor",
     "reset_comm_stats",

@@ -96,4 +96,6 @@ def _create_backend(opts, backend_options):
         one_shot_bytes=config.read("HSDP_SHM_ONESHOT_BYTES"),
         direct_read_bytes=config.read("HSDP_SHM_DIRECT_READ_BYTES"),
         engine_timeout_ms=engine_timeout,
+        trace_entries=config.read("HSDP_TRACE_ENTRIES"),
+        trace_dir=config.read("HSDP_TRACE_DIR"),
     )

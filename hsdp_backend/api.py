@@ -54,6 +54,15 @@ def reset_comm_stats(group: dist.ProcessGroup | None = None) -> None:
     _C.reset_comm_stats(get_hsdp_backend(group))
 
 
+def dump_trace(reason: str = "hsdp_backend.dump_trace()") -> list[str]:
+    """Writes the flight record of every hsdp group in this process (its last
+    ``HSDP_TRACE_ENTRIES`` collectives on this rank) to ``HSDP_TRACE_DIR``;
+    returns the files' paths. ``python -m hsdp_backend.trace DIR`` reads the
+    files of all ranks and prints the first collective where they diverge.
+    Groups also write theirs on their first failure and on SIGUSR1."""
+    return list(_C.dump_trace(reason))
+
+
 def all_reduce_coalesced(
     tensors: list[torch.Tensor],
     op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,

@@ -25,16 +25,24 @@ def _choice(*options: str) -> Callable[[str], str]:
     return parse
 
 
-def _int(minimum: int, multiple_of: int = 1) -> Callable[[str], int]:
+def _int(minimum: int, multiple_of: int = 1, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         value = int(text.strip().replace("_", ""))
         if value < minimum:
             raise ValueError(f"expected an integer >= {minimum}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"expected an integer <= {maximum}")
         if value % multiple_of:
             raise ValueError(f"expected a multiple of {multiple_of}")
         return value
 
     return parse
+
+
+def _path(text: str) -> str:
+    if not text.strip():
+        raise ValueError("expected a directory path")
+    return text
 
 
 VARS = {
@@ -64,6 +72,13 @@ VARS = {
             "capacity of one replicate all-reduce bucket of the FSDP2 shim (param groups' gradient "
             "shards collected into one collective). Smaller than DDP's 25 MB: a CPU collective "
             "costs microseconds to start, and a full bucket reduces while backward goes on"),
+        Var("HSDP_TRACE_ENTRIES", "64", _int(0, maximum=1_000_000),
+            "collectives each group's flight recorder keeps on each rank (its last N: sequence "
+            "number, op, bytes, route, times, outcome), written on the group's first failure, "
+            "on SIGUSR1 and on hsdp_backend.dump_trace(); 0 turns it off"),
+        Var("HSDP_TRACE_DIR", "/tmp/hsdp-trace", _path,
+            "directory of the flight records (hsdp-trace.<group>.rank<R>.json); "
+            "python -m hsdp_backend.trace DIR reads them"),
         Var("HSDP_TIMEOUT_MS", "group", lambda t: t if t == "group" else _int(1)(t),
             "deadline of every shared-memory wait; group: the process group's timeout"),
     ]

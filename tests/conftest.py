@@ -1,4 +1,6 @@
 import glob
+import os
+import tempfile
 
 import pytest
 
@@ -20,6 +22,15 @@ def engine_worlds(worlds=(1, 2, 3, 4)):
         for world in worlds
         if engine != "nccl_contract" or world in NCCL_CONTRACT_WORLDS
     ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def flight_records_in_a_temporary_directory():
+    # Failing collectives (the fault tests make many) write flight records;
+    # ranks inherit this, so they land here instead of /tmp/hsdp-trace.
+    with tempfile.TemporaryDirectory(prefix="hsdp-trace-tests-") as d:
+        os.environ.setdefault("HSDP_TRACE_DIR", d)
+        yield
 
 
 @pytest.fixture(scope="session")

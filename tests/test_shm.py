@@ -1,17 +1,23 @@
 """The shared-memory engine under load: 8 ranks on 2 cores, several groups
 at once, a soak of mixed collectives with random sizes, dtypes, async/sync
-and random sleeps, and the numerics contract (fp32 accumulation in rank
-order, one rounding: every rank gets the same bits)."""
+and random sleeps, the same soak in rounds with ranks killed and recreated,
+and the numerics contract (fp32 accumulation in rank order, one rounding:
+every rank gets the same bits)."""
 
 import os
 import random
+import signal
 import time
 
 import pytest
 
+from conftest import hsdp_segments
 from harness import run_ranks
 
 SOAK_OPS = int(os.environ.get("HSDP_TEST_SOAK_OPS", "5000"))
+# The soak with killed ranks runs rounds for this long: short in CI's run;
+# HSDP_TEST_SOAK_SECONDS=3600 is the long mode.
+SOAK_SECONDS = float(os.environ.get("HSDP_TEST_SOAK_SECONDS", "45"))
 
 
 def inputs(seed, rank, n, dtype):
@@ -120,18 +126,31 @@ def test_concurrent_groups_of_a_2x2_mesh():
     run_ranks(concurrent_groups_body, 4)
 
 
-def soak_body(rank, world, ops):
+def soak_body(rank, world, ops, seed=1234, victim=None, kill_at=None):
     """One schedule shared by every rank (same seed); each rank joins the
     collectives of the groups it belongs to, keeps up to 4 async ones in
-    flight, and sleeps at random points (its own seed)."""
+    flight, and sleeps at random points (its own seed). With a victim, that
+    rank SIGKILLs itself before op `kill_at`; every other rank must then get
+    a DistBackendError (no hang, no wrong result), and returns it."""
+    import torch.distributed as dist
+
+    try:
+        return _soak(rank, world, ops, seed, victim, kill_at)
+    except dist.DistBackendError as exc:
+        if victim is None:
+            raise
+        return str(exc)
+
+
+def _soak(rank, world, ops, seed, victim, kill_at):
     import torch
     import torch.distributed as dist
 
     groups = [(dist.group.WORLD, list(range(world))),
               (dist.new_group([0, 1]), [0, 1]),
               (dist.new_group([1, 2]), [1, 2])]
-    schedule = random.Random(1234)
-    jitter = random.Random(rank)
+    schedule = random.Random(seed)
+    jitter = random.Random(seed * 10 + rank)
     pending = []
     done = 0
 
@@ -142,6 +161,8 @@ def soak_body(rank, world, ops):
             check()
 
     for i in range(ops):
+        if rank == victim and i == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
         gi = schedule.randrange(3)
         op = schedule.choice(["all_reduce", "all_gather", "reduce_scatter", "broadcast", "barrier"])
         n = schedule.choice([0, 1, 7, 100, 4096, 50_000]) if schedule.random() < 0.97 else 600_000
@@ -194,6 +215,41 @@ def test_soak_mixed_collectives_three_groups():
     counts = run_ranks(soak_body, 3, ops=SOAK_OPS, timeout_s=600)
     # Every scheduled collective ran on its members; rank 1 is in all groups.
     assert counts[1] == SOAK_OPS, counts
+
+
+def test_soak_rounds_with_ranks_killed_and_recreated():
+    """Rounds of the soak on fresh processes, for SOAK_SECONDS: every other
+    round one rank (drawn) is SIGKILLed at a drawn op, with collectives of
+    three groups in flight; the survivors must all fail with DistBackendError
+    (not hang), and the next round's processes, groups and segments start
+    clean. Nothing may be left in /dev/shm."""
+    before = hsdp_segments()
+    draw = random.Random(int(os.environ.get("HSDP_TEST_SOAK_SEED", "7")))
+    start, rounds, kills, ops_run = time.monotonic(), 0, 0, 0
+    while rounds < 2 or time.monotonic() - start < SOAK_SECONDS:
+        seed, ops = draw.randrange(1 << 30), draw.choice([300, 1000, 2000])
+        if rounds % 2 == 0:
+            counts = run_ranks(soak_body, 3, ops=ops, seed=seed, timeout_s=600)
+            assert counts[1] == ops, (seed, counts)
+            ops_run += ops
+        else:
+            victim, kill_at = draw.randrange(3), draw.randrange(ops)
+            results = run_ranks(soak_body, 3, ops=ops, seed=seed, victim=victim,
+                                kill_at=kill_at, may_die=(victim,), timeout_s=600)
+            assert results[victim] is None, results
+            for r, result in enumerate(results):
+                if r != victim:
+                    # A survivor either finished every op it was in before the
+                    # kill mattered to it (an int), or failed naming a failure.
+                    assert isinstance(result, int) or "exited" in result or "unusable" in result \
+                        or "failed" in result, (seed, victim, kill_at, r, result)
+            assert any(isinstance(x, str) for x in results), (seed, victim, kill_at, results)
+            kills += 1
+            ops_run += kill_at
+        rounds += 1
+        assert hsdp_segments() == before, f"round {rounds} left segments behind"
+    print(f"[soak] {rounds} rounds, {kills} ranks killed, about {ops_run} collectives per rank 1 "
+          f"in {time.monotonic() - start:.0f} s")
 
 
 def numerics_body(rank, world):

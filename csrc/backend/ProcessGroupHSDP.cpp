@@ -338,9 +338,15 @@ at::Tensor realView(const at::Tensor& flat) {
   return flat.is_complex() ? at::view_as_real(flat).view({-1}) : flat;
 }
 
-[[noreturn]] void rethrowAsDistBackendError(const shm::CommError& e) {
-  C10_THROW_ERROR(DistBackendError, e.what());
-}
+// The collective this thread last recorded (recordCollective) and has not
+// yet handed to track(): how the Work, or the shared-memory task, finds its
+// flight-recorder entry without every op passing it along.
+struct PendingEntry {
+  const void* group = nullptr;
+  uint64_t seq = 0;
+  bool onShm = false; // runShm records its end itself: no future to follow
+};
+thread_local PendingEntry pending;
 
 } // namespace
 
@@ -351,22 +357,42 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     std::chrono::milliseconds timeout,
     std::unique_ptr<InnerRoute> cpuRoute,
     std::unique_ptr<InnerRoute> cudaRoute,
-    const ShmOptions& shmOptions)
+    const ShmOptions& shmOptions,
+    const TraceOptions& traceOptions)
     : Backend(rank, size),
       options_(c10::make_intrusive<Options>("hsdp", timeout)),
       shmOptions_(shmOptions),
+      traceOptions_(traceOptions),
       cpu_(std::move(cpuRoute)),
-      cuda_(std::move(cudaRoute)) {
+      cuda_(std::move(cudaRoute)),
+      trace_(std::make_shared<FlightRecorder>(rank, size, traceOptions)) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
   engine_ = connectShm(store, rank, size, shmOptions, &shmWhyNot_);
   if (engine_) {
     queue_ = std::make_unique<OpQueue>();
+    trace_->setSnapshot([engine = engine_.get()] { return engine->whereEveryRankIs(); });
   }
   init();
 }
 
 ProcessGroupHSDP::~ProcessGroupHSDP() {
+  trace_->detach(); // before the engine its snapshot reads is gone
   leaveShm("left the process group");
+}
+
+void ProcessGroupHSDP::setGroupUid(const std::string& pgUid) {
+  Backend::setGroupUid(pgUid);
+  trace_->setGroup(pgUid);
+}
+
+void ProcessGroupHSDP::failShm(const shm::CommError& e, uint64_t seq) {
+  trace_->finished(seq, e.what(), "shm");
+  const std::string path = trace_->dumpOnFailure(e.what());
+  C10_THROW_ERROR(
+      DistBackendError,
+      std::string(e.what()) + "\nFlight record of this rank: " + path +
+          " (python -m hsdp_backend.trace " + trace_->options().dir +
+          " reads every rank's and names the first collective where they diverge)");
 }
 
 void ProcessGroupHSDP::leaveShm(const char* why) {
@@ -412,24 +438,35 @@ WorkPtr ProcessGroupHSDP::runShm(
         "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
             "] the process group was shut down");
   }
+  const uint64_t seq = pending.group == this ? pending.seq : 0;
+  pending.onShm = true;
+  trace_->setRoute(seq, "shm");
+  // Numbers the engine's collective as c10d does, for its messages, and
+  // records its end (failures: failShm).
+  auto labelled = [this, seq, body = std::move(body)] {
+    engine_->setCallerSeq(seq);
+    body();
+    trace_->finished(seq, "", "shm");
+  };
   if (!asyncOp) {
     bool ran = false;
     try {
-      ran = queue_->runInlineIfIdle(body);
+      ran = queue_->runInlineIfIdle(labelled);
     } catch (const shm::CommError& e) {
-      rethrowAsDistBackendError(e);
+      failShm(e, seq);
     }
     if (ran) {
       return WorkHSDP::completed(rank_, type, std::move(outputs));
     }
   }
-  return WorkHSDP::onQueue(*queue_, rank_, type, std::move(outputs), [body = std::move(body)] {
-    try {
-      body();
-    } catch (const shm::CommError& e) {
-      rethrowAsDistBackendError(e);
-    }
-  });
+  return WorkHSDP::onQueue(
+      *queue_, rank_, type, std::move(outputs), [this, seq, labelled = std::move(labelled)] {
+        try {
+          labelled();
+        } catch (const shm::CommError& e) {
+          failShm(e, seq);
+        }
+      });
 }
 
 InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
@@ -455,6 +492,27 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
 }
 
 WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
+  if (pending.group == this && !pending.onShm && work && trace_->enabled()) {
+    // The entry completes with the Work's future, on whatever thread
+    // completes it (at once if it already has).
+    try {
+      work->getFuture()->addCallback(
+          [trace = trace_, seq = pending.seq](c10::ivalue::Future& f) {
+            if (!f.hasError()) {
+              trace->finished(seq, "", "inner");
+              return;
+            }
+            const std::string error = f.tryRetrieveErrorMessage();
+            trace->finished(seq, error, "inner");
+            trace->dumpOnFailure(error);
+          },
+          /*uses_future=*/false);
+    } catch (const c10::Error&) {
+      // A Work without a future (none of the routes' today): the entry
+      // stays "started", which a dump reports as such.
+    }
+  }
+  pending = {};
   std::lock_guard<std::mutex> lock(coalescingMutex_);
   if (coalescing_ && work) {
     coalescedWorks_.push_back(work);
@@ -527,12 +585,14 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
   const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   return c10::make_intrusive<ProcessGroupHSDP>(
       *store, rank, static_cast<int>(ranks.size()), timeout, std::move(cpu), std::move(cuda),
-      shmOptions_);
+      shmOptions_, traceOptions_);
 }
 
 void ProcessGroupHSDP::recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes) {
   stats_.record(c.op, collectives, bytes);
-  sequence_.fetch_add(1, std::memory_order_relaxed);
+  const uint64_t seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
+  trace_->started(seq, c.op, bytes);
+  pending = {this, seq};
 }
 
 void ProcessGroupHSDP::setSequenceNumberForGroup() {

@@ -27,6 +27,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CommStats.hpp"
+#include "backend/FlightRecorder.hpp"
 #include "backend/InnerRoute.hpp"
 #include "backend/OpQueue.hpp"
 #include "backend/ShmRendezvous.hpp"
@@ -48,7 +49,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       std::chrono::milliseconds timeout,
       std::unique_ptr<InnerRoute> cpuRoute,
       std::unique_ptr<InnerRoute> cudaRoute,
-      const ShmOptions& shmOptions);
+      const ShmOptions& shmOptions,
+      const TraceOptions& traceOptions);
   ~ProcessGroupHSDP() override;
 
   ProcessGroupHSDP(const ProcessGroupHSDP&) = delete;
@@ -61,6 +63,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
     return options_;
   }
   void setTimeout(std::chrono::milliseconds timeout) override;
+  // c10d names the group after creation; the flight recorder's files carry the name.
+  void setGroupUid(const std::string& pgUid) override;
   // Splitting (what DeviceMesh and dist.split_group do for a group bound to
   // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
   // context) and the child gets its own shared-memory rendezvous.
@@ -187,6 +191,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   CommStats& stats() {
     return stats_;
   }
+  FlightRecorder& flightRecorder() {
+    return *trace_;
+  }
   // "shm", or the inner CPU backend's name ("gloo"; "nccl_contract" in
   // tests): what serves this group's CPU collectives.
   std::string cpuEngine() const {
@@ -240,15 +247,23 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Records `work` when called between startCoalescing and endCoalescing
   // (routes that coalesce natively hold their own).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
-  // comm_stats' counters and the sequence number, for one collective call.
+  // comm_stats' counters, the sequence number and the flight recorder's
+  // entry, for one collective call; track() then follows the call's Work.
   void recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes);
+  // The failure of a collective on the shared-memory route, as c10d's
+  // DistBackendError; the message names this rank's flight record.
+  [[noreturn]] void failShm(const shm::CommError& e, uint64_t seq);
 
   c10::intrusive_ptr<Options> options_;
   ShmOptions shmOptions_; // what a split child negotiates with
+  TraceOptions traceOptions_;
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;
   std::atomic<uint64_t> sequence_{0};
+  // Shared with the callbacks that record completions, which may run after
+  // this group is gone.
+  std::shared_ptr<FlightRecorder> trace_;
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::string shmWhyNot_;
   // Declared in this order so the queue (whose tasks use the engine) is

@@ -1,0 +1,86 @@
+#pragma once
+
+// The flight recorder: a ring of one group's last N collectives on this rank
+// (sequence number, op, bytes, route, start and end times, outcome), kept
+// whatever the route (shared memory, gloo, NCCL), and written to a file
+// when the group fails, on SIGUSR1, or on hsdp_backend.dump_trace(). The
+// files of all ranks, read together by `python -m hsdp_backend.trace DIR`,
+// show the first collective where the ranks diverge.
+//
+// File: DIR/hsdp-trace.<group>.rank<R>.json, one JSON object, newest dump
+// wins. No torch here: the backend feeds it.
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace hsdp {
+
+struct TraceOptions {
+  size_t entries = 64; // ring size; 0 turns the recorder off
+  std::string dir = "/tmp/hsdp-trace";
+};
+
+class FlightRecorder {
+ public:
+  FlightRecorder(int rank, int size, TraceOptions options);
+  ~FlightRecorder();
+  FlightRecorder(const FlightRecorder&) = delete;
+  FlightRecorder& operator=(const FlightRecorder&) = delete;
+
+  bool enabled() const {
+    return !ring_.empty();
+  }
+  const TraceOptions& options() const {
+    return options_;
+  }
+  // The group's name in file names (c10d's group uid, the same on every rank).
+  void setGroup(const std::string& group);
+  // `snapshot()` adds a line to every dump (where every rank is, from the
+  // shared-memory segment); cleared with detach() before the source goes.
+  void setSnapshot(std::function<std::string()> snapshot);
+  // Stops dumps from reading the snapshot and takes this recorder off the
+  // list that dumpAll() and SIGUSR1 write.
+  void detach();
+
+  void started(uint64_t seq, const char* op, uint64_t bytes);
+  void setRoute(uint64_t seq, const char* route);
+  // `error` empty: completed. `route`: what served it ("shm", "inner").
+  void finished(uint64_t seq, const std::string& error, const char* route);
+
+  // Writes the ring; returns the file's path, or why it could not be written.
+  std::string dump(const std::string& reason);
+  // dump(), the first time only: the group's first failure is the one that
+  // explains the rest. Returns the path of that dump.
+  std::string dumpOnFailure(const std::string& reason);
+
+  // Dumps every live recorder of this process; returns their paths.
+  static std::vector<std::string> dumpAll(const std::string& reason);
+
+ private:
+  enum class State { Started, Completed, Failed };
+  struct Entry {
+    uint64_t seq = 0; // 0: unused
+    const char* op = "";
+    const char* route = "";
+    uint64_t bytes = 0;
+    int64_t startUs = 0;
+    int64_t endUs = 0;
+    State state = State::Started;
+    std::string error;
+  };
+  Entry* find(uint64_t seq); // under mutex_
+
+  const int rank_;
+  const int size_;
+  const TraceOptions options_;
+  std::mutex mutex_;
+  std::vector<Entry> ring_;
+  std::string group_ = "unnamed";
+  std::function<std::string()> snapshot_;
+  std::string failureDump_;
+};
+
+} // namespace hsdp
