@@ -217,6 +217,7 @@ def test_soak_mixed_collectives_three_groups():
     assert counts[1] == SOAK_OPS, counts
 
 
+@pytest.mark.timeout(SOAK_SECONDS + 900)
 def test_soak_rounds_with_ranks_killed_and_recreated():
     """Rounds of the soak on fresh processes, for SOAK_SECONDS: every other
     round one rank (drawn) is SIGKILLed at a drawn op, with collectives of
@@ -248,6 +249,7 @@ def test_soak_rounds_with_ranks_killed_and_recreated():
             ops_run += kill_at
         rounds += 1
         assert hsdp_segments() == before, f"round {rounds} left segments behind"
+        print(f"[soak] round {rounds} done at {time.monotonic() - start:.0f} s", flush=True)
     print(f"[soak] {rounds} rounds, {kills} ranks killed, about {ops_run} collectives per rank 1 "
           f"in {time.monotonic() - start:.0f} s")
 

@@ -91,7 +91,7 @@ struct alignas(4096) Header {
   std::atomic<uint32_t> sleepers;
   // 0 while healthy; 1 + rank of the first rank that failed.
   alignas(kCacheLine) std::atomic<uint32_t> brokenBy;
-  char brokenReason[256];
+  char brokenReason[2048]; // room for "where every rank is" of a large group
 };
 
 struct Layout {
