@@ -26,7 +26,8 @@ def load(directory: str | pathlib.Path) -> dict[str, dict[int, dict]]:
     """{group: {rank: record}} for every flight record in ``directory``."""
     groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for path in sorted(pathlib.Path(directory).glob("hsdp-trace.*.rank*.json")):
-        record = json.loads(path.read_text())
+        # Error texts may quote bytes a corrupted segment held: never fail on them.
+        record = json.loads(path.read_bytes().decode("utf-8", errors="replace"))
         if record.get("format") != FORMAT:
             raise ValueError(f"{path}: not an hsdp flight record of format {FORMAT}")
         record["path"] = str(path)
@@ -61,8 +62,10 @@ def _names(ranks) -> str:
 
 
 def first_divergence(records: dict[int, dict]) -> Finding | None:
-    """The first collective the ranks of one group did not call alike, else
-    the first that did not complete on every rank; None if all agree."""
+    """The first collective that the ranks of one group did not call alike
+    (a rank without it, another op, another route), or that every rank
+    called but not every rank completed, whichever comes first: later
+    entries of a broken group say nothing more. None if all agree."""
     by_rank = {r: {e["seq"]: e for e in rec["entries"]} for r, rec in records.items()}
     firsts = [min(seqs) for seqs in by_rank.values() if seqs]
     if not firsts:
@@ -70,7 +73,6 @@ def first_divergence(records: dict[int, dict]) -> Finding | None:
     # Only the window every ring still covers can be compared.
     start = max(firsts)
     end = max(max(seqs) for seqs in by_rank.values() if seqs)
-    unfinished = None
     for seq in range(start, end + 1):
         entries = {r: by_rank[r].get(seq) for r in sorted(records)}
         lines = [f"rank {r}: {_describe(e, records[r])}" for r, e in entries.items()]
@@ -94,11 +96,17 @@ def first_divergence(records: dict[int, dict]) -> Finding | None:
                 verdict = (f"{' and '.join(parts)}, where {_names(called)} called "
                            f"{majority} #{seq}")
             return Finding(seq, lines, verdict)
-        if unfinished is None and any(e["state"] != "completed" for e in entries.values()):
-            unfinished = Finding(seq, lines, "every rank called it, but it did not complete "
-                                 "on " + _names(r for r, e in entries.items()
-                                                if e["state"] != "completed"))
-    return unfinished
+        routes = collections.defaultdict(list)
+        for r, e in entries.items():
+            routes[e["route"]].append(r)
+        if len(routes) > 1:
+            return Finding(seq, lines, f"every rank called {next(iter(ops))}, but on different "
+                           "routes: " + "; ".join(f"{_names(r)} via {route}"
+                                                  for route, r in routes.items()))
+        if any(e["state"] != "completed" for e in entries.values()):
+            return Finding(seq, lines, "every rank called it, but it did not complete on " +
+                           _names(r for r, e in entries.items() if e["state"] != "completed"))
+    return None
 
 
 def report(directory: str | pathlib.Path) -> str:
@@ -109,6 +117,10 @@ def report(directory: str | pathlib.Path) -> str:
     for group, records in sorted(groups.items()):
         size = max(rec["size"] for rec in records.values())
         out.append(f"group {group!r}: {size} ranks, records of {_names(records)}")
+        dumped = [rec["dumped_us"] for rec in records.values()]
+        if max(dumped) - min(dumped) > 600e6:
+            out.append("  warning: these records were written more than 10 minutes apart; some may "
+                       "be from an earlier run (a rank's file stays until overwritten)")
         missing = sorted(set(range(size)) - set(records))
         if missing:
             out.append(f"  no record from {_names(missing)} (it did not fail, or died; "

@@ -48,6 +48,8 @@ def dead_peer_body(rank, world):
     elapsed, text = expect_backend_error(
         until_failure, f"[rank {rank}/{world}] all_reduce:", f"rank {world - 1}", "exited"
     )
+    # Where every rank was: the dead one inside an all-reduce (its last state).
+    assert f"rank {world - 1} " in text and " in all_reduce #" in text, text
     return elapsed
 
 

@@ -214,3 +214,49 @@ def bad_setting_body(rank, world, name, value):
                                         ("HSDP_TRACE_DIR", " ")])
 def test_trace_settings_out_of_range_are_rejected_by_name(name, value):
     run_ranks(bad_setting_body, 1, backend=None, name=name, value=value)
+
+
+def gloo_ring_body(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import hsdp_backend
+
+    t = torch.ones(8)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)  # synchronous, with hsdp's divide after gloo's SUM
+    dist.all_reduce(t)  # synchronous, gloo's Work returned as it is
+    dist.all_reduce(t, async_op=True).wait()
+    dist.all_gather_into_tensor(torch.empty(8 * world), t)
+    [path] = hsdp_backend.dump_trace()
+    record = json.loads(pathlib.Path(path).read_text())
+    assert [(e["op"], e["state"]) for e in record["entries"]] == [
+        ("all_reduce", "completed")] * 3 + [("all_gather_into_tensor", "completed")], record
+
+
+def test_the_gloo_route_closes_every_entry(tmp_path):
+    run_ranks(gloo_ring_body, 2, env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "gloo"})
+
+
+def _record(rank, entries, size=2):
+    return {"rank": rank, "size": size, "entries": [
+        {"seq": seq, "op": op, "bytes": 4, "route": route, "state": state, "error": ""}
+        for seq, op, route, state in entries]}
+
+
+def test_analysis_reports_the_earliest_problem():
+    from hsdp_backend.trace import first_divergence
+
+    # #2 failed everywhere; rank 0 had issued #3 and #4 before it saw the failure.
+    records = {0: _record(0, [(1, "all_reduce", "shm", "completed"), (2, "broadcast", "shm", "failed"),
+                              (3, "all_reduce", "shm", "failed"), (4, "all_reduce", "shm", "failed")]),
+               1: _record(1, [(1, "all_reduce", "shm", "completed"), (2, "broadcast", "shm", "failed")])}
+    finding = first_divergence(records)
+    assert finding.seq == 2 and "did not complete on ranks 0, 1" in finding.verdict, finding
+    # The same op on different routes is a divergence too.
+    records = {0: _record(0, [(1, "all_reduce", "shm", "completed")]),
+               1: _record(1, [(1, "all_reduce", "inner", "failed")])}
+    finding = first_divergence(records)
+    assert finding.seq == 1 and "rank 0 via shm; rank 1 via inner" in finding.verdict, finding
+    # Agreement.
+    records = {r: _record(r, [(1, "barrier", "shm", "completed")]) for r in (0, 1)}
+    assert first_divergence(records) is None

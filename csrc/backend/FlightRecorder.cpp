@@ -1,5 +1,6 @@
 #include "backend/FlightRecorder.hpp"
 
+#include <pthread.h>
 #include <semaphore.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -75,6 +76,9 @@ void installSignalDumper() {
     sigemptyset(&action.sa_mask);
     action.sa_flags = SA_RESTART;
     sigaction(SIGUSR1, &action, nullptr);
+    // A forked child (a DataLoader worker) has the handler but not the
+    // thread: give it SIGUSR1's default action back.
+    pthread_atfork(nullptr, nullptr, [] { signal(SIGUSR1, SIG_DFL); });
   });
 }
 
@@ -173,8 +177,7 @@ std::string FlightRecorder::dump(const std::string& reason) {
   if (mkdir(options_.dir.c_str(), 0777) != 0 && errno != EEXIST) {
     return "(no flight record: cannot create " + options_.dir + ": " + std::strerror(errno) + ")";
   }
-  const std::string path =
-      options_.dir + "/hsdp-trace." + group_ + ".rank" + std::to_string(rank_) + ".json";
+  const std::string path = pathLocked();
   // Written beside, then renamed: a reader never sees half a file.
   const std::string partial = path + ".partial." + std::to_string(getpid());
   {
@@ -216,16 +219,18 @@ std::string FlightRecorder::dump(const std::string& reason) {
 std::string FlightRecorder::dumpOnFailure(const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!failureDump_.empty()) {
-      return failureDump_;
+    if (failureDumped_) {
+      // Another thread's failure came first (its dump may still be in
+      // progress): that dump is the one, at the path it writes.
+      return pathLocked();
     }
+    failureDumped_ = true;
   }
-  std::string path = dump(reason);
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (failureDump_.empty()) {
-    failureDump_ = path;
-  }
-  return failureDump_;
+  return dump(reason);
+}
+
+std::string FlightRecorder::pathLocked() const {
+  return options_.dir + "/hsdp-trace." + group_ + ".rank" + std::to_string(rank_) + ".json";
 }
 
 std::vector<std::string> FlightRecorder::dumpAll(const std::string& reason) {

@@ -72,6 +72,7 @@ class FlightRecorder {
     std::string error;
   };
   Entry* find(uint64_t seq); // under mutex_
+  std::string pathLocked() const; // under mutex_
 
   const int rank_;
   const int size_;
@@ -80,7 +81,7 @@ class FlightRecorder {
   std::vector<Entry> ring_;
   std::string group_ = "unnamed";
   std::function<std::string()> snapshot_;
-  std::string failureDump_;
+  bool failureDumped_ = false;
 };
 
 } // namespace hsdp

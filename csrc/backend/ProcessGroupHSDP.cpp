@@ -370,9 +370,12 @@ ProcessGroupHSDP::ProcessGroupHSDP(
   engine_ = connectShm(store, rank, size, shmOptions, &shmWhyNot_);
   if (engine_) {
     queue_ = std::make_unique<OpQueue>();
-    trace_->setSnapshot([engine = engine_.get()] { return engine->whereEveryRankIs(); });
   }
   init();
+  if (engine_) {
+    // Last: a constructor that throws leaves no snapshot of a destroyed engine.
+    trace_->setSnapshot([engine = engine_.get()] { return engine->whereEveryRankIs(); });
+  }
 }
 
 ProcessGroupHSDP::~ProcessGroupHSDP() {
@@ -444,8 +447,16 @@ WorkPtr ProcessGroupHSDP::runShm(
   // Numbers the engine's collective as c10d does, for its messages, and
   // records its end (failures: failShm).
   auto labelled = [this, seq, body = std::move(body)] {
+    // Every engine collective of the body (a fused call's buckets) is this
+    // one c10d collective.
     engine_->setCallerSeq(seq);
-    body();
+    try {
+      body();
+    } catch (...) {
+      engine_->setCallerSeq(0);
+      throw;
+    }
+    engine_->setCallerSeq(0);
     trace_->finished(seq, "", "shm");
   };
   if (!asyncOp) {
@@ -492,7 +503,10 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
 }
 
 WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
-  if (pending.group == this && !pending.onShm && work && trace_->enabled()) {
+  if (pending.group == this && !pending.onShm && !work) {
+    // A synchronous call that returns no Work has completed (InnerRoute).
+    trace_->finished(pending.seq, "", "inner");
+  } else if (pending.group == this && !pending.onShm && trace_->enabled()) {
     // The entry completes with the Work's future, on whatever thread
     // completes it (at once if it already has).
     try {
@@ -588,11 +602,31 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       shmOptions_, traceOptions_);
 }
 
-void ProcessGroupHSDP::recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes) {
+ProcessGroupHSDP::Traced ProcessGroupHSDP::recordCollective(
+    const OpContext& c,
+    uint64_t collectives,
+    uint64_t bytes) {
   stats_.record(c.op, collectives, bytes);
   const uint64_t seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
   trace_->started(seq, c.op, bytes);
   pending = {this, seq};
+  return Traced(*this, seq);
+}
+
+ProcessGroupHSDP::Traced::Traced(ProcessGroupHSDP& group, uint64_t seq)
+    : group_(group), seq_(seq), exceptionsAtStart_(std::uncaught_exceptions()) {}
+
+ProcessGroupHSDP::Traced::~Traced() {
+  if (pending.group != &group_ || pending.seq != seq_) {
+    return; // track() took the entry over
+  }
+  pending = {};
+  if (std::uncaught_exceptions() > exceptionsAtStart_) {
+    // The inner backend or a synchronous wait raised: the exception the
+    // caller gets says what; the record says where in the sequence.
+    group_.trace_->finished(seq_, "raised an exception (the caller got it)", "inner");
+    group_.trace_->dumpOnFailure("collective #" + std::to_string(seq_) + " raised an exception");
+  }
 }
 
 void ProcessGroupHSDP::setSequenceNumberForGroup() {
@@ -684,7 +718,7 @@ WorkPtr ProcessGroupHSDP::broadcast(
   checkNotEmpty(c, tensors);
   checkRank(c, opts.rootRank, "root");
   checkRootTensor(c, opts.rootTensor, tensors);
-  recordCollective(c, 1, bytesOf(tensors));
+  const auto traced = recordCollective(c, 1, bytesOf(tensors));
   if (!oneDense(tensors)) {
     auto& r = route(c, tensors[0]);
     auto work = r.backend().broadcast(tensors, opts);
@@ -736,7 +770,7 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   const int contributions = size_ * static_cast<int>(tensors.size());
   auto plan = planReduce(
       c, opts.reduceOp, tensors[0].scalar_type(), contributions, divideBy, r.caps().nativeScale);
-  recordCollective(c, 1, bytesOf(tensors));
+  const auto traced = recordCollective(c, 1, bytesOf(tensors));
   if (!oneDense(tensors)) {
     c10d::AllreduceOptions innerOpts = opts;
     innerOpts.reduceOp = plan.innerOp;
@@ -803,7 +837,7 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
       pending->push_back({std::move(bucket), plan});
     }
   }
-  recordCollective(c, pending->size(), bytesOf(tensors));
+  const auto traced = recordCollective(c, pending->size(), bytesOf(tensors));
   bool shmServes = onShm(tensors);
   for (const auto& p : *pending) {
     shmServes = shmServes && shmReduction(p.plan, p.bucket.flat.scalar_type());
@@ -876,7 +910,7 @@ WorkPtr ProcessGroupHSDP::allreduceNative(
       ++buckets;
     }
   }
-  recordCollective(c, buckets, bytesOf(tensors));
+  const auto traced = recordCollective(c, buckets, bytesOf(tensors));
   return track(r.finish(
       OpType::ALLREDUCE_COALESCED, asyncOp, std::move(works), tensors, inOrder(std::move(posts)),
       std::move(staged)));
@@ -900,7 +934,7 @@ WorkPtr ProcessGroupHSDP::reduce(
       c, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
   c10d::ReduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
-  recordCollective(c, 1, bytesOf(tensors));
+  const auto traced = recordCollective(c, 1, bytesOf(tensors));
   auto arg = FlatArg::of(tensors[0]);
   std::vector<at::Tensor> io{arg.flat};
   auto work = r.backend().reduce(io, innerOpts);
@@ -918,7 +952,7 @@ WorkPtr ProcessGroupHSDP::allgather(
   checkNotEmpty(c, inputs);
   if (!oneDense(inputs)) {
     auto& r = route(c, inputs[0]);
-    recordCollective(c, 1, bytesOf(inputs));
+    const auto traced = recordCollective(c, 1, bytesOf(inputs));
     auto work = r.backend().allgather(outputs, inputs, opts);
     std::vector<at::Tensor> outs;
     for (const auto& list : outputs) {
@@ -928,7 +962,7 @@ WorkPtr ProcessGroupHSDP::allgather(
   }
   checkPerRankList(c, outputs, inputs[0], "output tensor");
   auto& r = route(c, inputs[0]);
-  recordCollective(c, 1, bytesOf(inputs));
+  const auto traced = recordCollective(c, 1, bytesOf(inputs));
   if (onShm(inputs) && onShm(outputs[0])) {
     auto in = inputs[0];
     auto outs = outputs[0];
@@ -975,7 +1009,7 @@ WorkPtr ProcessGroupHSDP::_allgather_base(
   checkNumel(c, output, input.numel() * size_, "the output (world size x input)");
   checkContiguous(c, output, "the output");
   auto& r = route(c, input);
-  recordCollective(c, 1, bytesOf(input));
+  const auto traced = recordCollective(c, 1, bytesOf(input));
   if (onShm({&input, &output})) {
     return track(runShm(OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [this, input, output] {
       const auto in = input.contiguous(); // output is contiguous (checked)
@@ -1003,7 +1037,7 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
   auto& r = route(c, inputs[0]);
   const auto inputBytes = bytesOf(inputs);
   const bool shm = onShm(inputs) && onShm(outputs);
-  recordCollective(c, 1, inputBytes);
+  const auto traced = recordCollective(c, 1, inputBytes);
   if (r.caps().nativeCoalescing) {
     // One launch of the callers' tensors (outputs are contiguous: checked).
     std::vector<at::Tensor> ins, outs;
@@ -1118,7 +1152,7 @@ WorkPtr ProcessGroupHSDP::gather(
     checkPerRankList(c, outputs, inputs[0], "output tensor");
   }
   auto& r = route(c, inputs[0]);
-  recordCollective(c, 1, bytesOf(inputs));
+  const auto traced = recordCollective(c, 1, bytesOf(inputs));
   auto work = r.backend().gather(outputs, inputs, opts);
   return track(r.finish(
       OpType::GATHER, opts.asyncOp, {work}, inputs, {}, outputs.empty() ? inputs : outputs[0]));
@@ -1135,7 +1169,7 @@ WorkPtr ProcessGroupHSDP::scatter(
     checkPerRankList(c, inputs, outputs[0], "input tensor");
   }
   auto& r = route(c, outputs[0]);
-  recordCollective(c, 1, bytesOf(outputs));
+  const auto traced = recordCollective(c, 1, bytesOf(outputs));
   auto work = r.backend().scatter(outputs, inputs, opts);
   return track(r.finish(
       OpType::SCATTER, opts.asyncOp, {work}, outputs, {}, inputs.empty() ? outputs : inputs[0]));
@@ -1161,7 +1195,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   auto& r = route(c, outputs[0]);
   auto plan = planReduce(
       c, opts.reduceOp, outputs[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
-  recordCollective(c, 1, bytesOf(inputs[0]));
+  const auto traced = recordCollective(c, 1, bytesOf(inputs[0]));
   if (auto red = shmReduction(plan, outputs[0].scalar_type());
       red && even && onShm(outputs) && onShm(inputs[0])) {
     auto out = outputs[0];
@@ -1216,7 +1250,7 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   checkContiguous(c, input, "the input");
   auto& r = route(c, input);
   auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy, r.caps().nativeScale);
-  recordCollective(c, 1, bytesOf(input));
+  const auto traced = recordCollective(c, 1, bytesOf(input));
   if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
     return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
       onContiguous(output, [&](const at::Tensor& o) { // input is contiguous (checked)
@@ -1275,7 +1309,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
       innerOpts.reduceOp = plan.innerOp;
       works.push_back(r.backend().reduce_scatter_tensor_coalesced(groupOuts, groupIns, innerOpts));
     }
-    recordCollective(c, works.size(), bytesOf(inputs));
+    const auto traced = recordCollective(c, works.size(), bytesOf(inputs));
     return track(r.finish(
         OpType::COALESCED, opts.asyncOp, std::move(works), outputs, inOrder(std::move(posts)),
         std::move(ins)));
@@ -1298,7 +1332,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     }
     pending->push_back({packReduceScatter(ins, outs, size_, *staging_), std::move(outs), plan});
   }
-  recordCollective(c, pending->size(), bytesOf(inputs));
+  const auto traced = recordCollective(c, pending->size(), bytesOf(inputs));
   if (shmServes) {
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pending] {
       for (const auto& p : *pending) {
@@ -1346,7 +1380,7 @@ WorkPtr ProcessGroupHSDP::alltoall_base(
         splits->size());
   }
   auto& r = route(c, input);
-  recordCollective(c, 1, bytesOf(input));
+  const auto traced = recordCollective(c, 1, bytesOf(input));
   auto work = r.backend().alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
   return track(r.finish(OpType::ALLTOALL_BASE, opts.asyncOp, {work}, {output}, {}, {input}));
 }
@@ -1376,7 +1410,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
     outSplits.push_back(outputs[i].numel());
   }
   auto& r = route(c, inputs[0]);
-  recordCollective(c, 1, bytesOf(inputs));
+  const auto traced = recordCollective(c, 1, bytesOf(inputs));
   // Gloo's list all-to-all needs equal sizes; sending one flat buffer with
   // per-peer splits serves any sizes with a single inner collective.
   std::vector<at::Tensor> flatInputs;
@@ -1440,7 +1474,7 @@ WorkPtr ProcessGroupHSDP::recvAnysource(
 }
 
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
-  recordCollective(ctx("barrier"), 1, 0);
+  const auto traced = recordCollective(ctx("barrier"), 1, 0);
   // Barriers synchronise processes, not devices: the CPU engines serve them
   // whatever devices the group also handles.
   if (engine_) {

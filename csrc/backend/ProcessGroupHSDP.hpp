@@ -247,9 +247,24 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Records `work` when called between startCoalescing and endCoalescing
   // (routes that coalesce natively hold their own).
   c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
+  // The flight-recorder entry of one call, from recordCollective to the
+  // end of the override: track() (or runShm) takes it over; if the call
+  // raises first, the entry is closed as failed and the record dumped.
+  class Traced {
+   public:
+    Traced(ProcessGroupHSDP& group, uint64_t seq);
+    Traced(const Traced&) = delete;
+    Traced& operator=(const Traced&) = delete;
+    ~Traced();
+
+   private:
+    ProcessGroupHSDP& group_;
+    const uint64_t seq_;
+    const int exceptionsAtStart_;
+  };
   // comm_stats' counters, the sequence number and the flight recorder's
   // entry, for one collective call; track() then follows the call's Work.
-  void recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes);
+  [[nodiscard]] Traced recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes);
   // The failure of a collective on the shared-memory route, as c10d's
   // DistBackendError; the message names this rank's flight record.
   [[noreturn]] void failShm(const shm::CommError& e, uint64_t seq);

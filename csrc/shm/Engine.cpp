@@ -89,7 +89,7 @@ std::string describe(const Signature& s) {
   if (s.kind == 6) {
     out += ", pieces=" + std::to_string(s.pieces);
   }
-  return out + ") as collective #" + std::to_string(s.opSeq);
+  return out + ") as its engine op #" + std::to_string(s.opSeq);
 }
 
 // memcpy for buffers that may be empty: an empty tensor's data pointer may be
@@ -236,7 +236,6 @@ Engine::OpState Engine::begin(
   }
   ++opSeq_;
   const uint64_t seq = callerSeq_ != 0 ? callerSeq_ : opSeq_;
-  callerSeq_ = 0;
   return OpState(
       *this,
       op,
@@ -288,6 +287,13 @@ std::string Engine::brokenBy() const {
   char reason[sizeof h.brokenReason];
   std::memcpy(reason, h.brokenReason, sizeof reason);
   reason[sizeof reason - 1] = '\0';
+  // Bytes any process could have written: kept printable (messages and
+  // flight records are text).
+  for (char* c = reason; *c != '\0'; ++c) {
+    if (*c < 32 || *c > 126) {
+      *c = '?';
+    }
+  }
   return "rank " + std::to_string(by - 1) + " failed (" + reason + ")";
 }
 

@@ -130,8 +130,9 @@ class Engine {
     return directReads_;
   }
 
-  // Numbers the next collective for messages (a c10d sequence number): a
-  // timeout then says "rank 1 is still in all_reduce #812". Without it, the
+  // Numbers the collectives that follow, until set to 0, for messages (a
+  // c10d sequence number: a fused call's buckets are one c10d collective): a
+  // timeout then says "rank 1 is still in all_reduce #812". At 0 the
   // engine's own count numbers them.
   void setCallerSeq(uint64_t seq) {
     callerSeq_ = seq;

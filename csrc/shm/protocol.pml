@@ -7,7 +7,12 @@
  *              later step (every read asserts the version it expects, before
  *              and after, so an overwrite in between is caught);
  *   liveness - no deadlock: with every rank calling the same sequence of
- *              steps, every rank reaches its end (spin's invalid end states).
+ *              steps, every rank reaches its end (spin's invalid end states);
+ *   bound    - no counter a rank waits on exceeds its own posted step + 1:
+ *              the engine rejects larger values as corruption (loadCounter).
+ * Not modelled: the direct all-reduce (several steps of part-wise direct
+ * reads and one final wait for every done), which combines REDUCE and
+ * DIRECT below.
  * Each -D switch below breaks one rule of the protocol; the script checks
  * that spin then finds a violation, so the assertions are known to bite:
  *   NO_REDUCED_WAIT - read reduced parts without waiting for every reduced;
@@ -76,7 +81,7 @@ bool chosen = false;
 #define waitAll(c, v) \
   q = 0; \
   do \
-  :: q < W -> (c[q] >= v); q++ \
+  :: q < W -> assert(c[q] <= posted[me] + 1); (c[q] >= v); q++ \
   :: else -> break \
   od
 
