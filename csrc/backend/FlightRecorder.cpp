@@ -154,7 +154,7 @@ void FlightRecorder::setRoute(uint64_t seq, const char* route) {
   }
 }
 
-void FlightRecorder::finished(uint64_t seq, const std::string& error, const char* route) {
+void FlightRecorder::finished(uint64_t seq, const std::string& error) {
   if (!enabled()) {
     return;
   }
@@ -162,7 +162,6 @@ void FlightRecorder::finished(uint64_t seq, const std::string& error, const char
   std::lock_guard<std::mutex> lock(mutex_);
   if (Entry* e = find(seq); e != nullptr && e->state == State::Started) {
     e->endUs = now;
-    e->route = route;
     e->state = error.empty() ? State::Completed : State::Failed;
     e->error = error;
   }

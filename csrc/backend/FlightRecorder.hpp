@@ -46,9 +46,10 @@ class FlightRecorder {
   void detach();
 
   void started(uint64_t seq, const char* op, uint64_t bytes);
+  // What serves it, when not an inner backend: "shm".
   void setRoute(uint64_t seq, const char* route);
-  // `error` empty: completed. `route`: what served it ("shm", "inner").
-  void finished(uint64_t seq, const std::string& error, const char* route);
+  // `error` empty: completed.
+  void finished(uint64_t seq, const std::string& error);
 
   // Writes the ring; returns the file's path, or why it could not be written.
   std::string dump(const std::string& reason);

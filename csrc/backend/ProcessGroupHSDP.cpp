@@ -389,7 +389,7 @@ void ProcessGroupHSDP::setGroupUid(const std::string& pgUid) {
 }
 
 void ProcessGroupHSDP::failShm(const shm::CommError& e, uint64_t seq) {
-  trace_->finished(seq, e.what(), "shm");
+  trace_->finished(seq, e.what());
   const std::string path = trace_->dumpOnFailure(e.what());
   C10_THROW_ERROR(
       DistBackendError,
@@ -448,16 +448,11 @@ WorkPtr ProcessGroupHSDP::runShm(
   // records its end (failures: failShm).
   auto labelled = [this, seq, body = std::move(body)] {
     // Every engine collective of the body (a fused call's buckets) is this
-    // one c10d collective.
+    // one c10d collective. Every engine call runs in such a body, so the
+    // number is always set before use.
     engine_->setCallerSeq(seq);
-    try {
-      body();
-    } catch (...) {
-      engine_->setCallerSeq(0);
-      throw;
-    }
-    engine_->setCallerSeq(0);
-    trace_->finished(seq, "", "shm");
+    body();
+    trace_->finished(seq, "");
   };
   if (!asyncOp) {
     bool ran = false;
@@ -505,7 +500,7 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
 WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
   if (pending.group == this && !pending.onShm && !work) {
     // A synchronous call that returns no Work has completed (InnerRoute).
-    trace_->finished(pending.seq, "", "inner");
+    trace_->finished(pending.seq, "");
   } else if (pending.group == this && !pending.onShm && trace_->enabled()) {
     // The entry completes with the Work's future, on whatever thread
     // completes it (at once if it already has).
@@ -513,11 +508,11 @@ WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
       work->getFuture()->addCallback(
           [trace = trace_, seq = pending.seq](c10::ivalue::Future& f) {
             if (!f.hasError()) {
-              trace->finished(seq, "", "inner");
+              trace->finished(seq, "");
               return;
             }
             const std::string error = f.tryRetrieveErrorMessage();
-            trace->finished(seq, error, "inner");
+            trace->finished(seq, error);
             trace->dumpOnFailure(error);
           },
           /*uses_future=*/false);
@@ -624,7 +619,7 @@ ProcessGroupHSDP::Traced::~Traced() {
   if (std::uncaught_exceptions() > exceptionsAtStart_) {
     // The inner backend or a synchronous wait raised: the exception the
     // caller gets says what; the record says where in the sequence.
-    group_.trace_->finished(seq_, "raised an exception (the caller got it)", "inner");
+    group_.trace_->finished(seq_, "raised an exception (the caller got it)");
     group_.trace_->dumpOnFailure("collective #" + std::to_string(seq_) + " raised an exception");
   }
 }

@@ -107,6 +107,16 @@ constexpr const char* kCorrupted =
     ": the shared-memory segment holds a value hsdp never writes (was it overwritten?); create "
     "a new process group";
 
+// Makes bytes another process wrote safe to print: messages and flight
+// records are text.
+void makePrintable(char* text) {
+  for (char* c = text; *c != '\0'; ++c) {
+    if (*c < 32 || *c > 126) {
+      *c = '?';
+    }
+  }
+}
+
 size_t ceilDiv(size_t a, size_t b) {
   return (a + b - 1) / b;
 }
@@ -141,7 +151,6 @@ Engine::OpState::OpState(Engine& e, const char* opName, Signature signature, uin
       name(opName),
       sig(signature),
       deadline(Clock::now() + e.config_.timeout),
-      seq(number),
       exceptionsAtStart(std::uncaught_exceptions()) {
   Activity& a = engine.segment_.control(engine.rank_).activity;
   char packed[sizeof a.name] = {};
@@ -151,7 +160,7 @@ Engine::OpState::OpState(Engine& e, const char* opName, Signature signature, uin
     std::memcpy(&word, packed + 8 * w, 8);
     a.name[w].store(word, std::memory_order_relaxed);
   }
-  a.seq.store(seq, std::memory_order_relaxed);
+  a.seq.store(number, std::memory_order_relaxed);
   a.count.store(sig.count, std::memory_order_relaxed);
   a.steps.store(steps, std::memory_order_relaxed);
   a.step.store(0, std::memory_order_relaxed);
@@ -179,11 +188,7 @@ std::string Engine::whereEveryRankIs() const {
       std::memcpy(name + 8 * w, &word, 8);
     }
     name[sizeof a.name - 1] = '\0'; // a peer's bytes: never trust a terminator
-    for (char* c = name; *c != '\0'; ++c) {
-      if (*c < 32 || *c > 126) {
-        *c = '?';
-      }
-    }
+    makePrintable(name);
     const uint64_t seq = a.seq.load(std::memory_order_relaxed);
     const uint32_t state = a.state.load(std::memory_order_relaxed);
     const std::string op = std::string(name) + " #" + std::to_string(seq);
@@ -252,10 +257,13 @@ void Engine::wake() {
   }
 }
 
+std::atomic<uint64_t>& Engine::counter(int q, Counter which) const {
+  RankControl& c = segment_.control(q);
+  return which == Counter::Posted ? c.posted : which == Counter::Reduced ? c.reduced : c.done;
+}
+
 void Engine::publish(Counter which, uint64_t step) {
-  auto& c = segment_.control(rank_);
-  auto& counter = which == Counter::Posted ? c.posted : which == Counter::Reduced ? c.reduced : c.done;
-  counter.store(step, std::memory_order_release);
+  counter(rank_, which).store(step, std::memory_order_release);
   wake();
 }
 
@@ -287,13 +295,7 @@ std::string Engine::brokenBy() const {
   char reason[sizeof h.brokenReason];
   std::memcpy(reason, h.brokenReason, sizeof reason);
   reason[sizeof reason - 1] = '\0';
-  // Bytes any process could have written: kept printable (messages and
-  // flight records are text).
-  for (char* c = reason; *c != '\0'; ++c) {
-    if (*c < 32 || *c > 126) {
-      *c = '?';
-    }
-  }
+  makePrintable(reason);
   return "rank " + std::to_string(by - 1) + " failed (" + reason + ")";
 }
 
@@ -315,11 +317,7 @@ int32_t Engine::peerPid(int q) const {
 }
 
 uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
-  auto& c = segment_.control(q);
-  const uint64_t v = (which == Counter::Posted ? c.posted
-                          : which == Counter::Reduced ? c.reduced
-                                                      : c.done)
-                         .load(std::memory_order_acquire);
+  const uint64_t v = counter(q, which).load(std::memory_order_acquire);
   // A peer posts step t only after every rank, this one included, posted
   // t - 1, and its other counters never pass its own posted: no counter can
   // exceed this rank's posted step + 1. Anything larger was not written by
@@ -333,15 +331,6 @@ uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
 }
 
 void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
-  op.at(which == Counter::Posted    ? Activity::WaitingPosted
-            : which == Counter::Reduced ? Activity::WaitingReduced
-                                        : Activity::WaitingDone);
-  struct Working {
-    const OpState& op;
-    ~Working() {
-      op.at(Activity::Working);
-    }
-  } working{op};
   int laggard = 0;
   auto ready = [&]() {
     for (int i = 0; i < size_; ++i) {
@@ -365,6 +354,17 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   if (ready()) {
     return;
   }
+  // Not ready at once: published for peers' messages until the wait ends
+  // (a wait that passes at once publishes nothing).
+  op.at(which == Counter::Posted    ? Activity::WaitingPosted
+            : which == Counter::Reduced ? Activity::WaitingReduced
+                                        : Activity::WaitingDone);
+  struct Working {
+    const OpState& op;
+    ~Working() {
+      op.at(Activity::Working);
+    }
+  } working{op};
   // Spin first: a peer a few microseconds behind is cheaper to wait for
   // than a futex round trip.
   const auto spinUntil = Clock::now() + config_.spin;

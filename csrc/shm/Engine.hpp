@@ -130,7 +130,7 @@ class Engine {
     return directReads_;
   }
 
-  // Numbers the collectives that follow, until set to 0, for messages (a
+  // Numbers the collectives that follow, until set again, for messages (a
   // c10d sequence number: a fused call's buckets are one c10d collective): a
   // timeout then says "rank 1 is still in all_reduce #812". At 0 the
   // engine's own count numbers them.
@@ -166,6 +166,7 @@ class Engine {
   // publishes the call in the segment (Activity) on creation, and on
   // destruction marks this rank idle, or failed if an exception is leaving.
   struct OpState {
+    // `seq`: the caller's number for it (setCallerSeq), else this engine's.
     OpState(Engine& engine, const char* name, Signature sig, uint64_t seq);
     OpState(const OpState&) = delete;
     OpState& operator=(const OpState&) = delete;
@@ -177,7 +178,6 @@ class Engine {
     const char* name;
     Signature sig;
     std::chrono::steady_clock::time_point deadline;
-    uint64_t seq; // the caller's number for it (setCallerSeq), else this engine's
     uint32_t steps = 1;
     uint32_t stepIndex = 0;
     int exceptionsAtStart;
@@ -186,6 +186,7 @@ class Engine {
   OpState begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop, int root);
   // Steps 1-3 of the protocol; returns the slot index to use.
   int post(OpState& op, uint64_t step, const std::function<void(char*)>& fill);
+  std::atomic<uint64_t>& counter(int q, Counter which) const;
   void publish(Counter which, uint64_t step);
   // Rank q's counter, checked against what the protocol allows (fails the op
   // on a value no rank could have written).
