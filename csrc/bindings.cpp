@@ -85,7 +85,8 @@ PYBIND11_MODULE(_C, m) {
          int64_t directReadBytes,
          int64_t engineTimeoutMs,
          int64_t traceEntries,
-         const std::string& traceDir) -> c10::intrusive_ptr<c10d::Backend> {
+         const std::string& traceDir,
+         std::optional<std::string> hostIdentity) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         TORCH_CHECK_VALUE(
             engine == "auto" || engine == "shm" || engine == "gloo" || engine == "nccl_contract",
@@ -99,6 +100,7 @@ PYBIND11_MODULE(_C, m) {
         shm.engine.oneShotBytes = static_cast<size_t>(oneShotBytes);
         shm.engine.directReadBytes = static_cast<size_t>(directReadBytes);
         shm.engine.timeout = std::chrono::milliseconds(engineTimeoutMs);
+        shm.hostIdentity = std::move(hostIdentity);
         hsdp::TraceOptions trace;
         trace.entries = static_cast<size_t>(traceEntries);
         trace.dir = traceDir;
@@ -135,7 +137,8 @@ PYBIND11_MODULE(_C, m) {
       py::arg("direct_read_bytes"),
       py::arg("engine_timeout_ms"),
       py::arg("trace_entries"),
-      py::arg("trace_dir"));
+      py::arg("trace_dir"),
+      py::arg("host_identity") = py::none());
 
   // Writes the flight record of every hsdp group of this process; returns
   // the files' paths.

@@ -52,6 +52,7 @@ def _create_backend(opts, backend_options):
     The inner backends get their own store prefixes so their rendezvous keys
     never collide with each other or with anything else on the group's store.
     """
+    import logging
     import os
 
     import torch
@@ -66,6 +67,9 @@ def _create_backend(opts, backend_options):
         opts.timeout,
     )
     cpu = dist.ProcessGroupGloo(dist.PrefixStore("hsdp/gloo/", store), rank, size, timeout)
+    # As torch does for its own Gloo groups: splitting (what builds the
+    # inter-host groups) maps the new group's ranks through this list.
+    cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
         nccl_opts = dist.ProcessGroupNCCL.Options()
@@ -83,7 +87,7 @@ def _create_backend(opts, backend_options):
     if engine_timeout == "group":
         engine_timeout = int(timeout.total_seconds() * 1000)
     fsdp.install_automatically()
-    return _C.create_backend(
+    backend = _C.create_backend(
         store,
         rank,
         size,
@@ -98,4 +102,29 @@ def _create_backend(opts, backend_options):
         engine_timeout_ms=engine_timeout,
         trace_entries=config.read("HSDP_TRACE_ENTRIES"),
         trace_dir=config.read("HSDP_TRACE_DIR"),
+        host_identity=_test_host_identity(opts),
     )
+    engine, why_not, _ = _C.cpu_engine(backend)
+    if engine == "gloo" and config.read("HSDP_ENGINE") == "auto":
+        # One line: the group was meant for shared memory and did not get it.
+        logging.getLogger("hsdp_backend").warning(
+            "hsdp: [rank %d/%d] group %s runs its CPU collectives on gloo: %s",
+            rank, size, opts.group_id, why_not,
+        )
+    return backend
+
+
+def _test_host_identity(opts):
+    """HSDP_TEST_HOSTS (tests only): this rank's pretended host."""
+    import os
+
+    from hsdp_backend import config
+
+    hosts = config.read("HSDP_TEST_HOSTS")
+    if not hosts:
+        return None
+    rank = int(os.environ.get("RANK", "0"))
+    if rank >= len(hosts):
+        raise ValueError(f"HSDP_TEST_HOSTS names {len(hosts)} hosts but this is global rank {rank}")
+    name = hosts[rank]
+    return "" if name == "?" else f"{name}|test-host"

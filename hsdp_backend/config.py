@@ -45,6 +45,13 @@ def _path(text: str) -> str:
     return text
 
 
+def _hosts(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")] if text.strip() else []
+    if any(not n for n in names):
+        raise ValueError("expected a comma-separated host name per rank")
+    return names
+
+
 VARS = {
     v.name: v
     for v in [
@@ -81,6 +88,11 @@ VARS = {
             "python -m hsdp_backend.trace DIR reads them"),
         Var("HSDP_TIMEOUT_MS", "group", lambda t: t if t == "group" else _int(1)(t),
             "deadline of every shared-memory wait; group: the process group's timeout"),
+        # Tests only.
+        Var("HSDP_TEST_HOSTS", "", _hosts,
+            "tests only: comma-separated host name of each global rank (? : as if the rank "
+            "could not read its host identity), used instead of the real host identities: "
+            "hierarchical collectives on one machine"),
     ]
 }
 

@@ -123,7 +123,11 @@ def all_reduce_matches_gloo(rank, world, ref):
             g = t.clone()
             dist.all_reduce(t, op=op)
             dist.all_reduce(g, op=op, group=ref)
-            check(t, g, f"all_reduce vs gloo {op} {dtype}")
+            if expected_engine(list(range(world))) == "hierarchical" and dtype.is_floating_point:
+                # The same sum in another order (hosts' partial sums first).
+                torch.testing.assert_close(t, g, rtol=1e-5, atol=1e-3)
+            else:
+                check(t, g, f"all_reduce vs gloo {op} {dtype}")
 
 
 @case
@@ -525,6 +529,7 @@ def device_mesh_2x2(rank, world, ref):
         dist.all_reduce(t, group=g)
         check(t, torch.tensor([float(sum(peers))]), f"mesh {dim} all_reduce")
         assert "all_reduce" in hsdp_backend.comm_stats(g)
+        assert hsdp_backend.cpu_engine(g) == expected_engine(peers), (dim, peers)
 
 
 @case
@@ -541,8 +546,7 @@ def split_group_by_parity(rank, world, ref):
     child = parent.split_group(mine, group_name=f"hsdp-split-{world}-{rank % 2}")
     assert (child.rank(), child.size()) == (mine.index(rank), len(mine)), (child.rank(), child.size())
     assert _C.is_hsdp(child._get_backend(torch.device("cpu")))
-    engine = os.environ.get("HSDP_ENGINE", "auto")
-    assert hsdp_backend.cpu_engine(child) == ("shm" if engine == "auto" else engine)
+    assert hsdp_backend.cpu_engine(child) == expected_engine(mine)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.AVG
     t = torch.full((6,), float(rank))
@@ -568,6 +572,8 @@ def split_group_by_parity(rank, world, ref):
 
 @case
 def comm_stats_counts_and_resets(rank, world, ref):
+    import os
+
     hsdp_backend.reset_comm_stats()
     assert hsdp_backend.comm_stats() == {}
     t = torch.zeros(10)
@@ -578,6 +584,15 @@ def comm_stats_counts_and_resets(rank, world, ref):
     stats = hsdp_backend.comm_stats()
     assert stats["all_reduce"] == {"calls": 3, "collectives": 3, "bytes": 120}, stats
     assert stats["all_gather_into_tensor"] == {"calls": 1, "collectives": 1, "bytes": 40}, stats
+    if expected_engine(list(range(world))) == "hierarchical":
+        # Both phases of each call: 4 across hosts; within hosts only when
+        # a host holds more than one rank.
+        assert stats["inter_host"]["calls"] == 4, stats
+        hosts = os.environ["HSDP_TEST_HOSTS"].split(",")[:world]
+        within = 4 if hosts.count(hosts[0]) > 1 else 0
+        assert stats.get("intra_host", {}).get("calls", 0) == within, stats
+    else:
+        assert "inter_host" not in stats, stats
     try:
         hsdp_backend.comm_stats(ref)
     except TypeError as exc:
@@ -586,12 +601,29 @@ def comm_stats_counts_and_resets(rank, world, ref):
         raise AssertionError("comm_stats on a gloo group must raise TypeError")
 
 
-@case
-def engine_in_use(rank, world, ref):
+def expected_engine(members: list[int]) -> str:
+    """What cpu_engine says for a group of these global ranks, from
+    HSDP_ENGINE and the hosts HSDP_TEST_HOSTS pretends the ranks are on."""
     import os
 
-    expected = os.environ.get("HSDP_ENGINE", "auto")
-    assert hsdp_backend.cpu_engine() == ("shm" if expected == "auto" else expected)
+    engine = os.environ.get("HSDP_ENGINE", "auto")
+    if engine != "auto":
+        return engine
+    hosts = os.environ.get("HSDP_TEST_HOSTS", "").split(",")
+    if hosts == [""]:
+        return "shm"
+    mine = [hosts[r] for r in members]
+    if "?" in mine and len(members) > 1:
+        return "gloo"
+    per_host = {mine.count(h) for h in mine}
+    if len(set(mine)) == 1:
+        return "shm"
+    return "hierarchical" if len(per_host) == 1 else "gloo"
+
+
+@case
+def engine_in_use(rank, world, ref):
+    assert hsdp_backend.cpu_engine() == expected_engine(list(range(world)))
 
 
 @case
@@ -603,7 +635,9 @@ def large_messages(rank, world, ref):
 
     if os.environ.get("HSDP_ENGINE", "auto") in ("auto", "shm") and world > 1:
         engine, _, direct = _C.cpu_engine(hsdp_backend.get_hsdp_backend())
-        assert engine == "shm" and direct, "direct reads should be on for ranks of one user"
+        expected = expected_engine(list(range(world)))
+        assert engine == expected, (engine, expected)
+        assert direct or engine == "gloo", "direct reads should be on for ranks of one user"
     n = (5 << 20) // 4 + 3  # 5 MiB + 12 bytes of fp32: more than one 4 MiB slot
     out = torch.empty(world * n)
     dist.all_gather_into_tensor(out, data(rank, n, torch.float32))
@@ -668,7 +702,10 @@ def work_wait_honours_its_timeout(rank, world, ref):
 
     if world == 1:
         return
-    g = dist.new_group(backend="hsdp")
+    # A group timeout shorter than the world's: a hierarchical group's
+    # pending inter-host phase (a Gloo collective, which nothing can cancel)
+    # ends at that deadline, so leaving the group takes at most that long.
+    g = dist.new_group(backend="hsdp", timeout=datetime.timedelta(seconds=5))
     if rank == 0:
         work = dist.all_reduce(torch.ones(4), group=g, async_op=True)  # nobody else joins
         start = time.monotonic()
@@ -680,8 +717,12 @@ def work_wait_honours_its_timeout(rank, world, ref):
             raise AssertionError("wait(timeout) must raise")
         assert time.monotonic() - start < 5
     dist.barrier(group=ref)
-    # Leaving the broken group fails its pending work at once (no 60 s drain).
+    # Leaving the broken group fails its pending work at once (no drain to
+    # the world's 60 s timeout): on shared memory at once, across hosts by
+    # the group's own deadline.
+    start = time.monotonic()
     dist.destroy_process_group(g)
+    assert time.monotonic() - start < 10
     t = torch.ones(1)
     dist.all_reduce(t)
     assert t.item() == world

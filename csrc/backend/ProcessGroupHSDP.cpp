@@ -367,7 +367,8 @@ ProcessGroupHSDP::ProcessGroupHSDP(
       cuda_(std::move(cudaRoute)),
       trace_(std::make_shared<FlightRecorder>(rank, size, traceOptions)) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
-  engine_ = connectShm(store, rank, size, shmOptions, &shmWhyNot_);
+  engine_ = connectShm(
+      store, rank, size, shmOptions, cpu_->backend(), timeout, stats_, staging_, &shmWhyNot_);
   if (engine_) {
     queue_ = std::make_unique<OpQueue>();
   }

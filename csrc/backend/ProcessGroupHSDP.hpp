@@ -7,10 +7,12 @@
 //
 // Every call is validated here (errors name the rank, the op and what was
 // expected), planned, then routed by the device of its tensors:
-//   CPU  tensors -> the shared-memory engine (csrc/shm/) when every member
-//                   runs on this host and the op and dtype are ones it
-//                   serves; the inner CPU route (ProcessGroupGloo) for the
-//                   rest and for groups that span hosts,
+//   CPU  tensors -> the shared-memory route (ShmRoute: the engine of
+//                   csrc/shm/, and for a group that spans hosts with the same
+//                   number of its ranks on each, that engine within hosts
+//                   and Gloo between them) for the ops and dtypes it serves;
+//                   the inner CPU route (ProcessGroupGloo) for the rest and
+//                   for groups it cannot serve,
 //   CUDA tensors -> the inner CUDA route (ProcessGroupNCCL), if CUDA exists.
 // Inner routes (InnerRoute.hpp) are the one place that knows the inner
 // backends' Work contract and orders hsdp's post-steps after them. What hsdp
@@ -194,10 +196,11 @@ class ProcessGroupHSDP final : public c10d::Backend {
   FlightRecorder& flightRecorder() {
     return *trace_;
   }
-  // "shm", or the inner CPU backend's name ("gloo"; "nccl_contract" in
-  // tests): what serves this group's CPU collectives.
+  // "shm" (one host), "hierarchical" (shared memory within hosts, gloo
+  // between them), or the inner CPU backend's name ("gloo"; "nccl_contract"
+  // in tests): what serves this group's CPU collectives.
   std::string cpuEngine() const {
-    return engine_ ? "shm" : cpu_->caps().name;
+    return engine_ ? engine_->name() : cpu_->caps().name;
   }
   c10d::Backend& cpuInner() const {
     return cpu_->backend();
@@ -283,7 +286,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::string shmWhyNot_;
   // Declared in this order so the queue (whose tasks use the engine) is
   // drained and joined before the engine is unmapped.
-  std::unique_ptr<shm::Engine> engine_;
+  std::unique_ptr<ShmRoute> engine_;
   std::unique_ptr<OpQueue> queue_;
 
   std::mutex coalescingMutex_;

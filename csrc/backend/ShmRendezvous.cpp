@@ -1,9 +1,11 @@
 #include "backend/ShmRendezvous.hpp"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <sstream>
 
 namespace hsdp {
@@ -24,8 +26,16 @@ class Keys {
   std::string operator()(const char* what, int rank) const {
     return prefix_ + what + "/" + std::to_string(rank);
   }
+  // Keys of a part of the group (one host's ranks), within this incarnation.
+  Keys under(const std::string& part) const {
+    return Keys(prefix_ + part + "/");
+  }
+  const std::string& prefix() const {
+    return prefix_;
+  }
 
  private:
+  explicit Keys(std::string prefix) : prefix_(std::move(prefix)) {}
   std::string prefix_;
 };
 
@@ -71,45 +81,78 @@ bool probeDirectReads(c10d::Store& store, const Keys& key, int rank, int size) {
   return all;
 }
 
-} // namespace
+// Hosts in the order their first rank appears, each host's ranks in rank
+// order; `identities` are the ranks' host identities.
+struct Hosts {
+  std::vector<std::string> names; // hostnames, for messages
+  std::vector<std::vector<int>> members;
 
-std::unique_ptr<shm::Engine> connectShm(
-    c10d::Store& store,
-    int rank,
-    int size,
-    ShmOptions options,
-    std::string* whyNot) {
-  if (options.mode == ShmOptions::Mode::Off) {
-    *whyNot = "disabled by HSDP_ENGINE=gloo";
-    return nullptr;
-  }
-  auto give_up = [&](const std::string& why) -> std::unique_ptr<shm::Engine> {
-    TORCH_CHECK(
-        options.mode != ShmOptions::Mode::Required,
-        "[rank ", rank, "/", size, "] init: HSDP_ENGINE=shm, but the group cannot use shared memory: ",
-        why);
-    *whyNot = why;
-    return nullptr;
-  };
-  const Keys key(store, size);
-
-  const std::string me = shm::hostIdentity();
-  store.set(key("host", rank), me);
-  for (int q = 0; q < size; ++q) {
-    if (store.get_to_str(key("host", q)) != me) {
-      return give_up("rank " + std::to_string(q) + " runs on another host or namespace");
+  explicit Hosts(const std::vector<std::string>& identities) {
+    std::vector<std::string> seen;
+    for (int q = 0; q < static_cast<int>(identities.size()); ++q) {
+      const auto at = std::find(seen.begin(), seen.end(), identities[q]);
+      if (at == seen.end()) {
+        seen.push_back(identities[q]);
+        names.push_back(identities[q].substr(0, identities[q].find('|')));
+        members.push_back({q});
+      } else {
+        members[at - seen.begin()].push_back(q);
+      }
     }
   }
-  adoptRankZeroSettings(store, key, rank, options);
+  bool even() const {
+    for (const auto& m : members) {
+      if (m.size() != members[0].size()) {
+        return false;
+      }
+    }
+    return true;
+  }
+  std::string describe() const {
+    std::string out;
+    for (size_t h = 0; h < members.size(); ++h) {
+      out += h ? "; ranks " : "ranks ";
+      for (size_t i = 0; i < members[h].size(); ++i) {
+        out += (i ? "," : "") + std::to_string(members[h][i]);
+      }
+      out += " on host " + names[h];
+    }
+    return out;
+  }
+  HostLayout layout(int rank) const {
+    HostLayout l;
+    l.hosts = static_cast<int>(members.size());
+    l.perHost = static_cast<int>(members[0].size());
+    for (int h = 0; h < l.hosts; ++h) {
+      for (int i = 0; i < l.perHost; ++i) {
+        l.ranks.push_back(members[h][i]);
+        if (members[h][i] == rank) {
+          l.host = h;
+          l.local = i;
+        }
+      }
+    }
+    return l;
+  }
+};
 
-  // Rank 0 creates and names the segment; "!" + error when it could not.
-  std::optional<shm::Segment> segment;
+// Rank `local` of `size` ranks (one host's) creates or maps a segment over
+// `key`'s part of the store. Returns the error, or "" with `segment` set.
+std::string mapSegment(
+    c10d::Store& store,
+    const Keys& key,
+    int local,
+    int size,
+    size_t slotBytes,
+    std::optional<shm::Segment>& segment,
+    std::string& name) {
   std::string error;
-  std::string name;
-  if (rank == 0) {
+  // The host's first rank creates and names the segment; "!" + error when
+  // it could not.
+  if (local == 0) {
     try {
       name = shm::Segment::randomName();
-      segment.emplace(shm::Segment::create(name, size, options.slotBytes));
+      segment.emplace(shm::Segment::create(name, size, slotBytes));
       store.set(key("name"), name);
     } catch (const std::exception& e) {
       error = e.what();
@@ -118,10 +161,10 @@ std::unique_ptr<shm::Engine> connectShm(
   } else {
     name = store.get_to_str(key("name"));
     if (!name.empty() && name[0] == '!') {
-      error = "rank 0 could not create the segment: " + name.substr(1);
+      error = "the host's first rank could not create the segment: " + name.substr(1);
     } else {
       try {
-        segment.emplace(shm::Segment::open(name, size, options.slotBytes));
+        segment.emplace(shm::Segment::open(name, size, slotBytes));
       } catch (const std::exception& e) {
         error = e.what();
       }
@@ -133,6 +176,75 @@ std::unique_ptr<shm::Engine> connectShm(
   if (segment && store.add(key("mapped"), 1) == size) {
     shm::Segment::unlink(name);
   }
+  return error;
+}
+
+} // namespace
+
+std::unique_ptr<ShmRoute> connectShm(
+    c10d::Store& store,
+    int rank,
+    int size,
+    ShmOptions options,
+    c10d::Backend& cpuInner,
+    std::chrono::milliseconds timeout,
+    CommStats& stats,
+    std::shared_ptr<StagingPool> staging,
+    std::string* whyNot) {
+  if (options.mode == ShmOptions::Mode::Off) {
+    *whyNot = "disabled by HSDP_ENGINE=gloo";
+    return nullptr;
+  }
+  auto give_up = [&](const std::string& why) -> std::unique_ptr<ShmRoute> {
+    TORCH_CHECK(
+        options.mode != ShmOptions::Mode::Required,
+        "[rank ", rank, "/", size, "] init: HSDP_ENGINE=shm, but the group cannot use shared memory: ",
+        why);
+    *whyNot = why;
+    return nullptr;
+  };
+  const Keys key(store, size);
+
+  // "?": this rank could not read its identity (never equal to a real one).
+  const std::string me = options.hostIdentity.value_or(shm::hostIdentity());
+  store.set(key("host", rank), me.empty() ? "?" : me);
+  std::vector<std::string> identities;
+  for (int q = 0; q < size; ++q) {
+    identities.push_back(store.get_to_str(key("host", q)));
+  }
+  for (int q = 0; q < size; ++q) {
+    if (identities[q] == "?") {
+      return give_up("rank " + std::to_string(q) +
+                     " could not read its host identity (hostname, boot id, namespaces), so "
+                     "no rank may assume it shares memory with it");
+    }
+  }
+  const Hosts hosts(identities);
+  if (hosts.members.size() > 1) {
+    TORCH_CHECK(
+        options.mode != ShmOptions::Mode::Required,
+        "[rank ", rank, "/", size, "] init: HSDP_ENGINE=shm, but the group spans ",
+        hosts.members.size(), " hosts (", hosts.describe(),
+        ") and shared memory cannot reach across hosts; HSDP_ENGINE=auto uses it within each "
+        "host and gloo between hosts");
+    if (!hosts.even()) {
+      return give_up("its hosts hold different numbers of its ranks (" + hosts.describe() +
+                     "); shared memory within hosts needs the same number on every host");
+    }
+    if (!cpuInner.supportsSplitting()) {
+      return give_up("the inner CPU backend cannot be split into inter-host groups");
+    }
+  }
+  const HostLayout layout = hosts.layout(rank);
+  adoptRankZeroSettings(store, key, rank, options);
+
+  const Keys hostKey = key.under("host" + std::to_string(layout.host));
+  std::optional<shm::Segment> segment;
+  std::string name;
+  const std::string error =
+      mapSegment(store, hostKey, layout.local, layout.perHost, options.slotBytes, segment, name);
+  // Every rank of the group agrees, so all fall back to gloo together if
+  // any host failed.
   store.set(key("ok", rank), error.empty() ? "1" : "0" + error);
   std::string firstError;
   for (int q = 0; q < size; ++q) {
@@ -142,16 +254,35 @@ std::unique_ptr<shm::Engine> connectShm(
     }
   }
   if (!firstError.empty()) {
-    if (rank == 0 && segment) {
-      shm::Segment::unlink(name); // not every rank mapped it
+    if (layout.local == 0 && segment) {
+      shm::Segment::unlink(name); // not every rank of the host mapped it
     }
     return give_up(firstError);
   }
-  auto engine = std::make_unique<shm::Engine>(std::move(*segment), rank, options.engine);
-  if (options.engine.directReadBytes > 0 && probeDirectReads(store, key, rank, size)) {
+  shm::EngineConfig config = options.engine;
+  c10::intrusive_ptr<c10d::Backend> column;
+  if (layout.hosts > 1) {
+    config.groupRanks = layout.hostRanks(layout.host);
+    config.groupSize = size;
+    // The ranks with my local index, one per host: Gloo's split builds a
+    // new context among them (only they take part).
+    auto innerOpts = cpuInner.getBackendOptions()->clone();
+    innerOpts->timeout = timeout;
+    column = cpuInner.split(
+        c10::make_intrusive<c10d::PrefixStore>(
+            key.prefix() + "column" + std::to_string(layout.local) + "/",
+            c10::intrusive_ptr<c10d::Store>::unsafe_reclaim_from_nonowning(&store)),
+        layout.columnRanks(layout.local),
+        innerOpts);
+    TORCH_CHECK(column, "[rank ", rank, "/", size, "] init: the inner CPU backend returned no inter-host group");
+  }
+  auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
+  if (options.engine.directReadBytes > 0 &&
+      probeDirectReads(store, hostKey, layout.local, layout.perHost)) {
     engine->enableDirectReads();
   }
-  return engine;
+  return std::make_unique<ShmRoute>(
+      std::move(engine), layout, std::move(column), rank, size, stats, std::move(staging));
 }
 
 } // namespace hsdp

@@ -53,8 +53,8 @@ bool processGone(int32_t pid) {
   return state == 'Z' || state == 'X';
 }
 
-std::string peerExited(int q, int32_t pid) {
-  return "rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
+std::string peerExited(const std::string& rank, int32_t pid) {
+  return rank + " (pid " + std::to_string(pid) +
       ") exited before finishing this collective";
 }
 
@@ -143,7 +143,13 @@ Engine::Engine(Segment segment, int rank, EngineConfig config)
 }
 
 std::string Engine::prefix(const char* op) const {
-  return "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) + "] " + op + ": ";
+  const int size = config_.groupRanks.empty() ? size_ : config_.groupSize;
+  return "[" + rankName(rank_) + "/" + std::to_string(size) + "] " + op + ": ";
+}
+
+std::string Engine::rankName(int q) const {
+  const bool mapped = !config_.groupRanks.empty() && q >= 0 && q < size_;
+  return "rank " + std::to_string(mapped ? config_.groupRanks[q] : q);
 }
 
 Engine::OpState::OpState(Engine& e, const char* opName, Signature signature, uint64_t number)
@@ -195,7 +201,7 @@ std::string Engine::whereEveryRankIs() const {
     const std::string at = " (step " + std::to_string(a.step.load(std::memory_order_relaxed)) +
         " of " + std::to_string(a.steps.load(std::memory_order_relaxed)) + ")";
     out += out.empty() ? "" : "; ";
-    out += "rank " + std::to_string(q) + (q == rank_ ? " (this rank)" : "");
+    out += rankName(q) + (q == rank_ ? " (this rank)" : "");
     switch (state) {
       case Activity::Idle:
         out += seq == 0 ? " has called no collective yet"
@@ -296,7 +302,7 @@ std::string Engine::brokenBy() const {
   std::memcpy(reason, h.brokenReason, sizeof reason);
   reason[sizeof reason - 1] = '\0';
   makePrintable(reason);
-  return "rank " + std::to_string(by - 1) + " failed (" + reason + ")";
+  return rankName(static_cast<int>(by - 1)) + " failed (" + reason + ")";
 }
 
 void Engine::abort(const std::string& why) {
@@ -323,7 +329,7 @@ uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
   // exceed this rank's posted step + 1. Anything larger was not written by
   // hsdp, and would let this rank read a slot before its data is there.
   if (v > posted_ + 1) {
-    fail(op, "rank " + std::to_string(q) + "'s " + counterName(which) + " counter reads " +
+    fail(op, rankName(q) + "'s " + counterName(which) + " counter reads " +
              std::to_string(v) + ", but no rank can be past step " + std::to_string(posted_ + 1) +
              " while this rank has posted step " + std::to_string(posted_) + kCorrupted);
   }
@@ -418,7 +424,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       if (loadCounter(op, which, q) < target) {
         const int32_t pid = peerPid(q);
         if (processGone(pid)) {
-          fail(op, peerExited(q, pid) + ". " + whereEveryRankIs());
+          fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
         }
       }
     }
@@ -433,7 +439,7 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
     // Rank q posted `step`, so its slot's signature is for `step` and was
     // written by hsdp: anything else was written by something else.
     if (s.step != step || s.kind < 1 || s.kind > 6 || s.dtype > 8 || s.redop > 6) {
-      fail(op, "rank " + std::to_string(q) + "'s signature for step " + std::to_string(step) +
+      fail(op, rankName(q) + "'s signature for step " + std::to_string(step) +
                " is not one hsdp writes (step=" + std::to_string(s.step) +
                ", kind=" + std::to_string(s.kind) + ", dtype=" + std::to_string(s.dtype) +
                ", op=" + std::to_string(s.redop) + ")" + kCorrupted);
@@ -442,7 +448,7 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
         s.dtype != mine.dtype || s.redop != mine.redop || s.root != mine.root ||
         s.pieces != mine.pieces) {
       Signature expected = mine;
-      fail(op, "ranks called different collectives: rank " + std::to_string(q) + " called " +
+      fail(op, "ranks called different collectives: " + rankName(q) + " called " +
                describe(s) + ", this rank called " + describe(expected) + ". " +
                whereEveryRankIs());
     }
@@ -453,9 +459,9 @@ void Engine::failedRead(const OpState& op, int q, int32_t pid, const std::string
   const int err = errno;
   // A peer killed mid-read is a dead peer, and is reported as one.
   if (err == ESRCH || processGone(pid)) {
-    fail(op, peerExited(q, pid) + ". " + whereEveryRankIs());
+    fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
   }
-  fail(op, "reading " + what + " from rank " + std::to_string(q) + " (pid " + std::to_string(pid) +
+  fail(op, "reading " + what + " from " + rankName(q) + " (pid " + std::to_string(pid) +
            ") failed: " + std::strerror(err));
 }
 
@@ -485,7 +491,7 @@ void Engine::readPeerPieces(
   const int32_t pid = peerPid(q);
   for (size_t i = 0; i < local.size(); ++i) {
     if (remote[2 * i + 1] != local[i].bytes) {
-      fail(op, "rank " + std::to_string(q) + "'s piece " + std::to_string(i) + " has " +
+      fail(op, rankName(q) + "'s piece " + std::to_string(i) + " has " +
                std::to_string(remote[2 * i + 1]) + " bytes; this rank expects " +
                std::to_string(local[i].bytes));
     }

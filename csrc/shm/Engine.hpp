@@ -69,6 +69,11 @@ struct EngineConfig {
   // no staging through the slots), when every rank may read every other's
   // memory (checked at rendezvous). 0 disables it.
   size_t directReadBytes = 256 * 1024;
+  // How messages name the ranks: engine rank q is rank groupRanks[q] of a
+  // group of groupSize (a host's part of a group that spans hosts). Empty:
+  // the engine's ranks are the group's.
+  std::vector<int> groupRanks;
+  int groupSize = 0;
 };
 
 // Whether this process may read `pid`'s memory: reads `bytes` at `address`.
@@ -202,6 +207,8 @@ class Engine {
   // "rank r failed: reason" once the group is broken, else empty.
   std::string brokenBy() const;
   std::string prefix(const char* op) const;
+  // "rank R": engine rank q as the group numbers it (EngineConfig::groupRanks).
+  std::string rankName(int q) const;
   // Fails the op after a direct read of rank q (`pid`) failed: as a dead peer
   // when q is gone, else with errno's reason.
   [[noreturn]] void failedRead(const OpState& op, int q, int32_t pid, const std::string& what);

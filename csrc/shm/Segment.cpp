@@ -41,7 +41,7 @@ std::string readFirstLine(const char* path) {
 std::string linkTarget(const char* path) {
   char buf[256];
   ssize_t n = readlink(path, buf, sizeof buf - 1);
-  return n > 0 ? std::string(buf, n) : std::string("?");
+  return n > 0 ? std::string(buf, n) : std::string();
 }
 
 } // namespace
@@ -146,10 +146,22 @@ Segment::~Segment() {
 
 std::string hostIdentity() {
   char host[256] = {0};
-  gethostname(host, sizeof host - 1);
-  return std::string(host) + "|" + readFirstLine("/proc/sys/kernel/random/boot_id") + "|" +
-      linkTarget("/proc/self/ns/mnt") + "|" + linkTarget("/proc/self/ns/ipc") + "|" +
-      linkTarget("/proc/self/ns/pid");
+  if (gethostname(host, sizeof host - 1) != 0) {
+    return "";
+  }
+  const std::string parts[] = {
+      readFirstLine("/proc/sys/kernel/random/boot_id"),
+      linkTarget("/proc/self/ns/mnt"),
+      linkTarget("/proc/self/ns/ipc"),
+      linkTarget("/proc/self/ns/pid")};
+  std::string identity = host;
+  for (const auto& part : parts) {
+    if (part.empty()) {
+      return "";
+    }
+    identity += "|" + part;
+  }
+  return identity;
 }
 
 } // namespace hsdp::shm

@@ -145,7 +145,8 @@ class Segment {
 
 // Identifies the host and the namespaces that decide whether two processes
 // can share a segment and see each other's pids: hostname, boot id, and the
-// mount, IPC and PID namespaces.
+// mount, IPC and PID namespaces. Empty when any of them cannot be read:
+// such a rank shares memory with nobody.
 std::string hostIdentity();
 
 } // namespace hsdp::shm

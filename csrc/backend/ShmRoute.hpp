@@ -1,0 +1,146 @@
+#pragma once
+
+// The CPU route of a group whose members can share memory: the collectives
+// the backend's overrides call, and how they run.
+//
+//   * Flat: every member on this host; one shared-memory engine.
+//   * Hierarchical: the group spans H hosts holding L of its ranks each.
+//     Each host's ranks share an engine (the intra-host phase), and the
+//     ranks with the same local index l, one per host, form an inter-host
+//     Gloo group (the inter-host phase): L Gloo groups move the cross-host
+//     traffic at once, each carrying its 1/L of it.
+//
+// Hierarchical algorithms (n: one rank's bytes or elements; W = H * L):
+//   all-gather      inter: my piece to my column (H pieces, written in
+//                   place); intra: my column's pieces to my host's ranks.
+//   reduce-scatter  intra: reduce-scatter of the column-ordered input (my
+//                   column's H partial sums); inter: reduce-scatter of those.
+//   all-reduce      large and divisible by L: intra reduce-scatter, inter
+//                   all-reduce of my 1/L, intra all-gather; else intra
+//                   all-reduce, then every column all-reduces the whole
+//                   tensor (identical inputs, identical results).
+//   broadcast       inter: the root's column; intra: from the root's column.
+//   barrier         intra, then inter: no rank leaves before every rank of
+//                   every host arrived.
+// Reductions run as SUM (or the op) in both phases and the deferred scale
+// (AVG, PREMUL_SUM, divide_by) is applied once, to the final values, where
+// every rank holding them applies it alike: results are bitwise identical on
+// all ranks. A failure of either phase marks this host's engine broken (its
+// other ranks fail at once, naming it) and raises shm::CommError naming the
+// op, which the backend turns into DistBackendError.
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "backend/CommStats.hpp"
+#include "fusion/StagingPool.hpp"
+#include "shm/Engine.hpp"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace hsdp {
+
+// Where a group's ranks are: hosts in the order their first rank appears,
+// each host's ranks in group-rank order.
+struct HostLayout {
+  int hosts = 1;
+  int perHost = 1;
+  int host = 0; // this rank's host
+  int local = 0; // this rank's index on its host
+  std::vector<int> ranks; // ranks[h * perHost + l]: the group rank of host h's l-th rank
+
+  int rankOf(int h, int l) const {
+    return ranks[static_cast<size_t>(h) * perHost + l];
+  }
+  // The group ranks of host h, and of column l (one per host).
+  std::vector<int> hostRanks(int h) const;
+  std::vector<int> columnRanks(int l) const;
+  // "ranks 0,1 on host a; ranks 2,3 on host b" (hostnames).
+  std::string describe(const std::vector<std::string>& hostnames) const;
+};
+
+class ShmRoute {
+ public:
+  ShmRoute(
+      std::unique_ptr<shm::Engine> local,
+      HostLayout layout,
+      c10::intrusive_ptr<c10d::Backend> column, // null when flat
+      int rank,
+      int size,
+      CommStats& stats,
+      std::shared_ptr<StagingPool> staging);
+
+  bool hierarchical() const {
+    return column_ != nullptr;
+  }
+  const char* name() const {
+    return hierarchical() ? "hierarchical" : "shm";
+  }
+  const HostLayout& layout() const {
+    return layout_;
+  }
+  bool directReads() const {
+    return local_->directReads();
+  }
+
+  // The engine's calls, for the whole group (see shm::Engine).
+  void allGather(const char* op, const void* input, void* output, size_t bytesPerRank);
+  void reduceScatter(
+      const char* op,
+      const void* input,
+      void* output,
+      size_t countPerRank,
+      shm::DType dtype,
+      shm::RedOp redop,
+      shm::Scale scale);
+  void allReduce(const char* op, void* data, size_t count, shm::DType dtype, shm::RedOp redop, shm::Scale scale);
+  void broadcast(const char* op, void* data, size_t bytes, int root);
+  void barrier(const char* op);
+  // Piecewise all-gather: flat groups only (hierarchical ones pack).
+  bool gathersPieces(size_t pieces, size_t totalBytes) const {
+    return !hierarchical() && local_->gathersPieces(pieces, totalBytes);
+  }
+  void allGatherPieces(
+      const char* op,
+      const std::vector<shm::Span>& inputs,
+      const std::vector<std::vector<shm::Span>>& outputs) {
+    local_->allGatherPieces(op, inputs, outputs);
+  }
+
+  void setCallerSeq(uint64_t seq) {
+    local_->setCallerSeq(seq);
+  }
+  // Where every rank of this host is (the engine's view).
+  std::string whereEveryRankIs() const {
+    return local_->whereEveryRankIs();
+  }
+  // Fails this host's ranks at once; inter-host peers see this rank's
+  // Gloo group fail when the process leaves or at their deadline.
+  void abort(const std::string& why) {
+    local_->abort(why);
+  }
+
+  // All-reduces of at least this many bytes (and divisible by L) send only
+  // their 1/L across hosts.
+  static constexpr size_t kSlicedAllReduceBytes = 64 << 10;
+
+ private:
+  // Runs an inter-host phase: issue on the column group, wait. A failure
+  // breaks this host's engine and raises shm::CommError naming `op`.
+  template <typename Issue>
+  void acrossHosts(const char* op, uint64_t bytes, Issue&& issue);
+  void withinHost(uint64_t bytes);
+  at::Tensor stage(size_t bytes);
+  std::string prefix(const char* op) const;
+
+  std::unique_ptr<shm::Engine> local_;
+  HostLayout layout_;
+  c10::intrusive_ptr<c10d::Backend> column_;
+  int rank_;
+  int size_;
+  CommStats& stats_;
+  std::shared_ptr<StagingPool> staging_;
+};
+
+} // namespace hsdp
