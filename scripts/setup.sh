@@ -31,14 +31,15 @@ fi
 
 # googletest's sources (Debian): the engine's C++ tests (scripts/cpp_tests.sh)
 # build them with their own sanitizer flags. spin (Debian): the model checker
-# of the engine's protocol (scripts/check_protocol.sh).
-if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null; then
-  echo "[setup] installing googletest and spin (Debian) for the engine's C++ tests and model"
-  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin > /dev/null 2>&1 ||
+# of the engine's protocol (scripts/check_protocol.sh). iproute2: simulated
+# hosts (tools/simhosts.py, tests/test_hosts.py).
+if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null || ! command -v ip > /dev/null; then
+  echo "[setup] installing googletest, spin and iproute2 (Debian) for the engine's C++ tests, model and simulated hosts"
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin iproute2 > /dev/null 2>&1 ||
          { apt-get update -q > /dev/null 2>&1 &&
-           DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin > /dev/null 2>&1; }; }; then
-    echo "[setup] WARNING: could not install googletest/spin; tests/test_cpp_engine.py and" \
-         "tests/test_protocol_model.py will fail" >&2
+           DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin iproute2 > /dev/null 2>&1; }; }; then
+    echo "[setup] WARNING: could not install googletest/spin/iproute2; tests/test_cpp_engine.py," \
+         "tests/test_protocol_model.py and tests/test_hosts.py will fail" >&2
   fi
 fi
 

@@ -200,6 +200,7 @@ class SimHosts:
         env: dict[str, str] | None = None,
         python: str = sys.executable,
         rdzv_id: str | None = None,
+        torchrun_args: tuple[str, ...] = (),
         **kwargs,
     ) -> subprocess.Popen:
         """torchrun on host h: `nproc` ranks, c10d rendezvous on host 0."""
@@ -207,10 +208,21 @@ class SimHosts:
             python, "-m", "torch.distributed.run",
             "--nnodes", str(self.count), "--nproc-per-node", str(nproc),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.name(0)}:{RDZV_PORT}",
-            "--rdzv-id", rdzv_id or self.tag, "--max-restarts", "0",
+            "--rdzv-id", rdzv_id or self.tag, "--max-restarts", "0", *torchrun_args,
             *script_and_args,
         ]
         return self.popen(h, argv, env=env, **kwargs)
+
+    @staticmethod
+    def shm_now(p: subprocess.Popen) -> list[str] | None:
+        """What the host of `p` (still running) has in /dev/shm now."""
+        if p.poll() is not None:
+            return None
+        listing = subprocess.run(
+            ["nsenter", "--target", str(p.pid), "--mount", "ls", "-A", "/dev/shm"],
+            capture_output=True, text=True,
+        )
+        return listing.stdout.split() if listing.returncode == 0 else None
 
     @staticmethod
     def shm_left(p: subprocess.Popen) -> list[str]:

@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <thread>
 
 namespace hsdp::shm {
 
@@ -287,12 +288,20 @@ void Engine::markBroken(const std::string& reason) {
 
 std::string Engine::brokenBy() const {
   const Header& h = segment_.header();
-  const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
+  uint32_t by = h.brokenBy.load(std::memory_order_acquire);
   if (by == 0) {
     return "";
   }
+  // The failing rank publishes its number right after writing its reason
+  // (markBroken), so a waiter woken in between would lose the reason: wait
+  // for it, boundedly, since that rank may have died in between.
+  for (const auto until = Clock::now() + std::chrono::milliseconds(200);
+       by == UINT32_MAX && Clock::now() < until;) {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    by = h.brokenBy.load(std::memory_order_acquire);
+  }
   if (by == UINT32_MAX) {
-    return "a rank failed (its reason is being written)";
+    return "a rank failed (it did not finish writing its reason)";
   }
   if (by > static_cast<uint32_t>(size_)) {
     return "the segment's failure record names rank " + std::to_string(by - 1) +

@@ -468,6 +468,25 @@ TEST(EngineFailures, ATimeoutSaysWhereEveryRankIs) {
   EXPECT_GE(said, 1) << errors[0] << "\n" << errors[1];
 }
 
+TEST(EngineFailures, AFailureRecordBeingWrittenIsWaitedFor) {
+  // markBroken claims the record (UINT32_MAX), writes the reason, then
+  // publishes its rank: a rank that looks in between must still name the
+  // reason (found by a CI run: "its reason is being written").
+  Group g(2, testConfig(), false);
+  Header& h = g.view().header();
+  h.brokenBy.store(UINT32_MAX);
+  std::thread writer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", "written late");
+    h.brokenBy.store(2, std::memory_order_release); // rank 1
+  });
+  const auto errors = g.run([](Engine& e) { e.barrier("barrier"); });
+  writer.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(contains(errors[r], "rank 1 failed (written late)")) << errors[r];
+  }
+}
+
 TEST(EngineFailures, AbortFromAnotherThreadWakesEveryWaiter) {
   Group g(3, testConfig(), false);
   const auto start = std::chrono::steady_clock::now();
