@@ -383,7 +383,9 @@ def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def train(args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, dist.ProcessGroup]) -> float:
+def train(
+    args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, dist.ProcessGroup]
+) -> list[dict[str, float]]:
     """Builds, shards and trains the model; rank 0 logs every step.
 
     Args:
@@ -394,7 +396,8 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, di
             Ignored unless ``args.backend == "hsdp"``.
 
     Returns:
-        The final step's loss, averaged over ranks.
+        Per step: loss (averaged over ranks), step_ms, fwd_bwd_ms, tokens_per_s
+        (this rank's times; what rank 0 prints).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build_model(args)
@@ -414,6 +417,7 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, di
     tokens_per_step = args.batch_size * args.seq_len * world_size
 
     loss_avg = float("nan")
+    metrics: list[dict[str, float]] = []
     for step in range(1, args.steps + 1):
         inputs, labels = data.next_batch()
         if track_comms:
@@ -442,6 +446,8 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, di
             else:
                 comms = "".join(f"  {label}[{text}]" for label, text in rendered.items())
         loss_avg = mean_across_ranks(loss).item()
+        metrics.append({"loss": loss_avg, "step_ms": elapsed * 1e3, "fwd_bwd_ms": fwd_bwd * 1e3,
+                        "tokens_per_s": tokens_per_step / elapsed})
         if rank == 0:
             print(
                 f"step {step:3d}  loss {loss_avg:.6f}  {elapsed * 1e3:8.1f} ms  "
@@ -450,7 +456,7 @@ def train(args: argparse.Namespace, mesh: DeviceMesh, stats_groups: dict[str, di
             )
     if rank == 0:
         print(f"final loss {loss_avg:.6f}", flush=True)
-    return loss_avg
+    return metrics
 
 
 # ---------------------------------------------------------------------------

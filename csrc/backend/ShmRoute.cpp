@@ -11,6 +11,8 @@ namespace hsdp {
 
 namespace {
 
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
 at::ScalarType scalarType(shm::DType d) {
   switch (d) {
     case shm::DType::F32:
@@ -59,16 +61,6 @@ c10d::ReduceOp reduceOp(shm::RedOp op) {
 at::Tensor wrap(const void* data, size_t count, at::ScalarType type) {
   return at::from_blob(
       const_cast<void*>(data), {static_cast<int64_t>(count)}, at::TensorOptions().dtype(type));
-}
-
-void applyScale(void* data, size_t count, shm::DType dtype, shm::Scale scale) {
-  if (scale.kind == shm::Scale::Kind::None || count == 0) {
-    return;
-  }
-  // The engine's kernel with one source: the same widening and single
-  // rounding as the flat route's fused scale.
-  const void* src = data;
-  shm::reduce(data, &src, 1, count, dtype, shm::RedOp::Sum, scale);
 }
 
 // A staging buffer from the pool, given back when the phase is over.
@@ -135,7 +127,14 @@ ShmRoute::ShmRoute(
       rank_(rank),
       size_(size),
       stats_(stats),
-      staging_(std::move(staging)) {}
+      staging_(std::move(staging)) {
+  hostMajor_ = true;
+  for (int h = 0; h < layout_.hosts; ++h) {
+    for (int l = 0; l < layout_.perHost; ++l) {
+      hostMajor_ = hostMajor_ && layout_.rankOf(h, l) == h * layout_.perHost + l;
+    }
+  }
+}
 
 std::string ShmRoute::prefix(const char* op) const {
   return "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) + "] " + op + ": ";
@@ -146,12 +145,15 @@ void ShmRoute::withinHost(uint64_t bytes) {
 }
 
 template <typename Issue>
-void ShmRoute::acrossHosts(const char* op, uint64_t bytes, Issue&& issue) {
-  stats_.record("inter_host", 1, bytes);
+void ShmRoute::acrossHosts(const char* op, uint64_t bytes, Issue&& issue, bool count) {
+  if (count) {
+    stats_.record("inter_host", 1, bytes);
+  }
   try {
-    auto work = issue(*column_);
-    if (work) {
-      work->wait();
+    for (auto& work : issue(*column_)) {
+      if (work) {
+        work->wait();
+      }
     }
   } catch (const std::exception& e) {
     const std::string why = "the inter-host phase of " + std::string(op) + " (gloo, with ranks " +
@@ -163,6 +165,61 @@ void ShmRoute::acrossHosts(const char* op, uint64_t bytes, Issue&& issue) {
   }
 }
 
+// Sends and receives posted on my column for one inter-host phase. wait()
+// completes them (a failure: CommError naming the op, and this host's
+// ranks fail too); leaving the phase by an exception instead still waits
+// for whatever is posted, failures ignored, because Gloo reads and writes
+// the buffers until then (bounded by the group's timeout).
+class ShmRoute::Transfers {
+ public:
+  Transfers(ShmRoute& route, const char* op)
+      : route_(route), op_(op), tag_(static_cast<int>(route.exchanges_++ % (1u << 30))) {}
+  Transfers(const Transfers&) = delete;
+  Transfers& operator=(const Transfers&) = delete;
+  ~Transfers() {
+    for (auto& work : works_) {
+      try {
+        work->wait();
+      } catch (const std::exception&) {
+      }
+    }
+  }
+
+  void send(const void* data, size_t bytes, int host) {
+    post(data, bytes, host, true);
+  }
+  void recv(void* data, size_t bytes, int host) {
+    post(data, bytes, host, false);
+  }
+  void wait() {
+    // A copy: on failure the destructor still waits for every one.
+    route_.acrossHosts(op_, bytes_, [&](c10d::Backend&) { return works_; });
+    works_.clear();
+    bytes_ = 0;
+  }
+
+ private:
+  void post(const void* data, size_t bytes, int host, bool isSend) {
+    if (bytes == 0) {
+      return;
+    }
+    route_.acrossHosts(op_, 0, [&](c10d::Backend& column) {
+      // Every rank of a column runs the same collectives in the same
+      // order, so the counter names each phase alike on all of them.
+      std::vector<at::Tensor> t{wrap(data, bytes, at::kByte)};
+      works_.push_back(isSend ? column.send(t, host, tag_) : column.recv(t, host, tag_));
+      return std::vector<WorkPtr>{};
+    }, /*count=*/false);
+    bytes_ += isSend ? bytes : 0;
+  }
+
+  ShmRoute& route_;
+  const char* op_;
+  const int tag_;
+  std::vector<WorkPtr> works_;
+  uint64_t bytes_ = 0;
+};
+
 void ShmRoute::allGather(const char* op, const void* input, void* output, size_t n) {
   if (!hierarchical()) {
     local_->allGather(op, input, output, n);
@@ -172,14 +229,20 @@ void ShmRoute::allGather(const char* op, const void* input, void* output, size_t
   char* out = static_cast<char*>(output);
   auto at = [&](int h, int l) { return out + static_cast<size_t>(L.rankOf(h, l)) * n; };
   if (n > 0) {
-    acrossHosts(op, n, [&](c10d::Backend& column) {
-      std::vector<at::Tensor> in{wrap(input, n, at::kByte)};
-      std::vector<std::vector<at::Tensor>> outs(1);
-      for (int h = 0; h < L.hosts; ++h) {
-        outs[0].push_back(wrap(at(h, L.local), n, at::kByte));
+    // My piece to every other host's rank of my column, theirs straight
+    // into their places in the output.
+    char* mine = at(L.host, L.local);
+    if (mine != input) {
+      std::memcpy(mine, input, n);
+    }
+    Transfers column(*this, op);
+    for (int h = 0; h < L.hosts; ++h) {
+      if (h != L.host) {
+        column.recv(at(h, L.local), n, h);
+        column.send(mine, n, h);
       }
-      return column.allgather(outs, in, {});
-    });
+    }
+    column.wait();
   }
   if (L.perHost == 1) {
     return;
@@ -230,51 +293,69 @@ void ShmRoute::reduceScatter(
   const HostLayout& L = layout_;
   const size_t chunk = count * shm::dtypeSize(dtype);
   const char* in = static_cast<const char*>(input);
-  // Column-ordered input: local rank q's piece is the chunks of column q,
-  // host by host. Already so when each host holds one rank and the hosts'
-  // ranks are in host order.
-  const char* columns = in;
-  std::optional<Staged> packed;
-  std::optional<Staged> partial;
-  const char* mine = in; // my column's H chunks, reduced over my host
-  if (L.perHost > 1) {
-    packed.emplace(*staging_, chunk * size_);
+  // My column's H partial sums (its chunks reduced over my host), in host
+  // order; chunk h goes to host h's rank of my column as soon as it is
+  // reduced, so the intra-host phase of the next block overlaps its way.
+  Staged partial(*staging_, chunk * L.hosts);
+  Staged received(*staging_, chunk * L.hosts);
+  std::vector<const char*> block(L.hosts); // my column's partial sum for host h
+  for (int h = 0; h < L.hosts; ++h) {
+    // One rank per host: the input itself.
+    block[h] = L.perHost == 1 ? in + static_cast<size_t>(L.rankOf(h, 0)) * chunk : partial.data() + h * chunk;
+  }
+  Transfers column(*this, op);
+  auto ship = [&](int h) {
+    if (h != L.host) {
+      column.send(block[h], chunk, h);
+    }
+  };
+  if (L.perHost == 1) {
+    for (int h = 0; h < L.hosts; ++h) {
+      ship(h);
+    }
+  } else if (hostMajor_ && chunk * size_ >= kBlockwiseBytes) {
+    // Host h's ranks' chunks are one contiguous block of the input: one
+    // reduce-scatter per block, other hosts' blocks first.
+    withinHost(chunk * size_);
+    for (int k = 1; k <= L.hosts; ++k) {
+      const int h = (L.host + k) % L.hosts;
+      local_->reduceScatter(
+          op, in + static_cast<size_t>(h) * L.perHost * chunk, partial.data() + h * chunk, count, dtype,
+          redop, {});
+      ship(h);
+    }
+  } else {
+    // Column-ordered input (local rank q's piece: the chunks of column q,
+    // host by host), one reduce-scatter.
+    Staged packed(*staging_, chunk * size_);
     for (int q = 0; q < L.perHost; ++q) {
       for (int h = 0; h < L.hosts; ++h) {
-        std::memcpy(packed->data() + (static_cast<size_t>(q) * L.hosts + h) * chunk,
+        std::memcpy(packed.data() + (static_cast<size_t>(q) * L.hosts + h) * chunk,
                     in + static_cast<size_t>(L.rankOf(h, q)) * chunk, chunk);
       }
     }
-    columns = packed->data();
-    partial.emplace(*staging_, chunk * L.hosts);
     withinHost(chunk * size_);
-    local_->reduceScatter(op, columns, partial->data(), count * L.hosts, dtype, redop, {});
-    mine = partial->data();
-  } else {
-    // One rank per host: my column is the whole input, in host order when
-    // the group's ranks are.
-    bool hostOrder = true;
+    local_->reduceScatter(op, packed.data(), partial.data(), count * L.hosts, dtype, redop, {});
     for (int h = 0; h < L.hosts; ++h) {
-      hostOrder = hostOrder && L.rankOf(h, 0) == h;
-    }
-    if (!hostOrder) {
-      packed.emplace(*staging_, chunk * size_);
-      for (int h = 0; h < L.hosts; ++h) {
-        std::memcpy(packed->data() + h * chunk, in + static_cast<size_t>(L.rankOf(h, 0)) * chunk, chunk);
-      }
-      mine = packed->data();
+      ship(h);
     }
   }
-  if (count > 0) {
-    acrossHosts(op, chunk * L.hosts, [&](c10d::Backend& column) {
-      at::Tensor out = wrap(output, count, scalarType(dtype));
-      at::Tensor src = wrap(mine, count * L.hosts, scalarType(dtype));
-      c10d::ReduceScatterOptions opts;
-      opts.reduceOp = reduceOp(redop);
-      return column._reduce_scatter_base(out, src, opts);
-    });
+  if (count == 0) {
+    return;
   }
-  applyScale(output, count, dtype, scale);
+  // Every other host's partial sum of my chunk, then one reduction in host
+  // order (the scale folded in: one rounding).
+  std::vector<const void*> sources(L.hosts);
+  for (int h = 0; h < L.hosts; ++h) {
+    if (h == L.host) {
+      sources[h] = block[h];
+    } else {
+      column.recv(received.data() + h * chunk, chunk, h);
+      sources[h] = received.data() + h * chunk;
+    }
+  }
+  column.wait();
+  shm::reduce(output, sources.data(), L.hosts, count, dtype, redop, scale);
 }
 
 void ShmRoute::allReduce(
@@ -290,23 +371,14 @@ void ShmRoute::allReduce(
   }
   const HostLayout& L = layout_;
   const size_t es = shm::dtypeSize(dtype);
-  auto across = [&](void* part, size_t n) {
-    acrossHosts(op, n * es, [&](c10d::Backend& column) {
-      std::vector<at::Tensor> t{wrap(part, n, scalarType(dtype))};
-      c10d::AllreduceOptions opts;
-      opts.reduceOp = reduceOp(redop);
-      return column.allreduce(t, opts);
-    });
-  };
   const size_t slice = count / L.perHost;
   if (L.perHost > 1 && count * es >= kSlicedAllReduceBytes && count % L.perHost == 0) {
+    char* mine = static_cast<char*>(data) + L.local * slice * es;
     Staged part(*staging_, slice * es);
     withinHost(count * es);
     local_->reduceScatter(op, data, part.data(), slice, dtype, redop, {});
-    across(part.data(), slice);
-    applyScale(part.data(), slice, dtype, scale);
-    char* mine = static_cast<char*>(data) + L.local * slice * es;
     std::memcpy(mine, part.data(), slice * es);
+    allReduceColumn(op, mine, slice, dtype, redop, scale);
     withinHost(slice * es);
     local_->allGather(op, mine, data, slice * es);
     return;
@@ -315,10 +387,52 @@ void ShmRoute::allReduce(
     withinHost(count * es);
     local_->allReduce(op, data, count, dtype, redop, {});
   }
-  if (count > 0) {
-    across(data, count);
+  allReduceColumn(op, data, count, dtype, redop, scale);
+}
+
+void ShmRoute::allReduceColumn(
+    const char* op,
+    void* data,
+    size_t count,
+    shm::DType dtype,
+    shm::RedOp redop,
+    shm::Scale scale) {
+  const HostLayout& L = layout_;
+  if (count == 0) {
+    return;
   }
-  applyScale(data, count, dtype, scale);
+  // Part h of the data is reduced by host h's rank of my column alone (the
+  // H copies in host order, the scale folded in), then sent to the others:
+  // every rank ends with the same bits, and each part crosses the network
+  // twice in all, as in a ring, but every pair at once.
+  const size_t es = shm::dtypeSize(dtype);
+  char* bytes = static_cast<char*>(data);
+  auto begin = [&](int h) { return count * h / L.hosts * es; };
+  auto size = [&](int h) { return begin(h + 1) - begin(h); };
+  Staged received(*staging_, size(L.host) * L.hosts);
+  {
+    Transfers column(*this, op);
+    std::vector<const void*> sources(L.hosts);
+    for (int h = 0; h < L.hosts; ++h) {
+      if (h == L.host) {
+        sources[h] = bytes + begin(h);
+        continue;
+      }
+      column.recv(received.data() + h * size(L.host), size(L.host), h);
+      column.send(bytes + begin(h), size(h), h);
+      sources[h] = received.data() + h * size(L.host);
+    }
+    column.wait();
+    shm::reduce(bytes + begin(L.host), sources.data(), L.hosts, size(L.host) / es, dtype, redop, scale);
+  }
+  Transfers column(*this, op);
+  for (int h = 0; h < L.hosts; ++h) {
+    if (h != L.host) {
+      column.recv(bytes + begin(h), size(h), h);
+      column.send(bytes + begin(L.host), size(L.host), h);
+    }
+  }
+  column.wait();
 }
 
 void ShmRoute::broadcast(const char* op, void* data, size_t bytes, int root) {
@@ -342,7 +456,7 @@ void ShmRoute::broadcast(const char* op, void* data, size_t bytes, int root) {
       std::vector<at::Tensor> t{wrap(data, bytes, at::kByte)};
       c10d::BroadcastOptions opts;
       opts.rootRank = rootHost;
-      return column.broadcast(t, opts);
+      return std::vector<WorkPtr>{column.broadcast(t, opts)};
     });
   }
   if (L.perHost > 1) {
@@ -362,7 +476,7 @@ void ShmRoute::barrier(const char* op) {
     withinHost(0);
     local_->barrier(op);
   }
-  acrossHosts(op, 0, [&](c10d::Backend& column) { return column.barrier({}); });
+  acrossHosts(op, 0, [&](c10d::Backend& column) { return std::vector<WorkPtr>{column.barrier({})}; });
 }
 
 } // namespace hsdp

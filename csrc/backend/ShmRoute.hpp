@@ -11,10 +11,15 @@
 //     traffic at once, each carrying its 1/L of it.
 //
 // Hierarchical algorithms (n: one rank's bytes or elements; W = H * L):
-//   all-gather      inter: my piece to my column (H pieces, written in
-//                   place); intra: my column's pieces to my host's ranks.
+//   all-gather      inter: my piece to my column's other ranks, theirs
+//                   into place (pairwise send / recv); intra: my column's
+//                   pieces to my host's ranks.
 //   reduce-scatter  intra: reduce-scatter of the column-ordered input (my
-//                   column's H partial sums); inter: reduce-scatter of those.
+//                   column's H partial sums); inter: partial sum h to host
+//                   h's rank of my column (pairwise), then one reduction of
+//                   the H partial sums of my chunk, in host order. Gloo's
+//                   own reduce-scatter is an all-reduce of the whole input:
+//                   twice the bytes.
 //   all-reduce      large and divisible by L: intra reduce-scatter, inter
 //                   all-reduce of my 1/L, intra all-gather; else intra
 //                   all-reduce, then every column all-reduces the whole
@@ -124,12 +129,20 @@ class ShmRoute {
   // All-reduces of at least this many bytes (and divisible by L) send only
   // their 1/L across hosts.
   static constexpr size_t kSlicedAllReduceBytes = 64 << 10;
+  // Reduce-scatters of at least this many input bytes reduce each host's
+  // block separately (no reordering copy) when the group's ranks are in
+  // host order.
+  static constexpr size_t kBlockwiseBytes = 1 << 20;
 
  private:
   // Runs an inter-host phase: issue on the column group, wait. A failure
   // breaks this host's engine and raises shm::CommError naming `op`.
   template <typename Issue>
-  void acrossHosts(const char* op, uint64_t bytes, Issue&& issue);
+  void acrossHosts(const char* op, uint64_t bytes, Issue&& issue, bool count = true);
+  class Transfers; // pairwise sends and receives on my column
+  // All-reduce over my column (one rank per host) of data that is
+  // identical on my host's ranks.
+  void allReduceColumn(const char* op, void* data, size_t count, shm::DType dtype, shm::RedOp redop, shm::Scale scale);
   void withinHost(uint64_t bytes);
   at::Tensor stage(size_t bytes);
   std::string prefix(const char* op) const;
@@ -141,6 +154,8 @@ class ShmRoute {
   int size_;
   CommStats& stats_;
   std::shared_ptr<StagingPool> staging_;
+  uint64_t exchanges_ = 0;
+  bool hostMajor_; // rankOf(h, l) == h * perHost + l
 };
 
 } // namespace hsdp
