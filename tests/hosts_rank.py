@@ -77,12 +77,16 @@ def job_fault(rank: int, world: int, out: str, op: str):
     return {"engine": engine, "iterations": i, "error": None, "failed_at": None}
 
 
-def job_train_and_exit(rank: int, world: int, out: str):
-    """A short FSDP2 training, then a normal exit (the clean-exit test)."""
+def job_train_and_exit(rank: int, world: int, out: str, how: str = "destroy"):
+    """A short FSDP2 training, then the end of the process (the clean-exit
+    test), `how`: "destroy" (destroy_process_group, then exit), "exit" (the
+    interpreter exits with the groups alive), "abort" (abort every group,
+    then exit), "host_gone" (host 1's ranks leave at once with os._exit, host
+    0's then destroy their groups)."""
     import fsdp_parity
 
     result = fsdp_parity.run_scenarios(rank, world, ["fsdp_w4_reshard_int"], os.path.join(out, "ckpt"))
-    return {"ok": isinstance(result["fsdp_w4_reshard_int"], dict)}
+    return {"ok": isinstance(result["fsdp_w4_reshard_int"], dict), "how": how}
 
 
 JOBS = {"ops": job_ops, "fsdp": job_fsdp, "fault": job_fault, "train_and_exit": job_train_and_exit}
@@ -112,7 +116,19 @@ def main() -> None:
         # The group is broken; leaving it cannot be clean. The test checks
         # what each rank raised, and every host's /dev/shm.
         os._exit(0)
-    dist.destroy_process_group()
+    how = args[0] if job == "train_and_exit" and args else "destroy"
+    if how == "host_gone":
+        # Host 1 leaves first; host 0 waits until it is gone, then destroys.
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+        if rank >= world - local_world:
+            os._exit(0)
+        time.sleep(2)
+        dist.destroy_process_group()
+    elif how == "abort":
+        dist.distributed_c10d._abort_process_group()
+    elif how == "destroy":
+        dist.destroy_process_group()
+    # "exit": nothing; the interpreter exits with the groups alive.
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ mount namespace per host, torchrun with the c10d rendezvous on each):
 * a host whose link goes down mid-collective, a rank killed with SIGKILL on
   the other host: every surviving rank raises DistBackendError naming the op
   within the group timeout, and no host keeps anything in /dev/shm;
-* clean exits: consecutive trainings, every torchrun exits 0
-  (HSDP_TEST_EXIT_RUNS, default 3; the issue's 50 in the long form).
+* clean exits: consecutive trainings that end with destroy_process_group,
+  with a plain interpreter exit, with abort, and with the other host already
+  gone; every torchrun exits 0 (HSDP_TEST_EXIT_RUNS runs of each, default 3;
+  50 in the long form).
 
 They need root and iproute2: elsewhere they skip with the reason, except
 under CI (CI set), where that is a failure.
@@ -186,9 +188,10 @@ EXIT_RUNS = int(os.environ.get("HSDP_TEST_EXIT_RUNS", "3"))
 
 
 @pytest.mark.timeout(120 + 90 * EXIT_RUNS)
-def test_consecutive_trainings_exit_cleanly(tmp_path):
+@pytest.mark.parametrize("how", ["destroy", "exit", "abort", "host_gone"])
+def test_consecutive_trainings_exit_cleanly(tmp_path, how):
     for i in range(EXIT_RUNS):
-        codes, results, shm = launch(tmp_path / str(i), "train_and_exit", [2, 2])
+        codes, results, shm = launch(tmp_path / str(i), "train_and_exit", [2, 2], how)
         assert all(isinstance(r, dict) and r["ok"] for r in results), results
         assert codes == [0, 0], f"run {i + 1} of {EXIT_RUNS}: torchrun exit codes {codes}"
         assert shm == [[], []], shm
