@@ -70,7 +70,15 @@ def job_fault(rank: int, world: int, out: str, op: str):
             with open(os.path.join(out, f"progress.{rank}"), "w") as f:
                 f.write(str(i))
     except dist.DistBackendError as exc:
-        return {"engine": engine, "iterations": i, "error": str(exc), "failed_at": time.time()}
+        failed_at = time.time()
+        # The group must now refuse work at once, not hang or half-run.
+        try:
+            dist.all_reduce(t)
+            again = None
+        except Exception as second:  # noqa: BLE001 - its type is checked by the test
+            again = f"{type(second).__name__}: {second}"
+        return {"engine": engine, "iterations": i, "error": str(exc), "failed_at": failed_at,
+                "again": again, "again_s": time.time() - failed_at}
     except Exception as exc:  # noqa: BLE001 - any other type is a failure of the test
         return {"engine": engine, "iterations": i, "error": f"{type(exc).__name__}: {exc}",
                 "failed_at": time.time(), "wrong_type": True}

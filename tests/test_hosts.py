@@ -144,7 +144,11 @@ def _check_survivors(results, survivors, fault_at, op):
         assert not res.get("wrong_type"), f"rank {r} raised another type: {res['error']}"
         assert op in res["error"], f"rank {r}: {res['error']}"
         took = res["failed_at"] - fault_at
+        print(f"rank {r} failed {took:.2f} s after the fault: {res['error'][:200]}")
         assert took < GROUP_TIMEOUT_S + 15, f"rank {r} failed {took:.1f} s after the fault"
+        # The next call is refused at once.
+        assert res["again"] is not None and res["again"].startswith("DistBackendError"), res["again"]
+        assert res["again_s"] < 5, f"rank {r}: the next call took {res['again_s']:.1f} s to fail"
 
 
 # The agents must not stop the survivors before they report: torchrun checks

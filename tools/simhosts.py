@@ -156,6 +156,15 @@ class SimHosts:
 
     def close(self) -> None:
         """Kills every process started here, deletes the namespaces."""
+        # Every process in a host's namespace: torchrun starts its workers
+        # in sessions of their own, out of reach of the group kill below.
+        for ns in self._made:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+            for pid in pids.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
         for p in self.procs:
             if p.poll() is None:
                 try:

@@ -5,6 +5,7 @@
 #include "shm/Reduce.hpp"
 
 #include <cstring>
+#include <exception>
 #include <optional>
 
 namespace hsdp {
@@ -105,14 +106,6 @@ std::vector<int> HostLayout::columnRanks(int l) const {
   return out;
 }
 
-std::string HostLayout::describe(const std::vector<std::string>& hostnames) const {
-  std::string out;
-  for (int h = 0; h < hosts; ++h) {
-    out += (h ? "; ranks " : "ranks ") + joined(hostRanks(h)) + " on host " + hostnames[h];
-  }
-  return out;
-}
-
 ShmRoute::ShmRoute(
     std::unique_ptr<shm::Engine> local,
     HostLayout layout,
@@ -140,6 +133,34 @@ std::string ShmRoute::prefix(const char* op) const {
   return "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) + "] " + op + ": ";
 }
 
+// Marks the route failed when an op is left by an exception (the engine's
+// failures included): a rank that stopped halfway through a collective no
+// longer agrees with its column on what comes next.
+class ShmRoute::FailsTheRoute {
+ public:
+  explicit FailsTheRoute(ShmRoute& route) : route_(route), exceptions_(std::uncaught_exceptions()) {}
+  FailsTheRoute(const FailsTheRoute&) = delete;
+  FailsTheRoute& operator=(const FailsTheRoute&) = delete;
+  ~FailsTheRoute() {
+    if (std::uncaught_exceptions() > exceptions_ && route_.failure_.empty()) {
+      route_.failure_ = "a failure in an earlier collective of this rank";
+    }
+  }
+
+ private:
+  ShmRoute& route_;
+  const int exceptions_;
+};
+
+void ShmRoute::checkUsable(const char* op) const {
+  // As the engine refuses work after a failure; with one rank per host the
+  // engine is never called, and the column's tags would no longer agree.
+  if (!failure_.empty()) {
+    throw shm::CommError(
+        prefix(op) + "the group is unusable after " + failure_ + "; create a new process group");
+  }
+}
+
 void ShmRoute::withinHost(uint64_t bytes) {
   stats_.record("intra_host", 1, bytes);
 }
@@ -158,6 +179,7 @@ void ShmRoute::acrossHosts(const char* op, uint64_t bytes, Issue&& issue, bool c
   } catch (const std::exception& e) {
     const std::string why = "the inter-host phase of " + std::string(op) + " (gloo, with ranks " +
         joined(layout_.columnRanks(layout_.local)) + ") failed: " + e.what();
+    failure_ = why;
     // This host's ranks may be waiting for this rank in the next phase:
     // they fail now, naming the cause, not at their deadline.
     local_->abort("rank " + std::to_string(rank_) + ": " + why);
@@ -225,6 +247,8 @@ void ShmRoute::allGather(const char* op, const void* input, void* output, size_t
     local_->allGather(op, input, output, n);
     return;
   }
+  checkUsable(op);
+  const FailsTheRoute guard(*this);
   const HostLayout& L = layout_;
   char* out = static_cast<char*>(output);
   auto at = [&](int h, int l) { return out + static_cast<size_t>(L.rankOf(h, l)) * n; };
@@ -290,6 +314,8 @@ void ShmRoute::reduceScatter(
     local_->reduceScatter(op, input, output, count, dtype, redop, scale);
     return;
   }
+  checkUsable(op);
+  const FailsTheRoute guard(*this);
   const HostLayout& L = layout_;
   const size_t chunk = count * shm::dtypeSize(dtype);
   const char* in = static_cast<const char*>(input);
@@ -369,6 +395,8 @@ void ShmRoute::allReduce(
     local_->allReduce(op, data, count, dtype, redop, scale);
     return;
   }
+  checkUsable(op);
+  const FailsTheRoute guard(*this);
   const HostLayout& L = layout_;
   const size_t es = shm::dtypeSize(dtype);
   const size_t slice = count / L.perHost;
@@ -440,6 +468,8 @@ void ShmRoute::broadcast(const char* op, void* data, size_t bytes, int root) {
     local_->broadcast(op, data, bytes, root);
     return;
   }
+  checkUsable(op);
+  const FailsTheRoute guard(*this);
   const HostLayout& L = layout_;
   int rootHost = 0;
   int rootLocal = 0;
@@ -470,6 +500,8 @@ void ShmRoute::barrier(const char* op) {
     local_->barrier(op);
     return;
   }
+  checkUsable(op);
+  const FailsTheRoute guard(*this);
   // Leaving the inter-host barrier means every column's rank passed its
   // host's barrier, so every rank of every host arrived.
   if (layout_.perHost > 1) {

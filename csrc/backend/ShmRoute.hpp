@@ -61,8 +61,6 @@ struct HostLayout {
   // The group ranks of host h, and of column l (one per host).
   std::vector<int> hostRanks(int h) const;
   std::vector<int> columnRanks(int l) const;
-  // "ranks 0,1 on host a; ranks 2,3 on host b" (hostnames).
-  std::string describe(const std::vector<std::string>& hostnames) const;
 };
 
 class ShmRoute {
@@ -143,6 +141,8 @@ class ShmRoute {
   // All-reduce over my column (one rank per host) of data that is
   // identical on my host's ranks.
   void allReduceColumn(const char* op, void* data, size_t count, shm::DType dtype, shm::RedOp redop, shm::Scale scale);
+  class FailsTheRoute;
+  void checkUsable(const char* op) const;
   void withinHost(uint64_t bytes);
   at::Tensor stage(size_t bytes);
   std::string prefix(const char* op) const;
@@ -155,6 +155,7 @@ class ShmRoute {
   CommStats& stats_;
   std::shared_ptr<StagingPool> staging_;
   uint64_t exchanges_ = 0;
+  std::string failure_; // the first inter-host failure: the route refuses work after it
   bool hostMajor_; // rankOf(h, l) == h * perHost + l
 };
 

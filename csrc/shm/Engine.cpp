@@ -418,8 +418,8 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
         // "Timed out", as gloo words it: code that matches gloo's timeout
         // message (PyTorch's own tests do) matches this one.
         fail(op, "Timed out after " +
-                 std::to_string(config_.timeout.count()) + " ms waiting for rank " +
-                 std::to_string(laggard) + " (it has not reached step " + std::to_string(target) +
+                 std::to_string(config_.timeout.count()) + " ms waiting for " +
+                 rankName(laggard) + " (it has not reached step " + std::to_string(target) +
                  " of the group; is it stuck, or did it call a different collective?). " +
                  whereEveryRankIs());
       }
