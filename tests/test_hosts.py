@@ -23,6 +23,7 @@ import os
 import pathlib
 import pickle
 import signal
+import subprocess
 import sys
 import time
 
@@ -83,6 +84,28 @@ def _assert_ok(results) -> None:
         assert isinstance(res, dict), f"rank {r}: {res}"
         failed = {k: v for k, v in res.items() if isinstance(v, str)}
         assert not failed, f"rank {r}: " + "\n".join(f"{k}:\n{v}" for k, v in failed.items())
+
+
+@pytest.mark.timeout(120)
+def test_simulated_hosts_leave_nothing_behind():
+    """Processes (also those in sessions of their own, as torchrun's workers)
+    are killed and namespaces deleted when the run fails."""
+    _require_namespaces()
+    names, procs = [], []
+    with pytest.raises(RuntimeError, match="the test fails here"):
+        with simhosts.SimHosts(2) as hosts:
+            names = [hosts.netns(0), hosts.netns(1)]
+            procs = [hosts.popen(h, ["setsid", "sleep", "600"]) for h in range(2)]
+            time.sleep(0.5)
+            assert set(names) <= set(simhosts._netns())
+            pids = [p for ns in names for p in
+                    subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+            assert len(pids) >= 2, pids
+            raise RuntimeError("the test fails here")
+    assert not set(names) & set(simhosts._netns())
+    assert all(p.poll() is not None for p in procs)
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]
 
 
 @pytest.mark.timeout(600)

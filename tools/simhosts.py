@@ -55,13 +55,24 @@ def _netns() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
+def _kill_everything_in(ns: str) -> None:
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    for pid in pids.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
 def sweep_stale() -> None:
-    """Deletes namespaces of runs whose process is gone."""
+    """Kills the processes and deletes the namespaces of runs whose owner
+    is gone (killed before it could clean up)."""
     for ns in _netns():
         if not ns.startswith(PREFIX):
             continue
         owner = ns[len(PREFIX):].split("-")[0]
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            _kill_everything_in(ns)
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
 
 
@@ -159,12 +170,7 @@ class SimHosts:
         # Every process in a host's namespace: torchrun starts its workers
         # in sessions of their own, out of reach of the group kill below.
         for ns in self._made:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
-            for pid in pids.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
+            _kill_everything_in(ns)
         for p in self.procs:
             if p.poll() is None:
                 try:
