@@ -10,8 +10,11 @@ within hosts, gloo between them) and a gloo group over the same ranks run
 alternately in the same launch, one repetition each in turn. A repetition's
 time is the slowest rank's. Training: examples/train_fsdp.py's model, FSDP2
 1-D over the 4 ranks and HSDP (replicate across hosts, shard within), one
-launch per backend, alternating. Reported: medians, the range over
-repetitions, and gloo / hsdp (above 1: hsdp is faster).
+launch per backend, alternating, and the same on torch's fake backend (no
+communication at all: the zero-cost-network limit of the same ranks on the
+same cores). Reported: medians, the range over repetitions (JSON), gloo /
+hsdp (above 1: hsdp is faster), hsdp / fake and hsdp's overhead above the
+limit as a fraction of gloo's.
 
 The "network" is a veth on one machine: as fast as loopback and sharing the
 same cores, so a real cluster's links will change every number. Needs root.
@@ -103,8 +106,19 @@ def rank_main(job: str, out: str, *args: str) -> None:
     import hsdp_backend  # noqa: F401  registers "hsdp"
 
     torch.set_num_threads(1)
+    # Every run alike: a fake all-gather leaves garbage in parameters, and
+    # denormals in it must not slow the arithmetic of that run alone.
+    torch.set_flush_denormal(True)
     backend = args[0]
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    if backend == "fake":
+        # torch's fake backend: every rank does all of FSDP2's own work and
+        # no communication, the zero-cost-network limit of the same ranks.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    else:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
     out_dir = pathlib.Path(out)
     if job == "collectives":
         result = _collectives(out_dir, int(args[1]))
@@ -169,22 +183,25 @@ def main() -> int:
                   f"{row['gloo_over_hsdp']:>10.2f}x   ({row['hsdp']['min_ms']:.2f}-{row['hsdp']['max_ms']:.2f}; "
                   f"{row['gloo']['min_ms']:.2f}-{row['gloo']['max_ms']:.2f})", flush=True)
 
-    print(f"\n{'training':<16}{'hsdp ms':>10}{'gloo ms':>10}{'gloo/hsdp':>11}   (median step after 2 warm-up steps; range)")
+    print(f"\n{'training':<16}{'hsdp ms':>10}{'gloo ms':>10}{'gloo/hsdp':>11}{'fake ms':>10}{'hsdp/fake':>11}"
+          f"{'overhead':>10}   (median step after 2 warm-up steps; overhead: (hsdp - fake) / (gloo - fake))")
     for mesh in ("fsdp", "hsdp"):
-        steps_ms: dict = {"hsdp": [], "gloo": []}
+        steps_ms: dict = {"hsdp": [], "gloo": [], "fake": []}
         for i in range(launches):
-            for backend in ("hsdp", "gloo"):
+            for backend in ("hsdp", "gloo", "fake"):
                 ranks = _launch(work / f"train-{mesh}-{backend}-{i}", "training", backend, mesh, str(steps))
                 for s in range(2, steps):
                     steps_ms[backend].append(max(r[s]["step_ms"] for r in ranks) / 1e3)
         row = {"mesh": "1-D FSDP over 4 ranks" if mesh == "fsdp" else "HSDP 2 x 2 (replicate across hosts)"}
-        for backend in ("hsdp", "gloo"):
+        for backend in ("hsdp", "gloo", "fake"):
             row[backend] = _summary(steps_ms[backend])
-        row["gloo_over_hsdp"] = row["gloo"]["median_ms"] / row["hsdp"]["median_ms"]
+        hsdp_ms, gloo_ms, fake_ms = (row[b]["median_ms"] for b in ("hsdp", "gloo", "fake"))
+        row["gloo_over_hsdp"] = gloo_ms / hsdp_ms
+        row["hsdp_over_fake"] = hsdp_ms / fake_ms
+        row["overhead_vs_gloo"] = (hsdp_ms - fake_ms) / (gloo_ms - fake_ms)
         report["training"].append(row)
-        print(f"{mesh:<16}{row['hsdp']['median_ms']:>10.1f}{row['gloo']['median_ms']:>10.1f}"
-              f"{row['gloo_over_hsdp']:>10.2f}x   ({row['hsdp']['min_ms']:.1f}-{row['hsdp']['max_ms']:.1f}; "
-              f"{row['gloo']['min_ms']:.1f}-{row['gloo']['max_ms']:.1f})", flush=True)
+        print(f"{mesh:<16}{hsdp_ms:>10.1f}{gloo_ms:>10.1f}{row['gloo_over_hsdp']:>10.2f}x{fake_ms:>10.1f}"
+              f"{row['hsdp_over_fake']:>10.2f}x{row['overhead_vs_gloo']:>10.2f}", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
