@@ -6,7 +6,6 @@
 
 #include <cstring>
 #include <exception>
-#include <optional>
 
 namespace hsdp {
 
@@ -14,54 +13,10 @@ namespace {
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
-at::ScalarType scalarType(shm::DType d) {
-  switch (d) {
-    case shm::DType::F32:
-      return at::kFloat;
-    case shm::DType::F64:
-      return at::kDouble;
-    case shm::DType::BF16:
-      return at::kBFloat16;
-    case shm::DType::F16:
-      return at::kHalf;
-    case shm::DType::I8:
-      return at::kChar;
-    case shm::DType::U8:
-      return at::kByte;
-    case shm::DType::I16:
-      return at::kShort;
-    case shm::DType::I32:
-      return at::kInt;
-    case shm::DType::I64:
-      return at::kLong;
-  }
-  return at::kByte;
-}
-
-c10d::ReduceOp reduceOp(shm::RedOp op) {
-  switch (op) {
-    case shm::RedOp::Sum:
-      return c10d::ReduceOp::SUM;
-    case shm::RedOp::Prod:
-      return c10d::ReduceOp::PRODUCT;
-    case shm::RedOp::Min:
-      return c10d::ReduceOp::MIN;
-    case shm::RedOp::Max:
-      return c10d::ReduceOp::MAX;
-    case shm::RedOp::BAnd:
-      return c10d::ReduceOp::BAND;
-    case shm::RedOp::BOr:
-      return c10d::ReduceOp::BOR;
-    case shm::RedOp::BXor:
-      return c10d::ReduceOp::BXOR;
-  }
-  return c10d::ReduceOp::SUM;
-}
-
-// A 1-D tensor over caller memory (Gloo reads and writes raw memory).
-at::Tensor wrap(const void* data, size_t count, at::ScalarType type) {
+// Bytes of caller memory as a 1-D tensor (Gloo reads and writes raw memory).
+at::Tensor wrap(const void* data, size_t bytes) {
   return at::from_blob(
-      const_cast<void*>(data), {static_cast<int64_t>(count)}, at::TensorOptions().dtype(type));
+      const_cast<void*>(data), {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
 }
 
 // A staging buffer from the pool, given back when the phase is over.
@@ -228,7 +183,7 @@ class ShmRoute::Transfers {
     route_.acrossHosts(op_, 0, [&](c10d::Backend& column) {
       // Every rank of a column runs the same collectives in the same
       // order, so the counter names each phase alike on all of them.
-      std::vector<at::Tensor> t{wrap(data, bytes, at::kByte)};
+      std::vector<at::Tensor> t{wrap(data, bytes)};
       works_.push_back(isSend ? column.send(t, host, tag_) : column.recv(t, host, tag_));
       return std::vector<WorkPtr>{};
     }, /*count=*/false);
@@ -483,7 +438,7 @@ void ShmRoute::broadcast(const char* op, void* data, size_t bytes, int root) {
   }
   if (L.local == rootLocal && bytes > 0) {
     acrossHosts(op, bytes, [&](c10d::Backend& column) {
-      std::vector<at::Tensor> t{wrap(data, bytes, at::kByte)};
+      std::vector<at::Tensor> t{wrap(data, bytes)};
       c10d::BroadcastOptions opts;
       opts.rootRank = rootHost;
       return std::vector<WorkPtr>{column.broadcast(t, opts)};
