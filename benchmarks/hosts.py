@@ -45,7 +45,7 @@ def _collectives(out: pathlib.Path, reps: int) -> dict:
 
     import hsdp_backend
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     groups = {"hsdp": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     assert hsdp_backend.cpu_engine() == "hierarchical", hsdp_backend.cpu_engine()
     times: dict = {}
@@ -54,6 +54,7 @@ def _collectives(out: pathlib.Path, reps: int) -> dict:
         shard = torch.ones(n)
         full = torch.ones(world * n)
         for op in OPS:
+
             def run(group, op=op):
                 if op == "all_gather":
                     dist.all_gather_into_tensor(full, shard, group=group)
@@ -66,7 +67,11 @@ def _collectives(out: pathlib.Path, reps: int) -> dict:
                 shard.fill_(1.0)
                 full.fill_(1.0)
                 run(group)
-                expected = {"all_gather": 1.0, "reduce_scatter": float(world), "all_reduce": float(world)}[op]
+                expected = {
+                    "all_gather": 1.0,
+                    "reduce_scatter": float(world),
+                    "all_reduce": float(world),
+                }[op]
                 got = (full if op == "all_gather" else shard)[0].item()
                 assert got == expected, (backend, op, size, got)
             for _ in range(reps):
@@ -115,8 +120,12 @@ def rank_main(job: str, out: str, *args: str) -> None:
         # no communication, the zero-cost-network limit of the same ranks.
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            "fake",
+            store=FakeStore(),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
     else:
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
     out_dir = pathlib.Path(out)
@@ -140,7 +149,10 @@ def _launch(out: pathlib.Path, *args: str, timeout_s: float = 1800) -> list:
 
     out.mkdir(parents=True, exist_ok=True)
     with simhosts.SimHosts(2) as hosts:
-        procs = [hosts.torchrun(h, 2, [__file__, "--rank", args[0], str(out), *args[1:]]) for h in range(2)]
+        procs = [
+            hosts.torchrun(h, 2, [__file__, "--rank", args[0], str(out), *args[1:]])
+            for h in range(2)
+        ]
         codes = simhosts.wait_all(procs, timeout_s)
     if codes != [0, 0]:
         raise RuntimeError(f"benchmark launch {args} failed: torchrun exit codes {codes}")
@@ -167,10 +179,16 @@ def main() -> int:
     steps = 6 if args.quick else 12
     launches = 1 if args.quick else 2
     work = pathlib.Path(tempfile.mkdtemp(prefix="hsdp-bench-hosts-"))
-    report: dict = {"setup": "2 simulated hosts x 2 ranks (veth on one machine), fp32", "collectives": [], "training": []}
+    report: dict = {
+        "setup": "2 simulated hosts x 2 ranks (veth on one machine), fp32",
+        "collectives": [],
+        "training": [],
+    }
 
     per_rank = _launch(work / "coll", "collectives", "hsdp", str(reps))
-    print(f"{'op':<16}{'bytes/rank':>11}{'hsdp ms':>10}{'gloo ms':>10}{'gloo/hsdp':>11}   (median; range)")
+    print(
+        f"{'op':<16}{'bytes/rank':>11}{'hsdp ms':>10}{'gloo ms':>10}{'gloo/hsdp':>11}   (median; range)"
+    )
     for op in OPS:
         for size in SIZES:
             row = {"op": op, "bytes_per_rank": size}
@@ -179,20 +197,31 @@ def main() -> int:
                 row[backend] = _summary(slowest)
             row["gloo_over_hsdp"] = row["gloo"]["median_ms"] / row["hsdp"]["median_ms"]
             report["collectives"].append(row)
-            print(f"{op:<16}{size:>11}{row['hsdp']['median_ms']:>10.2f}{row['gloo']['median_ms']:>10.2f}"
-                  f"{row['gloo_over_hsdp']:>10.2f}x   ({row['hsdp']['min_ms']:.2f}-{row['hsdp']['max_ms']:.2f}; "
-                  f"{row['gloo']['min_ms']:.2f}-{row['gloo']['max_ms']:.2f})", flush=True)
+            print(
+                f"{op:<16}{size:>11}{row['hsdp']['median_ms']:>10.2f}{row['gloo']['median_ms']:>10.2f}"
+                f"{row['gloo_over_hsdp']:>10.2f}x   ({row['hsdp']['min_ms']:.2f}-{row['hsdp']['max_ms']:.2f}; "
+                f"{row['gloo']['min_ms']:.2f}-{row['gloo']['max_ms']:.2f})",
+                flush=True,
+            )
 
-    print(f"\n{'training':<16}{'hsdp ms':>10}{'gloo ms':>10}{'gloo/hsdp':>11}{'fake ms':>10}{'hsdp/fake':>11}"
-          f"{'overhead':>10}   (median step after 2 warm-up steps; overhead: (hsdp - fake) / (gloo - fake))")
+    print(
+        f"\n{'training':<16}{'hsdp ms':>10}{'gloo ms':>10}{'gloo/hsdp':>11}{'fake ms':>10}{'hsdp/fake':>11}"
+        f"{'overhead':>10}   (median step after 2 warm-up steps; overhead: (hsdp - fake) / (gloo - fake))"
+    )
     for mesh in ("fsdp", "hsdp"):
         steps_ms: dict = {"hsdp": [], "gloo": [], "fake": []}
         for i in range(launches):
             for backend in ("hsdp", "gloo", "fake"):
-                ranks = _launch(work / f"train-{mesh}-{backend}-{i}", "training", backend, mesh, str(steps))
+                ranks = _launch(
+                    work / f"train-{mesh}-{backend}-{i}", "training", backend, mesh, str(steps)
+                )
                 for s in range(2, steps):
                     steps_ms[backend].append(max(r[s]["step_ms"] for r in ranks) / 1e3)
-        row = {"mesh": "1-D FSDP over 4 ranks" if mesh == "fsdp" else "HSDP 2 x 2 (replicate across hosts)"}
+        row = {
+            "mesh": "1-D FSDP over 4 ranks"
+            if mesh == "fsdp"
+            else "HSDP 2 x 2 (replicate across hosts)"
+        }
         for backend in ("hsdp", "gloo", "fake"):
             row[backend] = _summary(steps_ms[backend])
         hsdp_ms, gloo_ms, fake_ms = (row[b]["median_ms"] for b in ("hsdp", "gloo", "fake"))
@@ -200,8 +229,11 @@ def main() -> int:
         row["hsdp_over_fake"] = hsdp_ms / fake_ms
         row["overhead_vs_gloo"] = (hsdp_ms - fake_ms) / (gloo_ms - fake_ms)
         report["training"].append(row)
-        print(f"{mesh:<16}{hsdp_ms:>10.1f}{gloo_ms:>10.1f}{row['gloo_over_hsdp']:>10.2f}x{fake_ms:>10.1f}"
-              f"{row['hsdp_over_fake']:>10.2f}x{row['overhead_vs_gloo']:>10.2f}", flush=True)
+        print(
+            f"{mesh:<16}{hsdp_ms:>10.1f}{gloo_ms:>10.1f}{row['gloo_over_hsdp']:>10.2f}x{fake_ms:>10.1f}"
+            f"{row['hsdp_over_fake']:>10.2f}x{row['overhead_vs_gloo']:>10.2f}",
+            flush=True,
+        )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(report, indent=2))
     return 0

@@ -1,9 +1,9 @@
 // The only translation unit that includes pybind11 (torch's bundled copy, so
 // that c10d::Backend is the very type torch registered).
 
-#include <torch/csrc/utils/pybind.h>
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "backend/ProcessGroupHSDP.hpp"
 #include "testing/NcclContractBackend.hpp"
@@ -25,13 +25,13 @@ hsdp::ProcessGroupHSDP& asHSDP(c10d::Backend* backend) {
 // Backends are intrusively ref-counted: taking a new reference from the raw
 // pointer pybind hands us is safe whatever holder torch bound the type with.
 c10::intrusive_ptr<c10d::Backend> retain(c10d::Backend* backend) {
-  return c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(
-      backend);
+  return c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(backend);
 }
 
 hsdp::testing::NcclContractBackend& asNcclContract(c10d::Backend* backend) {
   auto* double_ = dynamic_cast<hsdp::testing::NcclContractBackend*>(&asHSDP(backend).cpuInner());
-  TORCH_CHECK_TYPE(double_ != nullptr, "this hsdp group was not created with HSDP_ENGINE=nccl_contract");
+  TORCH_CHECK_TYPE(
+      double_ != nullptr, "this hsdp group was not created with HSDP_ENGINE=nccl_contract");
   return *double_;
 }
 
@@ -53,10 +53,12 @@ PYBIND11_MODULE(_C, m) {
     return cls.release().ptr(); // kept for the life of the process
   };
   static PyObject* argumentError = newError(
-      "ArgumentError", PyExc_ValueError,
+      "ArgumentError",
+      PyExc_ValueError,
       "An invalid argument to an hsdp collective: a RuntimeError (as gloo raises) and a ValueError (as NCCL).");
   static PyObject* argumentTypeError = newError(
-      "ArgumentTypeError", PyExc_TypeError,
+      "ArgumentTypeError",
+      PyExc_TypeError,
       "Tensors of mismatched dtypes in an hsdp collective: a RuntimeError (as gloo raises) and a TypeError (as NCCL).");
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -90,7 +92,9 @@ PYBIND11_MODULE(_C, m) {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         TORCH_CHECK_VALUE(
             engine == "auto" || engine == "shm" || engine == "gloo" || engine == "nccl_contract",
-            "unknown hsdp engine '", engine, "'; expected auto, shm, gloo or nccl_contract");
+            "unknown hsdp engine '",
+            engine,
+            "'; expected auto, shm, gloo or nccl_contract");
         hsdp::ShmOptions shm;
         shm.mode = engine == "auto" ? hsdp::ShmOptions::Mode::Auto
             : engine == "shm"       ? hsdp::ShmOptions::Mode::Required
@@ -108,7 +112,8 @@ PYBIND11_MODULE(_C, m) {
         if (engine == "nccl_contract") {
           // Tests only: the CPU route runs the code CUDA tensors take.
           cpu = std::make_unique<hsdp::InnerRoute>(
-              c10::make_intrusive<hsdp::testing::NcclContractBackend>(retain(cpuBackend), rank, size),
+              c10::make_intrusive<hsdp::testing::NcclContractBackend>(
+                  retain(cpuBackend), rank, size),
               hsdp::InnerCaps{"nccl_contract", true, true},
               rank);
         } else {
@@ -168,9 +173,7 @@ PYBIND11_MODULE(_C, m) {
     return out;
   });
 
-  m.def("reset_comm_stats", [](c10d::Backend* backend) {
-    asHSDP(backend).stats().reset();
-  });
+  m.def("reset_comm_stats", [](c10d::Backend* backend) { asHSDP(backend).stats().reset(); });
 
   m.def(
       "all_reduce_divided_by",

@@ -63,7 +63,9 @@ class ModelArgs:
     norm_eps: float = 1e-5
 
 
-def rotary_cos_sin(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    head_dim: int, seq_len: int, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables for rotary position embeddings (RoPE).
 
     Real-valued rather than torchtitan's complex ``freqs_cis`` so the tables
@@ -225,7 +227,9 @@ def build_model(args: argparse.Namespace) -> Transformer:
             ``seed``).
     """
     if args.dim % args.heads or (args.dim // args.heads) % 2:
-        raise ValueError(f"--dim {args.dim} must split into --heads {args.heads} heads of even width")
+        raise ValueError(
+            f"--dim {args.dim} must split into --heads {args.heads} heads of even width"
+        )
     torch.manual_seed(args.seed)
     model_args = ModelArgs(
         dim=args.dim,
@@ -286,7 +290,9 @@ class SyntheticData:
         random_tokens = torch.randint(self.vocab_size, (self.batch_size, n), generator=g)
         is_noise = torch.rand(self.batch_size, n, generator=g) < self.noise
         for t in range(1, n):
-            tokens[:, t] = torch.where(is_noise[:, t], random_tokens[:, t], self.successor[tokens[:, t - 1]])
+            tokens[:, t] = torch.where(
+                is_noise[:, t], random_tokens[:, t], self.successor[tokens[:, t - 1]]
+            )
         return tokens[:, :-1], tokens[:, 1:]
 
 
@@ -326,7 +332,9 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> No
         # at the start of backward, so resharding them after forward would
         # only be undone immediately.
         reshard_after_forward = layer_id < len(layers) - 1
-        fully_shard(block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward
+        )
     # The root picks up what no block owns: embedding, final norm, output head.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
@@ -440,14 +448,23 @@ def train(
         # the training step's own collectives.
         comms = ""
         if track_comms:
-            rendered = {label: format_comm_stats(hsdp_backend.comm_stats(g)) for label, g in stats_groups.items()}
+            rendered = {
+                label: format_comm_stats(hsdp_backend.comm_stats(g))
+                for label, g in stats_groups.items()
+            }
             if len(rendered) == 1:
                 comms = "  " + next(iter(rendered.values()))
             else:
                 comms = "".join(f"  {label}[{text}]" for label, text in rendered.items())
         loss_avg = mean_across_ranks(loss).item()
-        metrics.append({"loss": loss_avg, "step_ms": elapsed * 1e3, "fwd_bwd_ms": fwd_bwd * 1e3,
-                        "tokens_per_s": tokens_per_step / elapsed})
+        metrics.append(
+            {
+                "loss": loss_avg,
+                "step_ms": elapsed * 1e3,
+                "fwd_bwd_ms": fwd_bwd * 1e3,
+                "tokens_per_s": tokens_per_step / elapsed,
+            }
+        )
         if rank == 0:
             print(
                 f"step {step:3d}  loss {loss_avg:.6f}  {elapsed * 1e3:8.1f} ms  "
@@ -473,7 +490,9 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backend", default="hsdp", help="process-group backend, e.g. hsdp or gloo")
+    parser.add_argument(
+        "--backend", default="hsdp", help="process-group backend, e.g. hsdp or gloo"
+    )
     parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--dim", type=int, default=128, help="model width")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")

@@ -26,7 +26,9 @@ from train_fsdp import get_parser, shut_down, train
 
 def main() -> None:
     parser = get_parser(__doc__)
-    parser.add_argument("--replicate", type=int, default=2, help="size of the replicate mesh dimension")
+    parser.add_argument(
+        "--replicate", type=int, default=2, help="size of the replicate mesh dimension"
+    )
     parser.add_argument("--shard", type=int, default=2, help="size of the shard mesh dimension")
     args = parser.parse_args()
 

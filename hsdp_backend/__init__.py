@@ -46,8 +46,7 @@ def _register_on_import() -> None:
         import warnings
 
         warnings.warn(
-            f"hsdp_backend: could not register the 'hsdp' backend "
-            f"({type(exc).__name__}: {exc})",
+            f"hsdp_backend: could not register the 'hsdp' backend ({type(exc).__name__}: {exc})",
             RuntimeWarning,
             stacklevel=2,
         )

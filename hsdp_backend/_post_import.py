@@ -59,7 +59,9 @@ class _Loader:
                 # (and importlib would run it again on the next import).
                 import warnings
 
-                warnings.warn(f"hsdp: adapting {self._name} after its import failed: {exc!r}", stacklevel=2)
+                warnings.warn(
+                    f"hsdp: adapting {self._name} after its import failed: {exc!r}", stacklevel=2
+                )
 
     def __getattr__(self, attr):  # get_source, is_package, ... for tracebacks and tools
         return getattr(self._loader, attr)

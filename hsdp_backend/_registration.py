@@ -18,9 +18,7 @@ def register() -> None:
         return
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(
-        BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES
-    )
+    dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES)
     _allow_new_group_beside_splitting()
 
 
@@ -76,9 +74,7 @@ def _create_backend(opts, backend_options):
         nccl_opts._timeout = timeout
         nccl_opts.global_ranks_in_group = list(opts.global_ranks_in_group)
         nccl_opts.group_name = str(opts.group_id)
-        cuda = dist.ProcessGroupNCCL(
-            dist.PrefixStore("hsdp/nccl/", store), rank, size, nccl_opts
-        )
+        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("hsdp/nccl/", store), rank, size, nccl_opts)
     spin_us = config.read("HSDP_SHM_SPIN_US")
     if spin_us == "auto":
         # Spinning only helps when every rank has a core to spin on.
@@ -110,7 +106,10 @@ def _create_backend(opts, backend_options):
         # One line: the group was meant for shared memory and did not get it.
         logging.getLogger("hsdp_backend").warning(
             "hsdp: [rank %d/%d] group %s runs its CPU collectives on gloo: %s",
-            rank, size, opts.group_id, why_not,
+            rank,
+            size,
+            opts.group_id,
+            why_not,
         )
     return backend
 

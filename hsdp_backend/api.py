@@ -89,7 +89,12 @@ def all_reduce_coalesced(
             step (see :func:`all_reduce`).
     """
     work = _C.all_reduce_bucketed(
-        get_hsdp_backend(group), list(tensors), op, int(bucket_bytes), bool(async_op), float(divide_by)
+        get_hsdp_backend(group),
+        list(tensors),
+        op,
+        int(bucket_bytes),
+        bool(async_op),
+        float(divide_by),
     )
     return _finish(work, async_op)
 
@@ -127,7 +132,9 @@ def all_reduce(
             which divide with truncation).
         async_op: return the Work instead of waiting for it.
     """
-    work = _C.all_reduce_divided_by(get_hsdp_backend(group), tensor, op, float(divide_by), bool(async_op))
+    work = _C.all_reduce_divided_by(
+        get_hsdp_backend(group), tensor, op, float(divide_by), bool(async_op)
+    )
     return _finish(work, async_op)
 
 

@@ -1099,9 +1099,7 @@ class CoalescedSuite(Suite):
                 row["a_over_c"] = p["gloo_per_tensor"]["us"] / p["hsdp_fused"]["us"]
                 row["b_over_c"] = p["gloo_coalesced"]["us"] / p["hsdp_fused"]["us"]
                 row["hsdp_busbw_gbps"] = op.bus_factor(world) * total / secs / 1e9
-                row["spread"] = max(
-                    _spread(p[v]["rank0_samples_us"]) for v in COALESCED_VARIANTS
-                )
+                row["spread"] = max(_spread(p[v]["rank0_samples_us"]) for v in COALESCED_VARIANTS)
                 table.append(row)
             self._print_table(world, config, table)
             rows += table
@@ -1143,8 +1141,7 @@ class CoalescedSuite(Suite):
         for r in rows:
             print(
                 "  ".join(
-                    f"{f(r):<{w}}" if i == 0 else f"{f(r):>{w}}"
-                    for i, (_, w, f) in enumerate(cols)
+                    f"{f(r):<{w}}" if i == 0 else f"{f(r):>{w}}" for i, (_, w, f) in enumerate(cols)
                 )
             )
 
@@ -1342,8 +1339,7 @@ def _format_ulp(x: float) -> str:
 class NumericsSuite(Suite):
     name = "numerics"
     help = (
-        "bf16/fp16 AVG all_reduce / reduce_scatter error in ulps vs an fp64 reference, "
-        "hsdp vs gloo"
+        "bf16/fp16 AVG all_reduce / reduce_scatter error in ulps vs an fp64 reference, hsdp vs gloo"
     )
     default_ranks = (2, 4, 8)
     output_stem = "bench_numerics"
@@ -1471,9 +1467,7 @@ class NumericsSuite(Suite):
                 )
             ax.axhline(0.5, color="black", linestyle=":", label="0.5 ulp")
             ax.set_yscale("log")
-            labels = [
-                f"{'AR' if r['op'] == 'all_reduce' else 'RS'} W={r['world']}" for r in rows
-            ]
+            labels = [f"{'AR' if r['op'] == 'all_reduce' else 'RS'} W={r['world']}" for r in rows]
             ax.set_xticks(list(xs), labels)
             ax.set_ylabel("error (ulps of the output dtype)")
             ax.set_title(f"{d} AVG")
@@ -1547,8 +1541,13 @@ def training_baseline(mesh: TrainingMesh) -> TrainingMesh:
     """The compute-only baseline of ``mesh``: ``mesh.world`` concurrent
     1-rank runs (FSDP2 issues no collectives on one rank)."""
     return TrainingMesh(
-        f"1_rank_x{mesh.world}", f"1 rank x{mesh.world}", 1, TRAINING_BASELINE_SCRIPT, copies=mesh.world
+        f"1_rank_x{mesh.world}",
+        f"1 rank x{mesh.world}",
+        1,
+        TRAINING_BASELINE_SCRIPT,
+        copies=mesh.world,
     )
+
 
 # Rank 0's lines: "step   3  loss 7.123456     45.6 ms  fwd+bwd     40.1 ms     1234 tok/s<comm
 # stats>", "model: 10.62M params, ...", "final loss 7.1".
@@ -1595,7 +1594,10 @@ def training_param_counts(script: str, models: dict[str, dict[str, int]]) -> dic
             with torch.device("meta"):
                 net = module.Transformer(
                     module.ModelArgs(
-                        dim=a["dim"], n_layers=a["layers"], n_heads=a["heads"], vocab_size=a["vocab"]
+                        dim=a["dim"],
+                        n_layers=a["layers"],
+                        n_heads=a["heads"],
+                        vocab_size=a["vocab"],
                     )
                 )
             counts[model] = sum(p.numel() for p in net.parameters())
@@ -1829,9 +1831,7 @@ class TrainingSuite(Suite):
         for i, (rep, model, mesh, backend) in enumerate(plan):
             time_left = deadline - time.monotonic()
             if time_left <= 0:
-                raise BenchFailure(
-                    f"no time left for run {i + 1} of {len(plan)} (see --timeout)"
-                )
+                raise BenchFailure(f"no time left for run {i + 1} of {len(plan)} (see --timeout)")
             what = f"{model} model, {mesh.label}, {backend}"
             print(
                 f"[{i + 1}/{len(plan)}] repeat {rep + 1}/{config['repeats']}: {what} "
@@ -1921,7 +1921,9 @@ class TrainingSuite(Suite):
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         models = {}
         for m in config["models"]:
-            base = last_run(m, training_baseline(config["meshes"][0]).name, config["baseline_backend"])
+            base = last_run(
+                m, training_baseline(config["meshes"][0]).name, config["baseline_backend"]
+            )
             params = config["params"][m] or base["params_printed"]
             models[m] = {
                 **config["model_args"][m],
@@ -1934,7 +1936,9 @@ class TrainingSuite(Suite):
         for mesh in config["meshes"]:
             for m in config["models"]:
                 baseline = training_baseline(mesh)
-                base_samples = pooled(m, baseline.name, config["baseline_backend"], "measured_fwd_bwd_ms")
+                base_samples = pooled(
+                    m, baseline.name, config["baseline_backend"], "measured_fwd_bwd_ms"
+                )
                 base_ms = statistics.median(base_samples)
                 row = {
                     "mesh": mesh.name,
@@ -1948,7 +1952,9 @@ class TrainingSuite(Suite):
                     "baseline": {
                         "backend": config["baseline_backend"],
                         "copies": baseline.copies,
-                        "step_ms": statistics.median(pooled(m, baseline.name, config["baseline_backend"])),
+                        "step_ms": statistics.median(
+                            pooled(m, baseline.name, config["baseline_backend"])
+                        ),
                         "fwd_bwd_ms": base_ms,
                         "spread": _spread(base_samples),
                         "steps_measured": len(base_samples),
@@ -2113,7 +2119,13 @@ class TrainingSuite(Suite):
             width = 0.25
             for i, r in enumerate(rows):
                 base = r["baseline"]["fwd_bwd_ms"]
-                ax.bar(i - width, base, width, color="grey", label="compute (1-rank copies)" if i == 0 else None)
+                ax.bar(
+                    i - width,
+                    base,
+                    width,
+                    color="grey",
+                    label="compute (1-rank copies)" if i == 0 else None,
+                )
                 for k, b in enumerate(BACKENDS):
                     x = i + k * width
                     step = r[b]["fwd_bwd_ms"]
@@ -2168,8 +2180,7 @@ spread = interquartile range / median of the pooled steps, the noisiest of the t
 
 
 SUITES: dict[str, Suite] = {
-    s.name: s
-    for s in (CollectivesSuite(), CoalescedSuite(), NumericsSuite(), TrainingSuite())
+    s.name: s for s in (CollectivesSuite(), CoalescedSuite(), NumericsSuite(), TrainingSuite())
 }
 
 # ---------------------------------------------------------------------------

@@ -164,7 +164,9 @@ def disable() -> None:
             module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
             _shim.original_init_mp_dtypes = None
         if _shim.original_reset_iter_state is not None:
-            sys.modules[_FULLY_SHARD_MODULE].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
+            sys.modules[
+                _FULLY_SHARD_MODULE
+            ].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
             _shim.original_reset_iter_state = None
 
 
@@ -270,7 +272,9 @@ def _foreach_reduce(
         return original(**args)
 
     shard_size = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
-    shard_numels = [_padded_shard_numel(p, g, shard_size) for p, g in zip(fsdp_params, unsharded_grads)]
+    shard_numels = [
+        _padded_shard_numel(p, g, shard_size) for p, g in zip(fsdp_params, unsharded_grads)
+    ]
     divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     buckets = _shim.buckets
@@ -278,7 +282,9 @@ def _foreach_reduce(
     streams = _Streams.of(device, reduce_scatter_stream, all_reduce_stream)
     if all_reduce_grads:
         in_backward = buckets.begin_add()
-        key, out = buckets.reserve(all_reduce_group, divide_by, reduce_dtype, sum(shard_numels), device, streams)
+        key, out = buckets.reserve(
+            all_reduce_group, divide_by, reduce_dtype, sum(shard_numels), device, streams
+        )
         comm = _OutputInto(reduce_scatter_comm, out)
     else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
         out, comm = None, reduce_scatter_comm
@@ -335,7 +341,11 @@ def _runs_on_hsdp(reduce_scatter_group, all_reduce_group) -> bool:
 
 def _bucketable(args: dict[str, Any]) -> bool:
     """Whether this call can take the bucketed HSDP path (see module docs)."""
-    if args["all_reduce_group"] is None or args["device"].type not in ("cpu", "cuda") or args["all_reduce_hook"] is not None:
+    if (
+        args["all_reduce_group"] is None
+        or args["device"].type not in ("cpu", "cuda")
+        or args["all_reduce_hook"] is not None
+    ):
         return False
     reduce_dtype = args["reduce_dtype"] or args["unsharded_grads"][0].dtype
     if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
@@ -381,13 +391,18 @@ def _init_mp_dtypes(self, *args, **kwargs):
         groups = self.mesh_info.mesh.get_all_groups() if hasattr(self, "mesh_info") else []
         if "uniform" not in str(exc) or not any(dist.get_backend(g) == "hsdp" for g in groups):
             raise
-        listing = [(getattr(p, "_param_fqn", None) or "?", p.sharded_param.dtype) for p in self.fsdp_params]
+        listing = [
+            (getattr(p, "_param_fqn", None) or "?", p.sharded_param.dtype) for p in self.fsdp_params
+        ]
         raise TypeError(_mixed_dtype_message(listing) + f" (FSDP2: {exc})") from exc
 
 
 def _check_uniform_grad_dtype(fsdp_params, unsharded_grads) -> None:
     if len({g.dtype for g in unsharded_grads}) > 1:
-        listing = [(getattr(p, "_param_fqn", None) or "?", g.dtype) for p, g in zip(fsdp_params, unsharded_grads)]
+        listing = [
+            (getattr(p, "_param_fqn", None) or "?", g.dtype)
+            for p, g in zip(fsdp_params, unsharded_grads)
+        ]
         raise TypeError(_mixed_dtype_message(listing))
 
 
@@ -425,7 +440,11 @@ class _OutputInto:
 
     def allocate(self, size, *, dtype, device):
         self._allocations += 1
-        if self._allocations == 2 and math.prod(size) == self._out.numel() and dtype == self._out.dtype:
+        if (
+            self._allocations == 2
+            and math.prod(size) == self._out.numel()
+            and dtype == self._out.dtype
+        ):
             return self._out
         return self._comm.allocate(size, dtype=dtype, device=device)
 
@@ -562,7 +581,13 @@ class _ReplicateBuckets:
         return True
 
     def reserve(
-        self, group, divide_by: float, dtype: torch.dtype, numel: int, device: torch.device, streams: _Streams
+        self,
+        group,
+        divide_by: float,
+        dtype: torch.dtype,
+        numel: int,
+        device: torch.device,
+        streams: _Streams,
     ) -> tuple[tuple, torch.Tensor]:
         """The bucket key and a ``numel`` slice of that bucket's buffer."""
         key = (group.group_name, divide_by, dtype, device)
@@ -572,14 +597,21 @@ class _ReplicateBuckets:
         bucket = self.open.get(key)
         with streams.writing():
             if bucket is None:
-                capacity = self._planned_capacity(key, len(sizes) - 1, bucket_numel) or max(numel, bucket_numel)
-                bucket = _Bucket(group, divide_by, torch.empty(capacity, dtype=dtype, device=device), streams)
+                capacity = self._planned_capacity(key, len(sizes) - 1, bucket_numel) or max(
+                    numel, bucket_numel
+                )
+                bucket = _Bucket(
+                    group, divide_by, torch.empty(capacity, dtype=dtype, device=device), streams
+                )
                 self.open[key] = bucket
             elif bucket.used + numel > bucket.buffer.numel():
                 # An under-full bucket and a param group larger than what is
                 # left (first backward, or the order changed): move the bucket
                 # to a larger buffer. It holds < bucket_bytes: a small copy.
-                _move(bucket, torch.empty(max(bucket.used + numel, bucket_numel), dtype=dtype, device=device))
+                _move(
+                    bucket,
+                    torch.empty(max(bucket.used + numel, bucket_numel), dtype=dtype, device=device),
+                )
         start = bucket.used
         bucket.used += numel
         return key, bucket.buffer[start : bucket.used]
@@ -614,11 +646,17 @@ class _ReplicateBuckets:
         # goes through c10d's dispatcher (CommDebugMode, the profiler and
         # compiled code see it), and hsdp still applies it once, inside the
         # reduction (NCCL natively; the shared-memory engine in fp32).
-        op = dist.ReduceOp.SUM if bucket.divide_by == 1 else dist._make_nccl_premul_sum(1.0 / bucket.divide_by)
+        op = (
+            dist.ReduceOp.SUM
+            if bucket.divide_by == 1
+            else dist._make_nccl_premul_sum(1.0 / bucket.divide_by)
+        )
         data = bucket.buffer[: bucket.used]
         streams = bucket.streams
         if not streams.ordered:
-            self.in_flight.append((dist.all_reduce(data, op=op, group=bucket.group, async_op=True), bucket))
+            self.in_flight.append(
+                (dist.all_reduce(data, op=op, group=bucket.group, async_op=True), bucket)
+            )
             return
         # As FSDP2's own HSDP all-reduce: on its all-reduce stream, after the
         # reduce-scatters that wrote the bucket; ordered, so no Work to keep.

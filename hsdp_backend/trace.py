@@ -48,8 +48,9 @@ def _describe(entry: dict | None, record: dict) -> str:
         if not entries:
             return "no collective recorded"
         last = entries[-1]
-        return (f"did not call it; its last collective is #{last['seq']} {last['op']} "
-                f"({last['state']})")
+        return (
+            f"did not call it; its last collective is #{last['seq']} {last['op']} ({last['state']})"
+        )
     text = f"{entry['op']}, {entry['bytes']} bytes, via {entry['route']}: {entry['state']}"
     if entry["error"]:
         text += f" ({entry['error'].splitlines()[0][:200]})"
@@ -84,7 +85,8 @@ def first_divergence(records: dict[int, dict]) -> Finding | None:
             if majority is None:
                 verdict = "the ranks called different collectives: " + "; ".join(
                     f"{_names(r for r, e in entries.items() if e and e['op'] == op)} called {op}"
-                    for op in ops)
+                    for op in ops
+                )
             else:
                 called = [r for r, e in entries.items() if e and e["op"] == majority]
                 parts = []
@@ -93,19 +95,25 @@ def first_divergence(records: dict[int, dict]) -> Finding | None:
                 for r, e in entries.items():
                     if e is not None and e["op"] != majority:
                         parts.append(f"rank {r} called {e['op']}")
-                verdict = (f"{' and '.join(parts)}, where {_names(called)} called "
-                           f"{majority} #{seq}")
+                verdict = f"{' and '.join(parts)}, where {_names(called)} called {majority} #{seq}"
             return Finding(seq, lines, verdict)
         routes = collections.defaultdict(list)
         for r, e in entries.items():
             routes[e["route"]].append(r)
         if len(routes) > 1:
-            return Finding(seq, lines, f"every rank called {next(iter(ops))}, but on different "
-                           "routes: " + "; ".join(f"{_names(r)} via {route}"
-                                                  for route, r in routes.items()))
+            return Finding(
+                seq,
+                lines,
+                f"every rank called {next(iter(ops))}, but on different "
+                "routes: " + "; ".join(f"{_names(r)} via {route}" for route, r in routes.items()),
+            )
         if any(e["state"] != "completed" for e in entries.values()):
-            return Finding(seq, lines, "every rank called it, but it did not complete on " +
-                           _names(r for r, e in entries.items() if e["state"] != "completed"))
+            return Finding(
+                seq,
+                lines,
+                "every rank called it, but it did not complete on "
+                + _names(r for r, e in entries.items() if e["state"] != "completed"),
+            )
     return None
 
 
@@ -119,12 +127,16 @@ def report(directory: str | pathlib.Path) -> str:
         out.append(f"group {group!r}: {size} ranks, records of {_names(records)}")
         dumped = [rec["dumped_us"] for rec in records.values()]
         if max(dumped) - min(dumped) > 600e6:
-            out.append("  warning: these records were written more than 10 minutes apart; some may "
-                       "be from an earlier run (a rank's file stays until overwritten)")
+            out.append(
+                "  warning: these records were written more than 10 minutes apart; some may "
+                "be from an earlier run (a rank's file stays until overwritten)"
+            )
         missing = sorted(set(range(size)) - set(records))
         if missing:
-            out.append(f"  no record from {_names(missing)} (it did not fail, or died; "
-                       "SIGUSR1 or hsdp_backend.dump_trace() writes one)")
+            out.append(
+                f"  no record from {_names(missing)} (it did not fail, or died; "
+                "SIGUSR1 or hsdp_backend.dump_trace() writes one)"
+            )
         for r, rec in sorted(records.items()):
             if rec.get("where"):
                 out.append(f"  rank {r} saw in shared memory: {rec['where']}")

@@ -24,22 +24,29 @@ if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
 fi
 
 # expecttest: torch's own test utilities (the DistributedTest conformance run) import it.
-if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, matplotlib, expecttest" 2>/dev/null; then
-  echo "[setup] installing build and test tools"
-  "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest
+# ruff (pinned: its formatting is checked by tests/test_format.py).
+RUFF_VERSION=0.17.6
+if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, matplotlib, expecttest" 2>/dev/null ||
+   [ "$("$VENV/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
+  echo "[setup] installing build, test and format tools"
+  "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest \
+    "ruff==$RUFF_VERSION"
 fi
 
 # googletest's sources (Debian): the engine's C++ tests (scripts/cpp_tests.sh)
 # build them with their own sanitizer flags. spin (Debian): the model checker
 # of the engine's protocol (scripts/check_protocol.sh). iproute2: simulated
-# hosts (tools/simhosts.py, tests/test_hosts.py).
-if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null || ! command -v ip > /dev/null; then
-  echo "[setup] installing googletest, spin and iproute2 (Debian) for the engine's C++ tests, model and simulated hosts"
-  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin iproute2 > /dev/null 2>&1 ||
+# hosts (tools/simhosts.py, tests/test_hosts.py). clang-format: the C++ half
+# of scripts/format.sh.
+if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null || ! command -v ip > /dev/null ||
+   ! command -v clang-format > /dev/null; then
+  echo "[setup] installing googletest, spin, iproute2 and clang-format (Debian)"
+  pkgs="googletest spin iproute2 clang-format"
+  if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1 ||
          { apt-get update -q > /dev/null 2>&1 &&
-           DEBIAN_FRONTEND=noninteractive apt-get install -y -q googletest spin iproute2 > /dev/null 2>&1; }; }; then
-    echo "[setup] WARNING: could not install googletest/spin/iproute2; tests/test_cpp_engine.py," \
-         "tests/test_protocol_model.py and tests/test_hosts.py will fail" >&2
+           DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1; }; }; then
+    echo "[setup] WARNING: could not install $pkgs; tests/test_cpp_engine.py, tests/test_protocol_model.py," \
+         "tests/test_hosts.py and tests/test_format.py will fail" >&2
   fi
 fi
 

@@ -15,10 +15,10 @@ import re
 
 import torch
 import torch.distributed as dist
+from ops_cases import check, data
 from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
 
 import hsdp_backend
-from ops_cases import check, data
 
 CASES = {}
 
@@ -65,7 +65,10 @@ def sparse_all_reduce(rank, world, ref):
         t = inputs[0].clone()
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         check(dense(t), dense(outputs[0]) / world, "sparse AVG")
-        assert isinstance(error_of(lambda: dist.all_reduce(inputs[0].clone(), op=dist.ReduceOp.AVG, group=ref)), RuntimeError)
+        assert isinstance(
+            error_of(lambda: dist.all_reduce(inputs[0].clone(), op=dist.ReduceOp.AVG, group=ref)),
+            RuntimeError,
+        )
         t = inputs[0].clone()
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         check(dense(t), dense(outputs[0]) * 0.5, "sparse PREMUL_SUM")
@@ -168,32 +171,66 @@ def bad_arguments_raise_what_gloo_raises(rank, world, ref):
     instance of the class gloo raises for it, and names hsdp's rank and op."""
     f32, n = torch.float32, 3
     mistakes = {
-        "all_gather: too many outputs": lambda g: dist.all_gather([torch.empty(n)] * (world + 1), torch.ones(n), group=g),
-        "all_gather: wrong output size": lambda g: dist.all_gather([torch.empty(n + 1)] * world, torch.ones(n), group=g),
-        "all_gather_into_tensor: wrong size": lambda g: dist.all_gather_into_tensor(torch.empty(n * world + 1), torch.ones(n), group=g),
-        "all_gather_into_tensor: wrong dtype": lambda g: dist.all_gather_into_tensor(torch.empty(n * world, dtype=torch.int32), torch.ones(n), group=g),
-        "reduce_scatter_tensor: wrong size": lambda g: dist.reduce_scatter_tensor(torch.empty(n), torch.ones(n * world + 1), group=g),
-        "reduce_scatter_tensor: wrong dtype": lambda g: dist.reduce_scatter_tensor(torch.empty(n, dtype=torch.int32), torch.ones(n * world), group=g),
-        "reduce_scatter: too many inputs": lambda g: dist.reduce_scatter(torch.empty(n), [torch.ones(n)] * (world + 1), group=g),
-        "all_reduce: BXOR on floats": lambda g: dist.all_reduce(torch.ones(n, dtype=f32), op=dist.ReduceOp.BXOR, group=g),
-        "all_to_all_single: too many splits": lambda g: dist.all_to_all_single(torch.empty(world + 1), torch.ones(world + 1), [1] * (world + 1), [1] * (world + 1), group=g),
-        "broadcast: no such source": lambda g: dist.broadcast(torch.ones(n), src=world + 2, group=g),
-        "broadcast: no such root tensor": lambda g: pg(g).broadcast([torch.ones(n)], root_options(dist.BroadcastOptions, 1)),
-        "reduce: no such root tensor": lambda g: pg(g).reduce([torch.ones(n)], root_options(dist.ReduceOptions, 1)),
+        "all_gather: too many outputs": lambda g: dist.all_gather(
+            [torch.empty(n)] * (world + 1), torch.ones(n), group=g
+        ),
+        "all_gather: wrong output size": lambda g: dist.all_gather(
+            [torch.empty(n + 1)] * world, torch.ones(n), group=g
+        ),
+        "all_gather_into_tensor: wrong size": lambda g: dist.all_gather_into_tensor(
+            torch.empty(n * world + 1), torch.ones(n), group=g
+        ),
+        "all_gather_into_tensor: wrong dtype": lambda g: dist.all_gather_into_tensor(
+            torch.empty(n * world, dtype=torch.int32), torch.ones(n), group=g
+        ),
+        "reduce_scatter_tensor: wrong size": lambda g: dist.reduce_scatter_tensor(
+            torch.empty(n), torch.ones(n * world + 1), group=g
+        ),
+        "reduce_scatter_tensor: wrong dtype": lambda g: dist.reduce_scatter_tensor(
+            torch.empty(n, dtype=torch.int32), torch.ones(n * world), group=g
+        ),
+        "reduce_scatter: too many inputs": lambda g: dist.reduce_scatter(
+            torch.empty(n), [torch.ones(n)] * (world + 1), group=g
+        ),
+        "all_reduce: BXOR on floats": lambda g: dist.all_reduce(
+            torch.ones(n, dtype=f32), op=dist.ReduceOp.BXOR, group=g
+        ),
+        "all_to_all_single: too many splits": lambda g: dist.all_to_all_single(
+            torch.empty(world + 1),
+            torch.ones(world + 1),
+            [1] * (world + 1),
+            [1] * (world + 1),
+            group=g,
+        ),
+        "broadcast: no such source": lambda g: dist.broadcast(
+            torch.ones(n), src=world + 2, group=g
+        ),
+        "broadcast: no such root tensor": lambda g: pg(g).broadcast(
+            [torch.ones(n)], root_options(dist.BroadcastOptions, 1)
+        ),
+        "reduce: no such root tensor": lambda g: pg(g).reduce(
+            [torch.ones(n)], root_options(dist.ReduceOptions, 1)
+        ),
         "all_reduce_coalesced: sparse tensors": lambda g: pg(g).allreduce_coalesced(
-            [torch.ones(n).to_sparse()] * 2, dist.AllreduceCoalescedOptions()),
+            [torch.ones(n).to_sparse()] * 2, dist.AllreduceCoalescedOptions()
+        ),
     }
     for what, call in mistakes.items():
         gloo_error = error_of(lambda: call(ref))
         assert gloo_error is not None, f"{what}: gloo accepted it"
         hsdp_error = error_of(lambda: call(None))
         assert isinstance(hsdp_error, type(gloo_error)), (
-            f"{what}: gloo raises {type(gloo_error).__name__}, hsdp {type(hsdp_error).__name__}: {hsdp_error}")
+            f"{what}: gloo raises {type(gloo_error).__name__}, hsdp {type(hsdp_error).__name__}: {hsdp_error}"
+        )
         if isinstance(hsdp_error, (hsdp_backend.ArgumentError, hsdp_backend.ArgumentTypeError)):
             assert re.match(rf"\[rank {rank}/{world}\] \w+: ", str(hsdp_error)), hsdp_error
     # Both are also what NCCL raises for such arguments.
-    assert issubclass(hsdp_backend.ArgumentError, ValueError) and issubclass(hsdp_backend.ArgumentError, RuntimeError)
-    assert issubclass(hsdp_backend.ArgumentTypeError, TypeError) and issubclass(hsdp_backend.ArgumentTypeError, RuntimeError)
+    assert issubclass(hsdp_backend.ArgumentError, ValueError) and issubclass(
+        hsdp_backend.ArgumentError, RuntimeError
+    )
+    assert issubclass(hsdp_backend.ArgumentTypeError, TypeError) and issubclass(
+        hsdp_backend.ArgumentTypeError, RuntimeError
+    )
     dist.barrier()
 
 
@@ -205,15 +242,32 @@ def async_ops_keep_the_callers_inference_mode(rank, world, ref):
     with torch.inference_mode():
         for group in (None, ref):
             outs = [torch.empty(5) for _ in range(world)]
-            works = [dist.all_gather(outs, data(rank, 5, torch.float32), group=group, async_op=True)]
+            works = [
+                dist.all_gather(outs, data(rank, 5, torch.float32), group=group, async_op=True)
+            ]
             t = data(rank, 5, torch.float32)
-            works.append(dist.all_reduce(t, op=dist.ReduceOp.AVG if group is None else dist.ReduceOp.SUM, group=group, async_op=True))
+            works.append(
+                dist.all_reduce(
+                    t,
+                    op=dist.ReduceOp.AVG if group is None else dist.ReduceOp.SUM,
+                    group=group,
+                    async_op=True,
+                )
+            )
             for w in works:
                 w.wait()
             for r in range(world):
-                check(outs[r], data(r, 5, torch.float32), f"all_gather under inference mode on {dist.get_backend(group)}")
+                check(
+                    outs[r],
+                    data(r, 5, torch.float32),
+                    f"all_gather under inference mode on {dist.get_backend(group)}",
+                )
             total = sum(data(r, 5, torch.float32) for r in range(world))
-            check(t, total / world if group is None else total, f"all_reduce under inference mode on {dist.get_backend(group)}")
+            check(
+                t,
+                total / world if group is None else total,
+                f"all_reduce under inference mode on {dist.get_backend(group)}",
+            )
 
 
 # ------------------------------------------------------- monitored_barrier
@@ -234,7 +288,9 @@ def monitored_barrier(rank, world, ref):
         for backend in ("hsdp", "gloo"):
             g = dist.new_group(backend=backend)
             if rank != world - 1:
-                errors[backend] = error_of(lambda: dist.monitored_barrier(g, timeout=timeout, wait_all_ranks=wait_all))
+                errors[backend] = error_of(
+                    lambda: dist.monitored_barrier(g, timeout=timeout, wait_all_ranks=wait_all)
+                )
             dist.barrier()  # on the default group: everyone is past the failure
             dist.destroy_process_group(g)
         if rank == world - 1:
@@ -267,7 +323,11 @@ def batch_isend_irecv_mixed(rank, world, ref):
     ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
-    check(from_prv, data(prv, 3 * (prv + 1), torch.float32), "batch_isend_irecv from the previous rank")
+    check(
+        from_prv,
+        data(prv, 3 * (prv + 1), torch.float32),
+        "batch_isend_irecv from the previous rank",
+    )
     check(from_nxt, data(nxt, 5 + nxt, torch.int64), "batch_isend_irecv from the next rank")
 
 
@@ -277,17 +337,22 @@ def batch_isend_irecv_mixed(rank, world, ref):
 @case
 def all_to_all_single_uneven_with_empty_splits(rank, world, ref):
     """Rank r sends (r + d) % 3 rows (some none) of a 2-D tensor to rank d."""
+
     def rows(src, dst):
         return (src + dst) % 3
 
     for dtype in (torch.float32, torch.bfloat16, torch.int32):
         in_splits = [rows(rank, d) for d in range(world)]
         out_splits = [rows(s, rank) for s in range(world)]
-        inp = torch.cat([torch.full((rows(rank, d), 4), rank * 10 + d) for d in range(world)]).to(dtype)
+        inp = torch.cat([torch.full((rows(rank, d), 4), rank * 10 + d) for d in range(world)]).to(
+            dtype
+        )
         outs = [torch.full((sum(out_splits), 4), -1).to(dtype) for _ in range(2)]
         dist.all_to_all_single(outs[0], inp, out_splits, in_splits)
         dist.all_to_all_single(outs[1], inp, out_splits, in_splits, group=ref)
-        want = torch.cat([torch.full((rows(s, rank), 4), s * 10 + rank) for s in range(world)]).to(dtype)
+        want = torch.cat([torch.full((rows(s, rank), 4), s * 10 + rank) for s in range(world)]).to(
+            dtype
+        )
         check(outs[0], want, f"all_to_all_single {dtype}")
         check(outs[0], outs[1], f"all_to_all_single {dtype} against gloo")
 
@@ -298,9 +363,15 @@ def all_to_all_single_uneven_with_empty_splits(rank, world, ref):
 @case
 def object_collectives_with_large_pickles(rank, world, ref):
     """Objects of several MiB each (sizes differ between ranks)."""
+
     def obj(r):
         g = torch.Generator().manual_seed(r)
-        return {"rank": r, "blob": torch.randint(0, 256, (3 * 2**20 + 4099 * r,), generator=g, dtype=torch.uint8).numpy().tobytes()}
+        return {
+            "rank": r,
+            "blob": torch.randint(0, 256, (3 * 2**20 + 4099 * r,), generator=g, dtype=torch.uint8)
+            .numpy()
+            .tobytes(),
+        }
 
     got = [None] * world
     dist.all_gather_object(got, obj(rank))
@@ -342,8 +413,12 @@ def work_exception_and_future_chains(rank, world, ref):
             work = dist.all_reduce(torch.ones(4), group=g, async_op=True)
             chained = work.get_future().then(lambda f: f.value()[0] + 1)
             errors[backend] = error_of(work.wait)
-            assert errors[backend] is not None, f"{backend}: a collective nobody else joined completed"
-            assert error_of(chained.wait) is not None, f"{backend}: the future chain hid the failure"
+            assert errors[backend] is not None, (
+                f"{backend}: a collective nobody else joined completed"
+            )
+            assert error_of(chained.wait) is not None, (
+                f"{backend}: the future chain hid the failure"
+            )
             if backend == "hsdp":
                 assert work.exception() is not None
         dist.barrier()
@@ -377,6 +452,7 @@ def abort_or_shutdown_then_a_new_group(rank, world, ref):
 def sequence_numbers_count_collectives_as_gloo(rank, world, ref):
     """A new group starts at 0 on every rank and counts each collective (not
     point-to-point calls), as gloo's does, whatever engine serves it."""
+
     def run(g):
         seqs = [g._get_sequence_number_for_group()]
         for step in (

@@ -3,7 +3,6 @@ import os
 import tempfile
 
 import pytest
-
 from harness import CaseLauncher
 
 # Every case runs on both CPU engines (the shared-memory engine and the

@@ -26,7 +26,9 @@ def raises(exc_type, pattern, fn, *args, **kwargs):
         assert re.search(pattern, str(exc)), f"message {str(exc)!r} does not match {pattern!r}"
         return exc
     except Exception as exc:  # noqa: BLE001
-        raise AssertionError(f"expected {exc_type.__name__}, got {type(exc).__name__}: {exc}") from exc
+        raise AssertionError(
+            f"expected {exc_type.__name__}, got {type(exc).__name__}: {exc}"
+        ) from exc
     raise AssertionError(f"expected {exc_type.__name__}({pattern!r}), nothing was raised")
 
 
@@ -47,32 +49,66 @@ def backend():
 @case
 def wrong_output_size(rank, world, ref):
     out = torch.empty(world * 4 + 1)
-    raises(ValueError, prefix(rank, world, "all_gather_into_tensor") + r".*expected " + str(world * 4),
-           dist.all_gather_into_tensor, out, torch.ones(4))
+    raises(
+        ValueError,
+        prefix(rank, world, "all_gather_into_tensor") + r".*expected " + str(world * 4),
+        dist.all_gather_into_tensor,
+        out,
+        torch.ones(4),
+    )
     still_usable(rank, world)
-    raises(ValueError, prefix(rank, world, "reduce_scatter_tensor") + r"the input .*expected",
-           dist.reduce_scatter_tensor, torch.empty(3), torch.ones(world * 3 + 1))
+    raises(
+        ValueError,
+        prefix(rank, world, "reduce_scatter_tensor") + r"the input .*expected",
+        dist.reduce_scatter_tensor,
+        torch.empty(3),
+        torch.ones(world * 3 + 1),
+    )
     still_usable(rank, world)
 
 
 @case
 def dtype_mismatch(rank, world, ref):
-    raises(TypeError, prefix(rank, world, "all_gather_into_tensor") + r"the output has dtype Float but the input has dtype BFloat16",
-           dist.all_gather_into_tensor, torch.empty(world * 2), torch.ones(2, dtype=torch.bfloat16))
+    raises(
+        TypeError,
+        prefix(rank, world, "all_gather_into_tensor")
+        + r"the output has dtype Float but the input has dtype BFloat16",
+        dist.all_gather_into_tensor,
+        torch.empty(world * 2),
+        torch.ones(2, dtype=torch.bfloat16),
+    )
     still_usable(rank, world)
-    raises(TypeError, prefix(rank, world, "reduce_scatter_tensor") + "the output has dtype Half but the input has dtype Float",
-           dist.reduce_scatter_tensor, torch.empty(2, dtype=torch.float16), torch.ones(world * 2))
+    raises(
+        TypeError,
+        prefix(rank, world, "reduce_scatter_tensor")
+        + "the output has dtype Half but the input has dtype Float",
+        dist.reduce_scatter_tensor,
+        torch.empty(2, dtype=torch.float16),
+        torch.ones(world * 2),
+    )
     still_usable(rank, world)
 
 
 @case
 def op_makes_no_sense_for_dtype(rank, world, ref):
-    raises(ValueError, prefix(rank, world, "all_reduce") + r"ReduceOp.BAND needs an integer or bool tensor, got Float",
-           dist.all_reduce, torch.ones(3), op=dist.ReduceOp.BAND)
+    raises(
+        ValueError,
+        prefix(rank, world, "all_reduce")
+        + r"ReduceOp.BAND needs an integer or bool tensor, got Float",
+        dist.all_reduce,
+        torch.ones(3),
+        op=dist.ReduceOp.BAND,
+    )
     still_usable(rank, world)
-    raises(ValueError, prefix(rank, world, "reduce_scatter_tensor") + r"ReduceOp.PREMUL_SUM needs a floating-point tensor, got Long",
-           dist.reduce_scatter_tensor, torch.empty(1, dtype=torch.int64), torch.ones(world, dtype=torch.int64),
-           op=dist._make_nccl_premul_sum(2.0))
+    raises(
+        ValueError,
+        prefix(rank, world, "reduce_scatter_tensor")
+        + r"ReduceOp.PREMUL_SUM needs a floating-point tensor, got Long",
+        dist.reduce_scatter_tensor,
+        torch.empty(1, dtype=torch.int64),
+        torch.ones(world, dtype=torch.int64),
+        op=dist._make_nccl_premul_sum(2.0),
+    )
     still_usable(rank, world)
 
 
@@ -84,13 +120,31 @@ def invalid_root_and_peer(rank, world, ref):
     still_usable(rank, world)
     opts = dist.BroadcastOptions()
     opts.rootRank = world + 3
-    raises(ValueError, prefix(rank, world, "broadcast") + rf"invalid root rank {world + 3}; expected a group rank in \[0, {world}\)",
-           backend().broadcast, [torch.ones(2)], opts)
+    raises(
+        ValueError,
+        prefix(rank, world, "broadcast")
+        + rf"invalid root rank {world + 3}; expected a group rank in \[0, {world}\)",
+        backend().broadcast,
+        [torch.ones(2)],
+        opts,
+    )
     still_usable(rank, world)
-    raises(ValueError, prefix(rank, world, "send") + r"invalid destination rank -1",
-           backend().send, [torch.ones(2)], -1, 0)
-    raises(ValueError, prefix(rank, world, "recv") + rf"invalid source rank {world}",
-           backend().recv, [torch.ones(2)], world, 0)
+    raises(
+        ValueError,
+        prefix(rank, world, "send") + r"invalid destination rank -1",
+        backend().send,
+        [torch.ones(2)],
+        -1,
+        0,
+    )
+    raises(
+        ValueError,
+        prefix(rank, world, "recv") + rf"invalid source rank {world}",
+        backend().recv,
+        [torch.ones(2)],
+        world,
+        0,
+    )
     still_usable(rank, world)
 
 
@@ -98,8 +152,13 @@ def invalid_root_and_peer(rank, world, ref):
 def unsupported_device(rank, world, ref):
     # torch.distributed answers meta tensors itself, without a backend; the
     # backend API shows what hsdp does with a device it does not serve.
-    raises(RuntimeError, prefix(rank, world, "all_reduce") + r"tensors on meta are not supported",
-           backend().allreduce, [torch.ones(2, device="meta")], dist.AllreduceOptions())
+    raises(
+        RuntimeError,
+        prefix(rank, world, "all_reduce") + r"tensors on meta are not supported",
+        backend().allreduce,
+        [torch.ones(2, device="meta")],
+        dist.AllreduceOptions(),
+    )
     still_usable(rank, world)
 
 
@@ -108,24 +167,46 @@ def devices_mixed_in_one_call(rank, world, ref):
     # A meta tensor stands in for a second device (this machine has no GPU);
     # the checks compare devices, so cuda:0 beside cuda:1 or cpu beside cuda
     # fail the same way, before anything is issued.
-    raises(ValueError, prefix(rank, world, "all_gather_into_tensor_coalesced") + r"an input is on meta but the input is on cpu",
-           backend().all_gather_single_coalesced, [torch.empty(world * 2), torch.empty(world * 2)],
-           [torch.ones(2), torch.ones(2, device="meta")], dist.distributed_c10d.AllgatherOptions())
+    raises(
+        ValueError,
+        prefix(rank, world, "all_gather_into_tensor_coalesced")
+        + r"an input is on meta but the input is on cpu",
+        backend().all_gather_single_coalesced,
+        [torch.empty(world * 2), torch.empty(world * 2)],
+        [torch.ones(2), torch.ones(2, device="meta")],
+        dist.distributed_c10d.AllgatherOptions(),
+    )
     still_usable(rank, world)
-    raises(ValueError, prefix(rank, world, "reduce_scatter_tensor_coalesced") + r"an input is on meta but the input is on cpu",
-           backend().reduce_scatter_single_coalesced, [torch.empty(2), torch.empty(2)],
-           [torch.ones(world * 2), torch.ones(world * 2, device="meta")], dist.ReduceScatterOptions())
+    raises(
+        ValueError,
+        prefix(rank, world, "reduce_scatter_tensor_coalesced")
+        + r"an input is on meta but the input is on cpu",
+        backend().reduce_scatter_single_coalesced,
+        [torch.empty(2), torch.empty(2)],
+        [torch.ones(world * 2), torch.ones(world * 2, device="meta")],
+        dist.ReduceScatterOptions(),
+    )
     still_usable(rank, world)
-    raises(ValueError, prefix(rank, world, "all_reduce_coalesced") + r"a tensor is on meta but the input is on cpu",
-           hsdp_backend.all_reduce_coalesced, [torch.ones(2), torch.ones(2, device="meta")])
+    raises(
+        ValueError,
+        prefix(rank, world, "all_reduce_coalesced")
+        + r"a tensor is on meta but the input is on cpu",
+        hsdp_backend.all_reduce_coalesced,
+        [torch.ones(2), torch.ones(2, device="meta")],
+    )
     still_usable(rank, world)
 
 
 @case
 def coalesced_list_length_mismatch(rank, world, ref):
-    raises(ValueError, prefix(rank, world, "all_gather_into_tensor_coalesced") + "got 2 inputs but 1 outputs",
-           backend().all_gather_single_coalesced, [torch.empty(world * 2)], [torch.ones(2), torch.ones(2)],
-           dist.distributed_c10d.AllgatherOptions())
+    raises(
+        ValueError,
+        prefix(rank, world, "all_gather_into_tensor_coalesced") + "got 2 inputs but 1 outputs",
+        backend().all_gather_single_coalesced,
+        [torch.empty(world * 2)],
+        [torch.ones(2), torch.ones(2)],
+        dist.distributed_c10d.AllgatherOptions(),
+    )
     still_usable(rank, world)
 
 

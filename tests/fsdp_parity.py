@@ -93,14 +93,20 @@ SCENARIOS: dict[str, Scenario] = {
     "hsdp_2x2_bf16": Scenario(mesh=(2, 2), mp="bf16"),
     "hsdp_2x2_bf16_reduce": Scenario(mesh=(2, 2), mp="bf16-reduce"),
     "hsdp_2x2_accumulate_no_sync": Scenario(mesh=(2, 2), micro_batches=3, accumulate="no_sync"),
-    "hsdp_2x2_accumulate_no_all_reduce": Scenario(mesh=(2, 2), micro_batches=3, accumulate="no_all_reduce"),
+    "hsdp_2x2_accumulate_no_all_reduce": Scenario(
+        mesh=(2, 2), micro_batches=3, accumulate="no_all_reduce"
+    ),
     "hsdp_2x2_divide_factor": Scenario(mesh=(2, 2), divide_factor=3.0),
     "hsdp_2x2_checkpoint": Scenario(mesh=(2, 2), checkpoint_at=5),
     "hsdp_2x2_small_buckets": Scenario(mesh=(2, 2), bucket_bytes=8 << 10, explicit_prefetch=True),
     # A block's gradient shard is ~33 KB: buckets take two groups, the first
     # backward grows them, later ones allocate them from the previous sizes.
     "hsdp_2x2_stream_ordered": Scenario(
-        mesh=(2, 2), micro_batches=2, accumulate="no_all_reduce", bucket_bytes=8 << 10, stream_ordered=True
+        mesh=(2, 2),
+        micro_batches=2,
+        accumulate="no_all_reduce",
+        bucket_bytes=8 << 10,
+        stream_ordered=True,
     ),
     "hsdp_2x2_two_groups_per_bucket": Scenario(mesh=(2, 2), bucket_bytes=40 << 10),
     "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
@@ -151,7 +157,6 @@ def reference(s: Scenario) -> dict:
     """Losses (mean over ranks, per step) and final parameters, computed in one
     process in fp32."""
     import torch
-
     from train_fsdp import build_model
 
     torch.manual_seed(s.seed)
@@ -175,7 +180,10 @@ def reference(s: Scenario) -> dict:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
         optimizer.step()
         losses.append(step_loss)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "losses": losses,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -186,7 +194,6 @@ def reference(s: Scenario) -> dict:
 def _build_sharded(s: Scenario, mesh, seed: int):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from train_fsdp import build_model, mixed_precision_policy
 
     args = model_args(s)
@@ -197,10 +204,15 @@ def _build_sharded(s: Scenario, mesh, seed: int):
     else:
         policy = mixed_precision_policy(s.mp)
     if s.reentrant_checkpoint:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
 
         for name in list(model.layers)[::2]:
-            model.layers[name] = checkpoint_wrapper(model.layers[name], checkpoint_impl=CheckpointImpl.REENTRANT)
+            model.layers[name] = checkpoint_wrapper(
+                model.layers[name], checkpoint_impl=CheckpointImpl.REENTRANT
+            )
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=s.reshard)
@@ -223,7 +235,9 @@ def _comm_counts(groups: dict) -> dict:
     out = {}
     for label, group in groups.items():
         stats = hsdp_backend.comm_stats(group)
-        out[label] = {op: (c["calls"], c["collectives"], c["bytes"]) for op, c in stats.items() if c["calls"]}
+        out[label] = {
+            op: (c["calls"], c["collectives"], c["bytes"]) for op, c in stats.items() if c["calls"]
+        }
     return out
 
 
@@ -246,11 +260,10 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     """Runs scenario ``name`` on the default group's backend. Returns the
     per-step losses (mean over ranks), per-step hsdp comm counts, warnings
     raised by the shim, and (rank 0) the full final parameters."""
+    import contextlib
     import warnings
 
     import torch
-    import contextlib
-
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -281,7 +294,9 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             shim.disable()
         if s.shim == "incompatible":
             original_foreach_reduce = param_group_module.foreach_reduce
-            param_group_module.foreach_reduce = lambda *args, **kwargs: original_foreach_reduce(*args, **kwargs)
+            param_group_module.foreach_reduce = lambda *args, **kwargs: original_foreach_reduce(
+                *args, **kwargs
+            )
             with warnings.catch_warnings(record=True) as record:
                 warnings.simplefilter("always")
                 assert shim.enable() is False
@@ -297,7 +312,9 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
         # Post-accumulate-grad hooks must fire once per parameter per reducing backward.
         hook_calls = {n: 0 for n, _ in model.named_parameters()}
         for n, p in model.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _p, n=n: hook_calls.__setitem__(n, hook_calls[n] + 1))
+            p.register_post_accumulate_grad_hook(
+                lambda _p, n=n: hook_calls.__setitem__(n, hook_calls[n] + 1)
+            )
         dp_rank = rank  # every rank is its own data-parallel rank
         data = batches(s, dp_rank, s.steps * s.micro_batches)
         losses, comms = [], []
@@ -329,7 +346,8 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
         # numpy, not tensors: torch pickles tensors through file descriptors
         # that die with this process.
         params = {
-            _unwrapped(n): p.full_tensor().detach().float().numpy().copy() for n, p in model.named_parameters()
+            _unwrapped(n): p.full_tensor().detach().float().numpy().copy()
+            for n, p in model.named_parameters()
         }
         return {
             "losses": losses,
@@ -346,7 +364,9 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
         if original_foreach_reduce is not None:
             param_group_module.foreach_reduce = original_foreach_reduce
         if on_hsdp:
-            shim.enable(bucket_bytes=config.read("HSDP_FSDP_BUCKET_BYTES"))  # back to the defaults for the next scenario
+            shim.enable(
+                bucket_bytes=config.read("HSDP_FSDP_BUCKET_BYTES")
+            )  # back to the defaults for the next scenario
 
 
 def _unwrapped(name: str) -> str:
@@ -366,7 +386,12 @@ def _reload(s: Scenario, mesh, model, optimizer, checkpoint_dir: str):
     model_sd, optim_sd = get_state_dict(fresh_model, fresh_optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=checkpoint_dir)
-    set_state_dict(fresh_model, fresh_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        fresh_model,
+        fresh_optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
     return fresh_model, fresh_optimizer
 
 

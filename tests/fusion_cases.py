@@ -37,7 +37,9 @@ def engine():
 def coalesced_all_gather_many_tensors_mixed_dtypes(rank, world, ref):
     for count in (1, 2, 17, 300):
         sizes = sizes_for(count, count)
-        dtypes = [(torch.float32, torch.bfloat16, torch.int64, torch.uint8)[i % 4] for i in range(count)]
+        dtypes = [
+            (torch.float32, torch.bfloat16, torch.int64, torch.uint8)[i % 4] for i in range(count)
+        ]
         outs = [torch.empty(world * n, dtype=d) for n, d in zip(sizes, dtypes)]
         hsdp_backend.reset_comm_stats()
         with dist._coalescing_manager():
@@ -48,7 +50,8 @@ def coalesced_all_gather_many_tensors_mixed_dtypes(rank, world, ref):
             assert torch.equal(o, expected), (count, i)
         # Bytes are gathered: every dtype shares the one collective.
         assert hsdp_backend.comm_stats()["all_gather_into_tensor_coalesced"] == {
-            "calls": 1, "collectives": 1,
+            "calls": 1,
+            "collectives": 1,
             "bytes": sum(n * torch.empty(0, dtype=d).element_size() for n, d in zip(sizes, dtypes)),
         }
 
@@ -57,7 +60,10 @@ def coalesced_all_gather_many_tensors_mixed_dtypes(rank, world, ref):
 def coalesced_reduce_scatter_many_tensors_one_collective_per_dtype(rank, world, ref):
     for count in (1, 2, 17, 300):
         sizes = sizes_for(count, count + 1)
-        dtypes = [(torch.float32, torch.bfloat16)[i % 2] if count > 1 else torch.float32 for i in range(count)]
+        dtypes = [
+            (torch.float32, torch.bfloat16)[i % 2] if count > 1 else torch.float32
+            for i in range(count)
+        ]
         outs = [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)]
         hsdp_backend.reset_comm_stats()
         with dist._coalescing_manager():
@@ -65,8 +71,10 @@ def coalesced_reduce_scatter_many_tensors_one_collective_per_dtype(rank, world, 
                 dist.reduce_scatter_tensor(o, data(i, rank, world * n, d), op=dist.ReduceOp.AVG)
         for i, (n, d, o) in enumerate(zip(sizes, dtypes, outs)):
             full = sum(data(i, r, world * n, torch.float64) for r in range(world)) / world
-            torch.testing.assert_close(o, full[rank * n:(rank + 1) * n].to(d))
-        assert hsdp_backend.comm_stats()["reduce_scatter_tensor_coalesced"]["collectives"] == len(set(dtypes))
+            torch.testing.assert_close(o, full[rank * n : (rank + 1) * n].to(d))
+        assert hsdp_backend.comm_stats()["reduce_scatter_tensor_coalesced"]["collectives"] == len(
+            set(dtypes)
+        )
 
 
 @case
@@ -78,9 +86,14 @@ def coalesced_reduce_scatter_into_adjacent_views(rank, world, ref):
     with dist._coalescing_manager():
         for i, (n, o) in enumerate(zip(sizes, outs)):
             dist.reduce_scatter_tensor(o, data(i, rank, world * n, torch.float32))
-    expected = torch.cat([
-        sum(data(i, r, world * n, torch.float64) for r in range(world))[rank * n:(rank + 1) * n]
-        for i, n in enumerate(sizes)]).float()
+    expected = torch.cat(
+        [
+            sum(data(i, r, world * n, torch.float64) for r in range(world))[
+                rank * n : (rank + 1) * n
+            ]
+            for i, n in enumerate(sizes)
+        ]
+    ).float()
     assert torch.equal(flat, expected)
 
 
@@ -106,7 +119,10 @@ def deferred_division_chained_across_two_groups(rank, world, ref):
         hsdp_backend.reduce_scatter_tensor(out, grads, op=dist.ReduceOp.SUM, group=shard)
         hsdp_backend.all_reduce(out, op=dist.ReduceOp.SUM, group=replicate, divide_by=s * r)
         # Every rank's gradient counts once: the mean over all world ranks.
-        expected = sum(data(5, q, s * n, torch.float64) for q in range(world))[me * n:(me + 1) * n] / world
+        expected = (
+            sum(data(5, q, s * n, torch.float64) for q in range(world))[me * n : (me + 1) * n]
+            / world
+        )
         torch.testing.assert_close(out, expected.to(dtype))
     # AVG and PREMUL_SUM compose with divide_by into one step.
     t = data(6, rank, 10, torch.float32)
@@ -120,7 +136,9 @@ def deferred_division_chained_across_two_groups(rank, world, ref):
     # Integers: a whole divisor, truncating.
     t = data(8, rank, 10, torch.int64)
     hsdp_backend.all_reduce(t, divide_by=3)
-    expected = torch.div(sum(data(8, q, 10, torch.int64) for q in range(world)), 3, rounding_mode="trunc")
+    expected = torch.div(
+        sum(data(8, q, 10, torch.int64) for q in range(world)), 3, rounding_mode="trunc"
+    )
     assert torch.equal(t, expected)
 
 
@@ -158,7 +176,10 @@ def coalesced_bad_input(rank, world, ref):
             with dist._coalescing_manager():
                 dist.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world + 1))
         except ValueError as exc:
-            assert f"[rank {rank}/{world}] reduce_scatter_tensor_coalesced: an input (world size x output) has" in str(exc), exc
+            assert (
+                f"[rank {rank}/{world}] reduce_scatter_tensor_coalesced: an input (world size x output) has"
+                in str(exc)
+            ), exc
         else:
             raise AssertionError("expected ValueError")
     # Sizes that differ between ranks: the engine compares every rank's call
@@ -194,7 +215,10 @@ def coalesced_all_gather_large_pieces(rank, world, ref):
             shard.copy_(data(i, rank, n, d))
             ins.append(shard)
         elif i % 4 == 1 and n > 1:  # a strided view: not contiguous
-            ins.append(data(i, rank, 2 * n, d).view(n, 2)[:, 0].clone().as_strided((n,), (1,)) * 0 + data(i, rank, n, d))
+            ins.append(
+                data(i, rank, 2 * n, d).view(n, 2)[:, 0].clone().as_strided((n,), (1,)) * 0
+                + data(i, rank, n, d)
+            )
         else:
             ins.append(data(i, rank, n, d))
     hsdp_backend.reset_comm_stats()

@@ -195,7 +195,9 @@ class CaseLauncher:
             else:
                 merged = {}
                 for n in names:
-                    errs = [f"--- rank {r} ---\n{res[n]}" for r, res in enumerate(per_rank) if res[n]]
+                    errs = [
+                        f"--- rank {r} ---\n{res[n]}" for r, res in enumerate(per_rank) if res[n]
+                    ]
                     merged[n] = "\n".join(errs) if errs else None
                 self._cache[key] = merged
         return self._cache[key]

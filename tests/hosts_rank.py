@@ -77,11 +77,22 @@ def job_fault(rank: int, world: int, out: str, op: str):
             again = None
         except Exception as second:  # noqa: BLE001 - its type is checked by the test
             again = f"{type(second).__name__}: {second}"
-        return {"engine": engine, "iterations": i, "error": str(exc), "failed_at": failed_at,
-                "again": again, "again_s": time.time() - failed_at}
+        return {
+            "engine": engine,
+            "iterations": i,
+            "error": str(exc),
+            "failed_at": failed_at,
+            "again": again,
+            "again_s": time.time() - failed_at,
+        }
     except Exception as exc:  # noqa: BLE001 - any other type is a failure of the test
-        return {"engine": engine, "iterations": i, "error": f"{type(exc).__name__}: {exc}",
-                "failed_at": time.time(), "wrong_type": True}
+        return {
+            "engine": engine,
+            "iterations": i,
+            "error": f"{type(exc).__name__}: {exc}",
+            "failed_at": time.time(),
+            "wrong_type": True,
+        }
     return {"engine": engine, "iterations": i, "error": None, "failed_at": None}
 
 
@@ -93,7 +104,9 @@ def job_train_and_exit(rank: int, world: int, out: str, how: str = "destroy"):
     0's then destroy their groups)."""
     import fsdp_parity
 
-    result = fsdp_parity.run_scenarios(rank, world, ["fsdp_w4_reshard_int"], os.path.join(out, "ckpt"))
+    result = fsdp_parity.run_scenarios(
+        rank, world, ["fsdp_w4_reshard_int"], os.path.join(out, "ckpt")
+    )
     return {"ok": isinstance(result["fsdp_w4_reshard_int"], dict), "how": how}
 
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from ops_cases import check, data, reduce_ref, rs_expected, rs_input
 
 import hsdp_backend
 from hsdp_backend import _C
-from ops_cases import check, data, reduce_ref, rs_expected, rs_input
 
 CASES = {}
 
@@ -38,15 +38,21 @@ def scales_reach_nccl_as_avg_or_one_premul_sum(rank, world, ref):
     check(t, reduce_ref(dist.ReduceOp.AVG, world, 10, torch.float32), "AVG")
     # divide_by folds into one PREMUL_SUM factor: no second scaling step
     t = data(rank, 10, torch.float32)
-    assert sent_by(lambda: hsdp_backend.all_reduce(t, op=dist.ReduceOp.AVG, divide_by=3.0)) == ["all_reduce:PREMUL_SUM"]
+    assert sent_by(lambda: hsdp_backend.all_reduce(t, op=dist.ReduceOp.AVG, divide_by=3.0)) == [
+        "all_reduce:PREMUL_SUM"
+    ]
     expected = torch.stack([data(r, 10, torch.float64) for r in range(world)]).sum(0) / (3 * world)
     check(t, expected.float(), "AVG + divide_by")
     out = torch.empty(6, dtype=torch.bfloat16)
     premul = dist._make_nccl_premul_sum(0.5)
-    assert sent_by(lambda: dist.reduce_scatter_tensor(out, rs_input(rank, world, 6, torch.bfloat16), op=premul)) == [
-        "reduce_scatter_tensor:PREMUL_SUM"
-    ]
-    check(out, (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.5).bfloat16(), "PREMUL_SUM")
+    assert sent_by(
+        lambda: dist.reduce_scatter_tensor(out, rs_input(rank, world, 6, torch.bfloat16), op=premul)
+    ) == ["reduce_scatter_tensor:PREMUL_SUM"]
+    check(
+        out,
+        (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.5).bfloat16(),
+        "PREMUL_SUM",
+    )
     # integers: SUM, then hsdp's truncating division
     t = data(rank, 10, torch.int64)
     assert sent_by(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG)) == ["all_reduce:SUM"]
@@ -60,14 +66,23 @@ def sync_calls_return_no_work(rank, world, ref):
     check(t, reduce_ref(dist.ReduceOp.SUM, world, 5, torch.float32) / 2, "sync divide_by")
     out = torch.empty(5)
     hsdp_backend.reduce_scatter_tensor(out, rs_input(rank, world, 5, torch.float32), divide_by=2.0)
-    check(out, rs_expected(dist.ReduceOp.SUM, world, rank, 5, torch.float32) / 2, "sync reduce_scatter divide_by")
+    check(
+        out,
+        rs_expected(dist.ReduceOp.SUM, world, rank, 5, torch.float32) / 2,
+        "sync reduce_scatter divide_by",
+    )
 
 
 @case
 def async_post_steps_wait_for_every_inner_work(rank, world, ref):
     # several buckets and dtypes: one inner Work each, one post-step after all
-    ts = [data(rank, n, d) for n, d in [(7, torch.float32), (5, torch.int64), (9, torch.float32), (3, torch.int64)]]
-    work = hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, bucket_bytes=16, async_op=True)
+    ts = [
+        data(rank, n, d)
+        for n, d in [(7, torch.float32), (5, torch.int64), (9, torch.float32), (3, torch.int64)]
+    ]
+    work = hsdp_backend.all_reduce_coalesced(
+        ts, op=dist.ReduceOp.AVG, bucket_bytes=16, async_op=True
+    )
     work.wait()
     assert work.is_completed()
     for t in ts:
@@ -77,11 +92,17 @@ def async_post_steps_wait_for_every_inner_work(rank, world, ref):
     t = base.t()
     work = dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)
     work.wait()
-    check(t, reduce_ref(dist.ReduceOp.SUM, world, 24, torch.float32).view(4, 6).t(), "non-contiguous async")
+    check(
+        t,
+        reduce_ref(dist.ReduceOp.SUM, world, 24, torch.float32).view(4, 6).t(),
+        "non-contiguous async",
+    )
     # the future of a chained Work carries the finished result
     t = data(rank, 8, torch.int64)
     fut = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True).get_future()
-    check(fut.wait()[0], reduce_ref(dist.ReduceOp.AVG, world, 8, torch.int64), "future of integer AVG")
+    check(
+        fut.wait()[0], reduce_ref(dist.ReduceOp.AVG, world, 8, torch.int64), "future of integer AVG"
+    )
 
 
 @case
@@ -94,13 +115,17 @@ def device_coalescing_holds_post_steps_until_the_end(rank, world, ref):
             dist.all_reduce(t, op=dist.ReduceOp.AVG)
     cm.wait()
     for t in ts:
-        check(t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), torch.int64), "coalesced integer AVG")
+        check(
+            t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), torch.int64), "coalesced integer AVG"
+        )
     outs = [torch.empty(world * n) for n in (3, 2)]
     with dist._coalescing_manager(device=torch.device("cpu")):
         for n, o in zip((3, 2), outs):
             dist.all_gather_into_tensor(o, data(rank, n, torch.float32))
     for n, o in zip((3, 2), outs):
-        check(o, torch.cat([data(r, n, torch.float32) for r in range(world)]), "coalesced all_gather")
+        check(
+            o, torch.cat([data(r, n, torch.float32) for r in range(world)]), "coalesced all_gather"
+        )
 
 
 @case
@@ -109,7 +134,12 @@ def inner_errors_reach_the_caller(rank, world, ref):
     for name, issue in [
         ("pass-through", lambda t: dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True)),
         ("chained", lambda t: hsdp_backend.all_reduce(t, divide_by=2.0, async_op=True)),
-        ("bucketed", lambda t: hsdp_backend.all_reduce_coalesced([t[:4], t[4:].long()], bucket_bytes=8, async_op=True)),
+        (
+            "bucketed",
+            lambda t: hsdp_backend.all_reduce_coalesced(
+                [t[:4], t[4:].long()], bucket_bytes=8, async_op=True
+            ),
+        ),
     ]:
         _C._nccl_contract_fail_next(backend, f"injected NCCL error ({name})")
         work = issue(torch.ones(8))

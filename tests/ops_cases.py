@@ -81,8 +81,13 @@ def check(actual: torch.Tensor, expected: torch.Tensor, what: str):
 
 
 def ops_for(dtype):
-    ops = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.PRODUCT,
-           dist.ReduceOp.MIN, dist.ReduceOp.MAX]
+    ops = [
+        dist.ReduceOp.SUM,
+        dist.ReduceOp.AVG,
+        dist.ReduceOp.PRODUCT,
+        dist.ReduceOp.MIN,
+        dist.ReduceOp.MAX,
+    ]
     if not dtype.is_floating_point:
         ops += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
     return ops
@@ -137,7 +142,9 @@ def all_reduce_premul_sum(rank, world, ref):
             t = data(rank, 33, dtype)
             dist.all_reduce(t, op=dist._make_nccl_premul_sum(factor))
             f = float(factor)
-            expected = (torch.stack([data(r, 33, torch.float64) for r in range(world)]).sum(0) * f).to(dtype)
+            expected = (
+                torch.stack([data(r, 33, torch.float64) for r in range(world)]).sum(0) * f
+            ).to(dtype)
             check(t, expected, f"premul_sum {dtype} factor={f}")
 
 
@@ -170,8 +177,14 @@ def all_gather_coalesced_list(rank, world, ref):
     """dist.all_gather_coalesced: shapes mixed, an empty tensor, sync and
     async (torch allows one dtype per call); one fused collective."""
     for dtype, async_op in ((torch.float32, False), (torch.bfloat16, True), (torch.int64, True)):
+
         def inputs(r):
-            return [data(r, 6, dtype).view(2, 3), data(r, 4, dtype), data(r, 0, dtype), data(r, 5, dtype)]
+            return [
+                data(r, 6, dtype).view(2, 3),
+                data(r, 4, dtype),
+                data(r, 0, dtype),
+                data(r, 5, dtype),
+            ]
 
         hsdp_backend.reset_comm_stats()
         mine = inputs(rank)
@@ -181,7 +194,9 @@ def all_gather_coalesced_list(rank, world, ref):
             work.wait()
         for r in range(world):
             for i, want in enumerate(inputs(r)):
-                check(outs[r][i], want, f"all_gather_coalesced from {r}, tensor {i}, async={async_op}")
+                check(
+                    outs[r][i], want, f"all_gather_coalesced from {r}, tensor {i}, async={async_op}"
+                )
         assert hsdp_backend.comm_stats()["all_gather_into_tensor_coalesced"]["collectives"] == 1
 
 
@@ -234,10 +249,13 @@ def rs_expected(op, world, rank, n, dtype):
     full = torch.stack([data(r, world * n, torch.float64) for r in range(world)]).sum(0)
     if op == dist.ReduceOp.AVG:
         full = full / world
-    chunk = full[rank * n:(rank + 1) * n]
+    chunk = full[rank * n : (rank + 1) * n]
     if op == dist.ReduceOp.AVG and not dtype.is_floating_point:
-        chunk = torch.div(torch.stack([data(r, world * n, torch.int64) for r in range(world)]).sum(0),
-                          world, rounding_mode="trunc")[rank * n:(rank + 1) * n]
+        chunk = torch.div(
+            torch.stack([data(r, world * n, torch.int64) for r in range(world)]).sum(0),
+            world,
+            rounding_mode="trunc",
+        )[rank * n : (rank + 1) * n]
     return chunk.to(dtype)
 
 
@@ -248,14 +266,20 @@ def reduce_scatter_tensor_sum_avg(rank, world, ref):
             for n in SIZES:
                 out = torch.empty(n, dtype=dtype)
                 dist.reduce_scatter_tensor(out, rs_input(rank, world, n, dtype), op=op)
-                check(out, rs_expected(op, world, rank, n, dtype), f"reduce_scatter_tensor {op} {dtype} n={n}")
+                check(
+                    out,
+                    rs_expected(op, world, rank, n, dtype),
+                    f"reduce_scatter_tensor {op} {dtype} n={n}",
+                )
 
 
 @case
 def reduce_scatter_tensor_premul_sum(rank, world, ref):
     for dtype in FLOATS:
         out = torch.empty(6, dtype=dtype)
-        dist.reduce_scatter_tensor(out, rs_input(rank, world, 6, dtype), op=dist._make_nccl_premul_sum(0.125))
+        dist.reduce_scatter_tensor(
+            out, rs_input(rank, world, 6, dtype), op=dist._make_nccl_premul_sum(0.125)
+        )
         expected = (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.125).to(dtype)
         check(out, expected, f"reduce_scatter_tensor premul_sum {dtype}")
 
@@ -289,14 +313,20 @@ def all_to_all_single_even_and_uneven(rank, world, ref):
         inp = torch.tensor([rank * 10 + d for d in range(world)]).to(dtype)
         out = torch.empty(world, dtype=dtype)
         dist.all_to_all_single(out, inp)
-        check(out, torch.tensor([s * 10 + rank for s in range(world)]).to(dtype), f"all_to_all_single even {dtype}")
+        check(
+            out,
+            torch.tensor([s * 10 + rank for s in range(world)]).to(dtype),
+            f"all_to_all_single even {dtype}",
+        )
         # uneven: rank r sends (d + 1) elements to rank d
         in_splits = [d + 1 for d in range(world)]
         out_splits = [rank + 1] * world
         inp = torch.cat([torch.full((d + 1,), rank * 10 + d) for d in range(world)]).to(dtype)
         out = torch.empty(sum(out_splits), dtype=dtype)
         dist.all_to_all_single(out, inp, out_splits, in_splits)
-        expected = torch.cat([torch.full((rank + 1,), s * 10 + rank) for s in range(world)]).to(dtype)
+        expected = torch.cat([torch.full((rank + 1,), s * 10 + rank) for s in range(world)]).to(
+            dtype
+        )
         check(out, expected, f"all_to_all_single uneven {dtype}")
 
 
@@ -333,8 +363,10 @@ def send_recv_ring(rank, world, ref):
         req.wait()
     check(got, data(prv, 4096, torch.float32), "isend/irecv")
     got = torch.empty(8)
-    ops = [dist.P2POp(dist.isend, data(rank, 8, torch.float32), nxt),
-           dist.P2POp(dist.irecv, got, prv)]
+    ops = [
+        dist.P2POp(dist.isend, data(rank, 8, torch.float32), nxt),
+        dist.P2POp(dist.irecv, got, prv),
+    ]
     for req in dist.batch_isend_irecv(ops):
         req.wait()
     check(got, data(prv, 8, torch.float32), "batch_isend_irecv")
@@ -369,7 +401,9 @@ def coalescing_manager_all_reduce(rank, world, ref):
         for t in ts:
             dist.all_reduce(t, op=dist.ReduceOp.AVG)
     for n, t in zip((3, 0, 17, 1), ts):
-        check(t, reduce_ref(dist.ReduceOp.AVG, world, n, torch.float32), f"coalesced all_reduce n={n}")
+        check(
+            t, reduce_ref(dist.ReduceOp.AVG, world, n, torch.float32), f"coalesced all_reduce n={n}"
+        )
     stats = hsdp_backend.comm_stats()["all_reduce_coalesced"]
     assert stats == {"calls": 1, "collectives": 1, "bytes": 21 * 4}, stats
 
@@ -384,13 +418,23 @@ def coalescing_manager_all_gather_and_reduce_scatter(rank, world, ref):
             for n, out in zip(sizes, outs):
                 dist.all_gather_into_tensor(out, data(rank, n, dtype))
         for n, out in zip(sizes, outs):
-            check(out, torch.cat([data(r, n, dtype) for r in range(world)]), f"coalesced all_gather {dtype} n={n}")
+            check(
+                out,
+                torch.cat([data(r, n, dtype) for r in range(world)]),
+                f"coalesced all_gather {dtype} n={n}",
+            )
         outs = [torch.empty(n, dtype=dtype) for n in sizes]
         with dist._coalescing_manager():
             for n, out in zip(sizes, outs):
-                dist.reduce_scatter_tensor(out, rs_input(rank, world, n, dtype), op=dist.ReduceOp.AVG)
+                dist.reduce_scatter_tensor(
+                    out, rs_input(rank, world, n, dtype), op=dist.ReduceOp.AVG
+                )
         for n, out in zip(sizes, outs):
-            check(out, rs_expected(dist.ReduceOp.AVG, world, rank, n, dtype), f"coalesced reduce_scatter {dtype} n={n}")
+            check(
+                out,
+                rs_expected(dist.ReduceOp.AVG, world, rank, n, dtype),
+                f"coalesced reduce_scatter {dtype} n={n}",
+            )
         stats = hsdp_backend.comm_stats()
         assert stats["all_gather_into_tensor_coalesced"]["collectives"] == 1, stats
         assert stats["reduce_scatter_tensor_coalesced"]["collectives"] == 1, stats
@@ -404,7 +448,11 @@ def coalesced_async(rank, world, ref):
             dist.all_gather_into_tensor(out, data(rank, 3, torch.float32))
     cm.wait()
     for out in outs:
-        check(out, torch.cat([data(r, 3, torch.float32) for r in range(world)]), "async coalesced all_gather")
+        check(
+            out,
+            torch.cat([data(r, 3, torch.float32) for r in range(world)]),
+            "async coalesced all_gather",
+        )
 
 
 @case
@@ -431,13 +479,17 @@ def hsdp_all_reduce_coalesced_buckets(rank, world, ref):
     ts = [data(rank, n, torch.float32) for n in (10, 10, 10, 30, 1)]
     hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, bucket_bytes=80)
     for t in ts:
-        check(t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), torch.float32), "bucketed all_reduce")
+        check(
+            t, reduce_ref(dist.ReduceOp.AVG, world, t.numel(), torch.float32), "bucketed all_reduce"
+        )
     # buckets of <= 80 bytes: [10,10] [10] [30] [1]
     assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 4
     # adjacent views of one buffer: reduced in place, no staging copy
     flat = torch.cat([data(rank, 6, torch.float32), data(rank + 1, 6, torch.float32)])
     views = [flat[:6], flat[6:]]
-    work = hsdp_backend.all_reduce_coalesced(views, op=dist.ReduceOp.SUM, bucket_bytes=0, async_op=True)
+    work = hsdp_backend.all_reduce_coalesced(
+        views, op=dist.ReduceOp.SUM, bucket_bytes=0, async_op=True
+    )
     work.wait()
     check(views[0], reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32), "flat view 0")
 
@@ -457,9 +509,15 @@ def async_work_contract(rank, world, ref):
         value = fut.wait()
         check(value[0], reduce_ref(op, world, 64, torch.float32), f"future value {op}")
     out = torch.empty(4, dtype=torch.bfloat16)
-    work = dist.reduce_scatter_tensor(out, rs_input(rank, world, 4, torch.bfloat16), op=dist.ReduceOp.AVG, async_op=True)
+    work = dist.reduce_scatter_tensor(
+        out, rs_input(rank, world, 4, torch.bfloat16), op=dist.ReduceOp.AVG, async_op=True
+    )
     work.wait()
-    check(out, rs_expected(dist.ReduceOp.AVG, world, rank, 4, torch.bfloat16), "async reduce_scatter AVG")
+    check(
+        out,
+        rs_expected(dist.ReduceOp.AVG, world, rank, 4, torch.bfloat16),
+        "async reduce_scatter AVG",
+    )
 
 
 @case
@@ -484,8 +542,11 @@ def waited_work_leaves_the_inflight_registry(rank, world, ref):
             # Gloo's own reduce-scatter Work stays registered (torch 2.14): no
             # more than that, where hsdp hands Gloo's Work through.
             out = torch.empty(4)
-            rs = lambda g, o: lambda: dist.reduce_scatter_tensor(  # noqa: E731
-                out, rs_input(rank, world, 4, torch.float32), op=o, group=g, async_op=True)
+            rs = lambda g, o: (
+                lambda: dist.reduce_scatter_tensor(  # noqa: E731
+                    out, rs_input(rank, world, 4, torch.float32), op=o, group=g, async_op=True
+                )
+            )
             gloo_left = left_registered(rs(ref, dist.ReduceOp.SUM))
             assert left_registered(rs(None, op)) <= gloo_left, op
     finally:
@@ -502,7 +563,9 @@ def subgroups(rank, world, ref):
     if rank in members:
         t = torch.ones(3) * (rank + 1)
         dist.all_reduce(t, op=dist.ReduceOp.AVG, group=g)
-        check(t, torch.ones(3) * (sum(m + 1 for m in members) / len(members)), "subgroup all_reduce")
+        check(
+            t, torch.ones(3) * (sum(m + 1 for m in members) / len(members)), "subgroup all_reduce"
+        )
         out = torch.empty(len(members))
         dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=g)
         check(out, torch.tensor([float(m) for m in members]), "subgroup all_gather")
@@ -537,14 +600,16 @@ def split_group_by_parity(rank, world, ref):
     """ProcessGroup.split_group, what dist.split_group and DeviceMesh call for
     a default group bound to a GPU (that path itself needs a GPU)."""
     import gc
-    import os
 
     from hsdp_backend import _C
 
     parent = dist.distributed_c10d._get_default_group()
     mine = [r for r in range(world) if r % 2 == rank % 2]
     child = parent.split_group(mine, group_name=f"hsdp-split-{world}-{rank % 2}")
-    assert (child.rank(), child.size()) == (mine.index(rank), len(mine)), (child.rank(), child.size())
+    assert (child.rank(), child.size()) == (mine.index(rank), len(mine)), (
+        child.rank(),
+        child.size(),
+    )
     assert _C.is_hsdp(child._get_backend(torch.device("cpu")))
     assert hsdp_backend.cpu_engine(child) == expected_engine(mine)
     opts = dist.AllreduceOptions()
@@ -558,13 +623,17 @@ def split_group_by_parity(rank, world, ref):
     work = child._allgather_base(out, torch.full((3,), float(rank)))
     if work is not None:
         work.wait()
-    check(out, torch.tensor([float(r) for r in mine]).repeat_interleave(3), "split child all_gather")
+    check(
+        out, torch.tensor([float(r) for r in mine]).repeat_interleave(3), "split child all_gather"
+    )
     del child, work
     gc.collect()  # the child's shared memory goes with it
     # torch's new_group asks non-members of a bound (GPU) default group for
     # an NCCL no-color split: on hsdp there is nothing to do (that path
     # itself needs a GPU to reach).
-    assert parent._get_backend(torch.device("cpu")).perform_nocolor_split(torch.device("cpu")) is None
+    assert (
+        parent._get_backend(torch.device("cpu")).perform_nocolor_split(torch.device("cpu")) is None
+    )
 
 
 # ------------------------------------------------------------ comm_stats
@@ -591,7 +660,9 @@ def comm_stats_counts_and_resets(rank, world, ref):
         # all-gather. Within hosts only when a host holds more than one rank.
         assert stats["inter_host"]["calls"] >= 4, stats
         assert stats["inter_host"]["bytes"] == 3 * 40 + 40, stats
-        hosts = os.environ.get("HSDP_TEST_HOSTS", os.environ.get("HSDP_TEST_EXPECTED_HOSTS", "")).split(",")[:world]
+        hosts = os.environ.get(
+            "HSDP_TEST_HOSTS", os.environ.get("HSDP_TEST_EXPECTED_HOSTS", "")
+        ).split(",")[:world]
         within = 4 if hosts.count(hosts[0]) > 1 else 0
         assert stats.get("intra_host", {}).get("calls", 0) == within, stats
     else:
@@ -614,7 +685,9 @@ def expected_engine(members: list[int]) -> str:
     engine = os.environ.get("HSDP_ENGINE", "auto")
     if engine != "auto":
         return engine
-    hosts = os.environ.get("HSDP_TEST_HOSTS", os.environ.get("HSDP_TEST_EXPECTED_HOSTS", "")).split(",")
+    hosts = os.environ.get("HSDP_TEST_HOSTS", os.environ.get("HSDP_TEST_EXPECTED_HOSTS", "")).split(
+        ","
+    )
     if hosts == [""]:
         return "shm"
     mine = [hosts[r] for r in members]
@@ -651,7 +724,11 @@ def large_messages(rank, world, ref):
     shard = out.narrow(0, rank * n, n)
     shard.copy_(data(rank, n, torch.float32))
     dist.all_gather_into_tensor(out, shard)
-    check(out, torch.cat([data(r, n, torch.float32) for r in range(world)]), "large in-place all_gather")
+    check(
+        out,
+        torch.cat([data(r, n, torch.float32) for r in range(world)]),
+        "large in-place all_gather",
+    )
     t = data(rank, n, torch.bfloat16)
     dist.broadcast(t, src=world - 1)
     check(t, data(world - 1, n, torch.bfloat16), "large broadcast")
@@ -667,14 +744,20 @@ def large_messages(rank, world, ref):
 def layouts_differ_between_ranks(rank, world, ref):
     """Ranks may pass differently laid out tensors (a transposed view here,
     a contiguous one there): every rank must still take the same engine."""
+
     def shaped(t):  # rank-dependent layout, same values
         if rank % 2:
             return t.reshape(4, -1).t().contiguous().t()  # same shape, column-major
         return t.reshape(4, -1)
+
     base = data(rank, 4 * 3000, torch.float32)
     t = shaped(base.clone())
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
-    check(t.reshape(-1), reduce_ref(dist.ReduceOp.AVG, world, 4 * 3000, torch.float32), "all_reduce, mixed layouts")
+    check(
+        t.reshape(-1),
+        reduce_ref(dist.ReduceOp.AVG, world, 4 * 3000, torch.float32),
+        "all_reduce, mixed layouts",
+    )
     t = shaped(data(rank, 4 * 3000, torch.float32))
     dist.broadcast(t, src=0)
     check(t.reshape(-1), data(0, 4 * 3000, torch.float32), "broadcast, mixed layouts")
@@ -684,7 +767,11 @@ def layouts_differ_between_ranks(rank, world, ref):
         check(outs[r].reshape(-1), data(r, 4 * 3000, torch.float32), f"all_gather list from {r}")
     out = shaped(torch.zeros(4 * 3000))
     dist.reduce_scatter_tensor(out, rs_input(rank, world, 4 * 3000, torch.float32))
-    check(out.reshape(-1), rs_expected(dist.ReduceOp.SUM, world, rank, 4 * 3000, torch.float32), "reduce_scatter output layout")
+    check(
+        out.reshape(-1),
+        rs_expected(dist.ReduceOp.SUM, world, rank, 4 * 3000, torch.float32),
+        "reduce_scatter output layout",
+    )
 
 
 @case

@@ -17,12 +17,39 @@ EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 def test_training_suite_quick(tmp_path):
     out_json = tmp_path / "training.json"
-    cmd = [*BENCH, "--suite", "training", "--quick", "--ranks", "2", "--models", "tiny",
-           "--steps", "4", "--warmup", "1", "--seq-len", "32", "--timeout", "150", "--examples", str(EXAMPLES),
-           "--json", str(out_json), "--plot", ""]
+    cmd = [
+        *BENCH,
+        "--suite",
+        "training",
+        "--quick",
+        "--ranks",
+        "2",
+        "--models",
+        "tiny",
+        "--steps",
+        "4",
+        "--warmup",
+        "1",
+        "--seq-len",
+        "32",
+        "--timeout",
+        "150",
+        "--examples",
+        str(EXAMPLES),
+        "--json",
+        str(out_json),
+        "--plot",
+        "",
+    ]
     # Outside the repository root: the source tree has no compiled extension.
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     assert "gloo/hsdp exp" in proc.stdout, proc.stdout
 
@@ -34,7 +61,11 @@ def test_training_suite_quick(tmp_path):
 
     # Three runs, interleaved: the baseline (two 1-rank copies), then hsdp and gloo on 2 ranks.
     runs = section["runs"]
-    assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [(1, 2, "gloo"), (2, 1, "hsdp"), (2, 1, "gloo")]
+    assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
+        (1, 2, "gloo"),
+        (2, 1, "hsdp"),
+        (2, 1, "gloo"),
+    ]
     for r in runs:
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
         assert all(0 < f <= s for f, s in zip(r["fwd_bwd_ms"], r["step_ms"])), r
@@ -45,7 +76,9 @@ def test_training_suite_quick(tmp_path):
         for ms in (row[key]["step_ms"], row[key]["fwd_bwd_ms"]):
             assert math.isfinite(ms) and ms > 0, (key, row)
     for b in ("hsdp", "gloo"):
-        assert row[b]["exposed_ms"] == pytest.approx(row[b]["fwd_bwd_ms"] - row["baseline"]["fwd_bwd_ms"])
+        assert row[b]["exposed_ms"] == pytest.approx(
+            row[b]["fwd_bwd_ms"] - row["baseline"]["fwd_bwd_ms"]
+        )
         assert row[b]["comm_share"] == pytest.approx(row[b]["exposed_ms"] / row[b]["step_ms"])
     assert row["speedup"] == pytest.approx(row["gloo"]["step_ms"] / row["hsdp"]["step_ms"])
     assert "exposed_ratio_gloo_over_hsdp" in row

@@ -12,8 +12,8 @@ README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 def readme_table() -> dict[str, str]:
     text = README.read_text()
-    section = text[text.index("## Environment variables"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("## Environment variables") :]
+    section = section[: section.index("\n## ", 1)]
     return dict(re.findall(r"^\| `(HSDP_[A-Z_]+)` \| `([^`]*)` \|", section, flags=re.M))
 
 
@@ -23,4 +23,5 @@ def test_readme_lists_every_setting_with_its_default():
     assert documented == table, (
         f"only in README: {sorted(set(documented) - set(table))}; "
         f"only in config.py: {sorted(set(table) - set(documented))}; "
-        f"defaults differ: {[n for n in table if n in documented and documented[n] != table[n]]}")
+        f"defaults differ: {[n for n in table if n in documented and documented[n] != table[n]]}"
+    )

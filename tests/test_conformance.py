@@ -41,10 +41,24 @@ def listed(path: pathlib.Path) -> dict[str, str]:
 def run_suite(backend: str, world: int, tmp_path: pathlib.Path) -> dict[str, str]:
     out = tmp_path / f"{backend}-{world}.json"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "driver.py"), "--backend", backend, "--world", str(world), "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=2400,
+        [
+            sys.executable,
+            str(HERE / "driver.py"),
+            "--backend",
+            backend,
+            "--world",
+            str(world),
+            "--out",
+            str(out),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=2400,
     )
-    assert out.exists(), f"the driver wrote no results (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    assert out.exists(), (
+        f"the driver wrote no results (rc {proc.returncode}):\n{proc.stderr[-6000:]}"
+    )
     return json.loads(out.read_text())
 
 
@@ -61,7 +75,9 @@ def test_distributed_test_on_hsdp(world, tmp_path):
             f"no longer {sorted(set(baseline) - passing)}; update gloo_pass_w{world}.txt"
         )
     got = run_suite("hsdp", world, tmp_path)
-    unexpected = {t: got.get(t, "not run") for t in baseline if got.get(t) != "pass" and t not in expected}
+    unexpected = {
+        t: got.get(t, "not run") for t in baseline if got.get(t) != "pass" and t not in expected
+    }
     assert not unexpected, "passes on gloo, not on hsdp, and is not listed:\n" + "\n".join(
         f"{t}: {r}" for t, r in sorted(unexpected.items())
     )

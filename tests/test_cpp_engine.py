@@ -11,17 +11,26 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What each sanitizer prints when it reports (the script also exits non-zero).
-REPORTS = ("WARNING: ThreadSanitizer", "ERROR: AddressSanitizer", "runtime error:", "ERROR: LeakSanitizer")
+REPORTS = (
+    "WARNING: ThreadSanitizer",
+    "ERROR: AddressSanitizer",
+    "runtime error:",
+    "ERROR: LeakSanitizer",
+)
 
 
 @pytest.mark.timeout(1500)  # a sanitizer build of googletest and the engine, then the run
 @pytest.mark.parametrize("mode", ["plain", "tsan", "asan"])
 def test_engine_cpp_tests(mode):
     assert pathlib.Path("/usr/src/googletest/CMakeLists.txt").exists(), (
-        "googletest sources missing: run scripts/setup.sh (installs Debian's googletest)")
+        "googletest sources missing: run scripts/setup.sh (installs Debian's googletest)"
+    )
     proc = subprocess.run(
         ["bash", str(ROOT / "scripts" / "cpp_tests.sh"), mode, "--gtest_brief=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1400,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1400,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"cpp_tests.sh {mode} exited {proc.returncode}:\n{out[-8000:]}"

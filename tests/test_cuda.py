@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import torch
-
 from harness import run_ranks
 
 GPUS = torch.cuda.device_count()
@@ -23,7 +22,9 @@ two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs; this machine
 
 
 def _check(actual, expected, what):
-    torch.testing.assert_close(actual.float().cpu(), expected.float().cpu(), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.float().cpu(), expected.float().cpu(), msg=lambda m: f"{what}: {m}"
+    )
 
 
 def chained_ops_body(rank, world):
@@ -36,6 +37,7 @@ def chained_ops_body(rank, world):
     torch.cuda.set_device(dev)
     assert hsdp_backend.get_hsdp_backend() is not None
     for async_op in (False, True):
+
         def done(work):
             if async_op:
                 work.wait()
@@ -55,10 +57,24 @@ def chained_ops_body(rank, world):
         done(dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0), async_op=async_op))
         _check(t, torch.arange(12.0).view(3, 4).t() * 2 * world, "PREMUL_SUM, non-contiguous")
         out = torch.empty(10, device=dev)
-        done(dist.reduce_scatter_tensor(out, torch.ones(10 * world, device=dev), op=dist._make_nccl_premul_sum(0.5), async_op=async_op))
+        done(
+            dist.reduce_scatter_tensor(
+                out,
+                torch.ones(10 * world, device=dev),
+                op=dist._make_nccl_premul_sum(0.5),
+                async_op=async_op,
+            )
+        )
         _check(out, torch.full((10,), world * 0.5), "reduce_scatter PREMUL_SUM")
-        ts = [torch.full((n,), 2.0, device=dev, dtype=d) for n, d in [(7, torch.float32), (3, torch.int64), (9, torch.float32)]]
-        done(hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, bucket_bytes=16, async_op=async_op))
+        ts = [
+            torch.full((n,), 2.0, device=dev, dtype=d)
+            for n, d in [(7, torch.float32), (3, torch.int64), (9, torch.float32)]
+        ]
+        done(
+            hsdp_backend.all_reduce_coalesced(
+                ts, op=dist.ReduceOp.AVG, bucket_bytes=16, async_op=async_op
+            )
+        )
         for x in ts:
             _check(x, torch.full((x.numel(),), 2.0), f"bucketed {x.dtype}")
         outs = [torch.empty(world * n, device=dev) for n in (3, 5)]
@@ -72,7 +88,11 @@ def chained_ops_body(rank, world):
         outs = [torch.empty(n, device=dev, dtype=torch.int64) for n in (2, 4)]
         with dist._coalescing_manager(device=dev, async_ops=async_op) as cm:
             for n, o in zip((2, 4), outs):
-                dist.reduce_scatter_tensor(o, torch.full((n * world,), 5, device=dev, dtype=torch.int64), op=dist.ReduceOp.AVG)
+                dist.reduce_scatter_tensor(
+                    o,
+                    torch.full((n * world,), 5, device=dev, dtype=torch.int64),
+                    op=dist.ReduceOp.AVG,
+                )
         if async_op:
             cm.wait()
         for o in outs:
@@ -169,8 +189,14 @@ def test_one_gpu(body):
 def test_one_gpu_under_cuda_sanitizer():
     code = "import sys; sys.path.insert(0, 'tests'); import test_cuda, harness; harness.run_ranks(test_cuda.chained_ops_body, 1)"
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert proc.returncode == 0 and "CSAN" not in proc.stderr, proc.stderr[-4000:]
 
 
@@ -192,7 +218,9 @@ def parity_body(rank, world):
         assert torch.equal(a, b), f"{dtype}: hsdp's AVG must be NCCL's own"
     # async bucketed reduce across several buckets overlapping compute
     ts = [torch.full((1 << 18,), float(rank), device=dev) for _ in range(4)]
-    work = hsdp_backend.all_reduce_coalesced(ts, op=dist.ReduceOp.AVG, bucket_bytes=1 << 20, async_op=True)
+    work = hsdp_backend.all_reduce_coalesced(
+        ts, op=dist.ReduceOp.AVG, bucket_bytes=1 << 20, async_op=True
+    )
     y = torch.randn(2048, 2048, device=dev) @ torch.randn(2048, 2048, device=dev)
     work.wait()
     for t in ts:

@@ -1,10 +1,8 @@
 """Bad input and failures on hsdp (cases in error_cases.py)."""
 
-import pytest
-
-from conftest import engine_worlds
-
 import error_cases
+import pytest
+from conftest import engine_worlds
 
 NAMES = list(error_cases.CASES)
 

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -16,11 +15,31 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def train(script: str, nproc: int, backend: str, *extra: str) -> list[float]:
-    cmd = [*TORCHRUN, f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           str(ROOT / "examples" / script), "--backend", backend, "--steps", "4",
-           "--dim", "64", "--layers", "2", "--seq-len", "32", *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240,
-                          cwd=ROOT / "examples", env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        *TORCHRUN,
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(ROOT / "examples" / script),
+        "--backend",
+        backend,
+        "--steps",
+        "4",
+        "--dim",
+        "64",
+        "--layers",
+        "2",
+        "--seq-len",
+        "32",
+        *extra,
+    ]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT / "examples",
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
     assert re.search(r"final loss [0-9.]+", proc.stdout), proc.stdout

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-
 from conftest import hsdp_segments
 from harness import run_ranks
 
@@ -57,8 +56,9 @@ def dead_peer_body(rank, world):
 def test_killed_peer_surfaces_within_seconds(world):
     # Group timeout 60 s: detection must come from the liveness check.
     before = hsdp_segments()
-    results = run_ranks(dead_peer_body, world, may_die=(world - 1,),
-                        env={"HSDP_TEST_COLLECTIVE_TIMEOUT_S": "60"})
+    results = run_ranks(
+        dead_peer_body, world, may_die=(world - 1,), env={"HSDP_TEST_COLLECTIVE_TIMEOUT_S": "60"}
+    )
     for elapsed in results[:-1]:
         assert elapsed < 10, f"dead peer surfaced after {elapsed:.1f} s"
     assert hsdp_segments() == before
@@ -92,21 +92,32 @@ def mismatch_body(rank, world):
     # Different sizes of the same collective.
     g = dist.new_group(backend="hsdp")
     t = torch.ones(10 + 10 * rank)
-    expect_backend_error(lambda: dist.all_reduce(t, group=g),
-                         f"[rank {rank}/{world}] all_reduce:", "ranks called different collectives",
-                         "count=10", "count=20")
+    expect_backend_error(
+        lambda: dist.all_reduce(t, group=g),
+        f"[rank {rank}/{world}] all_reduce:",
+        "ranks called different collectives",
+        "count=10",
+        "count=20",
+    )
     # Different collectives altogether.
     g2 = dist.new_group(backend="hsdp")
     if rank == 0:
-        expect_backend_error(lambda: dist.broadcast(torch.ones(4), src=0, group=g2),
-                             "different collectives", "barrier")
+        expect_backend_error(
+            lambda: dist.broadcast(torch.ones(4), src=0, group=g2),
+            "different collectives",
+            "barrier",
+        )
     else:
         expect_backend_error(lambda: dist.barrier(group=g2), "different collectives", "broadcast")
     # Different dtypes.
     g3 = dist.new_group(backend="hsdp")
     x = torch.ones(8, dtype=torch.float32 if rank == 0 else torch.bfloat16)
-    expect_backend_error(lambda: dist.all_reduce(x, group=g3), "different collectives",
-                         "dtype=float32", "dtype=bfloat16")
+    expect_backend_error(
+        lambda: dist.all_reduce(x, group=g3),
+        "different collectives",
+        "dtype=float32",
+        "dtype=bfloat16",
+    )
     # The default group, untouched by the broken ones, still works.
     y = torch.ones(3)
     dist.all_reduce(y)

@@ -4,17 +4,20 @@ and hsdp's comm_stats must show the promised shape."""
 
 import math
 
+import fsdp_parity
 import pytest
 import torch
-
-import fsdp_parity
-from hsdp_backend import config
 from fsdp_parity import SCENARIOS, Scenario
 from harness import run_ranks
 
+from hsdp_backend import config
+
 # Scenarios that exercise the shim itself; gloo has nothing to compare there.
 HSDP_ONLY = {
-    "hsdp_2x2_small_buckets", "hsdp_2x2_two_groups_per_bucket", "hsdp_2x2_shim_off", "hsdp_2x2_shim_incompatible",
+    "hsdp_2x2_small_buckets",
+    "hsdp_2x2_two_groups_per_bucket",
+    "hsdp_2x2_shim_off",
+    "hsdp_2x2_shim_incompatible",
 }
 # fp32: the issue's bar. bf16 compute (params and activations in bf16) drifts
 # from the fp32 reference by rounding, but hsdp and gloo run the same bf16
@@ -23,8 +26,14 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 # Scenarios also trained through the NCCL-contract double (the CUDA route's
 # code on CPU): 1-D, HSDP with the shim, mixed precision, accumulation.
 NCCL_CONTRACT = [
-    "fsdp_w2", "fsdp_w2_bf16", "hsdp_2x2", "hsdp_2x2_bf16", "hsdp_2x2_small_buckets",
-    "hsdp_2x2_accumulate_no_sync", "hsdp_2x2_accumulate_no_all_reduce", "hsdp_2x2_divide_factor",
+    "fsdp_w2",
+    "fsdp_w2_bf16",
+    "hsdp_2x2",
+    "hsdp_2x2_bf16",
+    "hsdp_2x2_small_buckets",
+    "hsdp_2x2_accumulate_no_sync",
+    "hsdp_2x2_accumulate_no_all_reduce",
+    "hsdp_2x2_divide_factor",
     "hsdp_2x2_stream_ordered",
 ]
 BF16_VS_REFERENCE = dict(rtol=2e-2, atol=2e-3)
@@ -43,17 +52,29 @@ class Launches:
         world = SCENARIOS[name].world
         key = (world, backend, engine)
         if key not in self.results:
-            names = [n for n, s in SCENARIOS.items() if s.world == world and (backend == "hsdp" or n not in HSDP_ONLY)]
+            names = [
+                n
+                for n, s in SCENARIOS.items()
+                if s.world == world and (backend == "hsdp" or n not in HSDP_ONLY)
+            ]
             if engine == "nccl_contract":
                 names = [n for n in names if n in NCCL_CONTRACT]
             per_rank = run_ranks(
-                fsdp_parity.run_scenarios, world, backend=backend, timeout_s=900,
+                fsdp_parity.run_scenarios,
+                world,
+                backend=backend,
+                timeout_s=900,
                 env={"HSDP_ENGINE": engine} if engine else None,
-                names=names, checkpoint_root=str(self.tmp_root),
+                names=names,
+                checkpoint_root=str(self.tmp_root),
             )
             self.results[key] = per_rank
         per_rank = self.results[key]
-        failures = [f"--- rank {r} ---\n{res[name]}" for r, res in enumerate(per_rank) if isinstance(res[name], str)]
+        failures = [
+            f"--- rank {r} ---\n{res[name]}"
+            for r, res in enumerate(per_rank)
+            if isinstance(res[name], str)
+        ]
         if failures:
             pytest.fail("\n".join(failures), pytrace=False)
         return per_rank[0][name]
@@ -78,12 +99,17 @@ def assert_same_training(got: dict, want: dict, tol: dict, what: str):
     torch.testing.assert_close(
         torch.tensor(got["losses"], dtype=torch.float64),
         torch.tensor(want["losses"], dtype=torch.float64),
-        **tol, msg=lambda m: f"losses differ from {what}: {got['losses']} vs {want['losses']}\n{m}",
+        **tol,
+        msg=lambda m: f"losses differ from {what}: {got['losses']} vs {want['losses']}\n{m}",
     )
     assert got["params"].keys() == want["params"].keys()
     for n in want["params"]:
-        torch.testing.assert_close(as_tensor(got["params"][n]), as_tensor(want["params"][n]), **tol,
-                                   msg=lambda m: f"parameter {n} differs from {what}\n{m}")
+        torch.testing.assert_close(
+            as_tensor(got["params"][n]),
+            as_tensor(want["params"][n]),
+            **tol,
+            msg=lambda m: f"parameter {n} differs from {what}\n{m}",
+        )
 
 
 def assert_comm_shape(name: str, s: Scenario, got: dict):
@@ -110,7 +136,11 @@ def assert_comm_shape(name: str, s: Scenario, got: dict):
             continue
         ar = counts["replicate"].get("all_reduce", (0, 0, 0))
         if native:
-            assert ar[0] == groups * all_reducing_backwards, (name, step, counts)  # FSDP2's own: one per group
+            assert ar[0] == groups * all_reducing_backwards, (
+                name,
+                step,
+                counts,
+            )  # FSDP2's own: one per group
         else:
             bound = (math.ceil(got["grad_bytes_per_rank"] / bucket) + 1) * all_reducing_backwards
             assert 1 <= ar[1] <= bound, (name, step, counts, bound)
@@ -126,18 +156,24 @@ def test_fsdp_parity(launches, name):
     hsdp = launches.result(name, "hsdp")
     reference = launches.reference(name)
     bf16 = s.mp.startswith("bf16")
-    assert_same_training(hsdp, reference, BF16_VS_REFERENCE if bf16 else FP32, "the single-process reference")
+    assert_same_training(
+        hsdp, reference, BF16_VS_REFERENCE if bf16 else FP32, "the single-process reference"
+    )
     if name not in HSDP_ONLY:
         gloo = launches.result(name, "gloo")
         assert_same_training(hsdp, gloo, BF16_VS_GLOO if bf16 else FP32, "gloo")
     assert_comm_shape(name, s, hsdp)
-    if s.checkpoint_at is None:  # (a reload makes new parameters, and their hooks are not registered)
+    if (
+        s.checkpoint_at is None
+    ):  # (a reload makes new parameters, and their hooks are not registered)
         # .grad is set (and the hooks run) by every backward that reduces fully.
         reducing = s.micro_batches if s.accumulate == "none" else 1
         assert hsdp["hook_calls"] == [s.steps * reducing], hsdp["hook_calls"]
     if s.shim == "incompatible":
         assert not hsdp["shim_enabled"]
-        assert any("FSDP2 keeps its native reduction" in w for w in hsdp["warnings"]), hsdp["warnings"]
+        assert any("FSDP2 keeps its native reduction" in w for w in hsdp["warnings"]), hsdp[
+            "warnings"
+        ]
     elif s.shim == "off":
         assert not hsdp["shim_enabled"]
     else:
@@ -152,7 +188,12 @@ def test_fsdp_parity_nccl_contract(launches, name):
     s = SCENARIOS[name]
     got = launches.result(name, "hsdp", engine="nccl_contract")
     bf16 = s.mp.startswith("bf16")
-    assert_same_training(got, launches.reference(name), BF16_VS_REFERENCE if bf16 else FP32, "the single-process reference")
+    assert_same_training(
+        got,
+        launches.reference(name),
+        BF16_VS_REFERENCE if bf16 else FP32,
+        "the single-process reference",
+    )
     peer = "hsdp" if name in HSDP_ONLY else "gloo"
     assert_same_training(got, launches.result(name, peer), BF16_VS_GLOO if bf16 else FP32, peer)
     assert_comm_shape(name, s, got)

@@ -4,7 +4,6 @@ warning that says what to do, never silently wrong gradients."""
 import warnings
 
 import pytest
-
 from harness import run_ranks
 
 
@@ -55,7 +54,9 @@ def mixed_backend_mesh(rank, world):
     pure = grads(init_device_mesh("cpu", (2, 2), mesh_dim_names=names))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        mixed_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names, backend_override={"replicate": "gloo"})
+        mixed_mesh = init_device_mesh(
+            "cpu", (2, 2), mesh_dim_names=names, backend_override={"replicate": "gloo"}
+        )
         mixed = grads(mixed_mesh)
     assert torch.distributed.get_backend(mixed_mesh.get_group("replicate")) == "gloo"
     for n in pure:
@@ -66,7 +67,12 @@ def mixed_backend_mesh(rank, world):
 def test_mixed_dtype_params_raise_a_clear_error():
     messages = run_ranks(mixed_dtype_params, 4, timeout_s=240)
     for m in messages:
-        assert m is not None and "mixes dtypes" in m and "a.weight (torch.float32)" in m and "MixedPrecisionPolicy(param_dtype" in m, m
+        assert (
+            m is not None
+            and "mixes dtypes" in m
+            and "a.weight (torch.float32)" in m
+            and "MixedPrecisionPolicy(param_dtype" in m
+        ), m
 
 
 def test_mesh_mixing_backends_warns_and_stays_correct():
@@ -80,7 +86,9 @@ def test_torch_outside_the_supported_range_warns():
 
     assert fsdp._check_torch_version("2.14.1+cu130")
     fsdp._shim.warned.discard("torch-version")
-    with pytest.warns(UserWarning, match=r"torch 2\.8\.0 is outside the supported range 2\.9-2\.14"):
+    with pytest.warns(
+        UserWarning, match=r"torch 2\.8\.0 is outside the supported range 2\.9-2\.14"
+    ):
         assert not fsdp._check_torch_version("2.8.0")
     fsdp._shim.warned.discard("torch-version")
     with pytest.warns(UserWarning, match="HSDP_FSDP=off"):
@@ -100,6 +108,7 @@ def backward_fails_midway(rank, world):
 
     sys.path.insert(0, fsdp_parity_examples())
     import fsdp_parity
+
     from hsdp_backend import config
     from hsdp_backend import fsdp as shim
 
@@ -118,6 +127,7 @@ def backward_fails_midway(rank, world):
                     fail["armed"] = False
                     raise RuntimeError("injected failure in backward")
                 return grad
+
             output.register_hook(boom)
 
         model.layers["1"].register_forward_hook(arm)
@@ -180,12 +190,16 @@ def nested_backward_body(rank, world):
         # A stand-in for one param group: the FSDPParam attributes the tail reads.
         param = torch.nn.Parameter(torch.zeros(4))
         fsdp_param = SimpleNamespace(
-            sharded_size=torch.Size([4]), contiguous_sharded_stride=(1,), sharded_param=param,
+            sharded_size=torch.Size([4]),
+            contiguous_sharded_stride=(1,),
+            sharded_param=param,
             to_sharded_dtensor=lambda t: t,
         )
         in_backward = buckets.begin_add()
         cpu = torch.device("cpu")
-        key, out = buckets.reserve(dist.group.WORLD, 1.0, torch.float32, 4, cpu, shim._Streams.of(cpu, None, None))
+        key, out = buckets.reserve(
+            dist.group.WORLD, 1.0, torch.float32, 4, cpu, shim._Streams.of(cpu, None, None)
+        )
         out.fill_(value)
         buckets.add(key, shim._PendingGrads([fsdp_param], [4], torch.float32, out), in_backward)
         params.append(param)

@@ -2,9 +2,8 @@
 on both CPU engines: the gloo route runs the device-agnostic code CUDA
 tensors take through NCCL."""
 
-import pytest
-
 import fusion_cases
+import pytest
 from conftest import engine_worlds
 
 NAMES = list(fusion_cases.CASES)

@@ -38,14 +38,23 @@ def paths_body(rank, world):
             dist.all_reduce(mine, op=dist.ReduceOp.AVG)
             expected = x.double()
             dist.all_reduce(expected, group=ref)
-            torch.testing.assert_close(mine.double(), expected / world, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+            torch.testing.assert_close(
+                mine.double(),
+                expected / world,
+                rtol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                atol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+            )
             every = _bytes_everywhere(mine, ref)
-            assert all(torch.equal(every[0], b) for b in every), f"all_reduce n={n} {dtype}: ranks differ"
+            assert all(torch.equal(every[0], b) for b in every), (
+                f"all_reduce n={n} {dtype}: ranks differ"
+            )
     # All-gather below and above the direct-read threshold (staged and
     # piecewise intra-host phases), out of place and in place.
     for n in [5, 100_000]:
         piece = torch.arange(n, dtype=torch.float32) + 1000 * rank
-        expected = torch.cat([torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(world)])
+        expected = torch.cat(
+            [torch.arange(n, dtype=torch.float32) + 1000 * r for r in range(world)]
+        )
         out = torch.empty(world * n)
         dist.all_gather_into_tensor(out, piece)
         assert torch.equal(out, expected)
@@ -60,7 +69,9 @@ def paths_body(rank, world):
         out = torch.empty(n)
         hsdp_backend.reduce_scatter_tensor(out, full, divide_by=4.0)
         total = sum(r + 1 for r in range(world))
-        assert torch.equal(out, torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * total / 4.0)
+        assert torch.equal(
+            out, torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * total / 4.0
+        )
     t = torch.full((64,), float(rank + 1), dtype=torch.bfloat16)
     hsdp_backend.all_reduce(t, divide_by=3.0)
     assert torch.equal(t, torch.full((64,), 10 / 3, dtype=torch.float32).to(torch.bfloat16))

@@ -45,8 +45,17 @@ def _require_namespaces() -> None:
         pytest.skip(why)
 
 
-def launch(out: pathlib.Path, job: str, per_host: list[int], *args: str, backend: str = "hsdp",
-           timeout_s: float = 240, during=None, torchrun_args: tuple[str, ...] = (), until=None):
+def launch(
+    out: pathlib.Path,
+    job: str,
+    per_host: list[int],
+    *args: str,
+    backend: str = "hsdp",
+    timeout_s: float = 240,
+    during=None,
+    torchrun_args: tuple[str, ...] = (),
+    until=None,
+):
     """Runs hosts_rank.py JOB on len(per_host) hosts; returns (torchrun exit
     codes, per-rank results, per-host /dev/shm leftovers). With `until` (a
     list of ranks), it stops once they reported, without waiting for the
@@ -54,11 +63,15 @@ def launch(out: pathlib.Path, job: str, per_host: list[int], *args: str, backend
     barrier for minutes); /dev/shm is then read from the running hosts."""
     _require_namespaces()
     out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, HSDP_TEST_BACKEND=backend, HSDP_TEST_GROUP_TIMEOUT_S=str(GROUP_TIMEOUT_S))
+    env = dict(
+        os.environ, HSDP_TEST_BACKEND=backend, HSDP_TEST_GROUP_TIMEOUT_S=str(GROUP_TIMEOUT_S)
+    )
     env.pop("HSDP_TEST_HOSTS", None)  # real hosts here
     with simhosts.SimHosts(len(per_host)) as hosts:
         procs = [
-            hosts.torchrun(h, n, [RANK_SCRIPT, job, str(out), *args], env=env, torchrun_args=torchrun_args)
+            hosts.torchrun(
+                h, n, [RANK_SCRIPT, job, str(out), *args], env=env, torchrun_args=torchrun_args
+            )
             for h, n in enumerate(per_host)
         ]
         if during is not None:
@@ -68,7 +81,9 @@ def launch(out: pathlib.Path, job: str, per_host: list[int], *args: str, backend
             shm = [hosts.shm_left(p) for p in procs]
         else:
             deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and not all((out / f"result.{r}.pkl").exists() for r in until):
+            while time.monotonic() < deadline and not all(
+                (out / f"result.{r}.pkl").exists() for r in until
+            ):
                 time.sleep(0.1)
             codes = [p.poll() for p in procs]
             shm = [hosts.shm_now(p) for p in procs]
@@ -98,18 +113,28 @@ def test_simulated_hosts_leave_nothing_behind():
             procs = [hosts.popen(h, ["setsid", "sleep", "600"]) for h in range(2)]
             time.sleep(0.5)
             assert set(names) <= set(simhosts._netns())
-            pids = [p for ns in names for p in
-                    subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+            pids = [
+                p
+                for ns in names
+                for p in subprocess.run(
+                    ["ip", "netns", "pids", ns], capture_output=True, text=True
+                ).stdout.split()
+            ]
             assert len(pids) >= 2, pids
             raise RuntimeError("the test fails here")
     assert not set(names) & set(simhosts._netns())
     assert all(p.poll() is not None for p in procs)
     for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]
+        assert (
+            not os.path.exists(f"/proc/{pid}")
+            or "Z" in pathlib.Path(f"/proc/{pid}/stat").read_text().split()[2]
+        )
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("per_host,engine", [([2, 2], "hierarchical"), ([1, 1], "hierarchical"), ([3, 1], "gloo")])
+@pytest.mark.parametrize(
+    "per_host,engine", [([2, 2], "hierarchical"), ([1, 1], "hierarchical"), ([3, 1], "gloo")]
+)
 def test_every_op_on_a_group_that_spans_hosts(tmp_path, per_host, engine):
     codes, results, shm = launch(tmp_path, "ops", per_host)
     _assert_ok(results)
@@ -133,17 +158,22 @@ def test_fsdp_across_hosts_matches_gloo(tmp_path):
     _assert_ok(gloo)
     for name in names:
         mine, ref = hsdp[0][name], gloo[0][name]
-        np.testing.assert_allclose(mine["losses"], ref["losses"], rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(
+            mine["losses"], ref["losses"], rtol=1e-5, atol=1e-6, err_msg=name
+        )
         assert mine["params"].keys() == ref["params"].keys()
         for p in mine["params"]:
-            np.testing.assert_allclose(mine["params"][p], ref["params"][p], rtol=1e-5, atol=1e-6,
-                                       err_msg=f"{name}: {p}")
+            np.testing.assert_allclose(
+                mine["params"][p], ref["params"][p], rtol=1e-5, atol=1e-6, err_msg=f"{name}: {p}"
+            )
     # The shim ran, and the replicate dimension crossed hosts on the
     # hierarchical route (one rank per host): the all-reduces were counted.
     assert hsdp[0]["hsdp_2x2"]["shim_enabled"]
 
 
-def _wait_for_progress(out: pathlib.Path, ranks: int, iterations: int, timeout_s: float = 120) -> None:
+def _wait_for_progress(
+    out: pathlib.Path, ranks: int, iterations: int, timeout_s: float = 120
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = 0
@@ -170,7 +200,9 @@ def _check_survivors(results, survivors, fault_at, op):
         print(f"rank {r} failed {took:.2f} s after the fault: {res['error'][:200]}")
         assert took < GROUP_TIMEOUT_S + 15, f"rank {r} failed {took:.1f} s after the fault"
         # The next call is refused at once.
-        assert res["again"] is not None and res["again"].startswith("DistBackendError"), res["again"]
+        assert res["again"] is not None and res["again"].startswith("DistBackendError"), res[
+            "again"
+        ]
         assert res["again_s"] < 5, f"rank {r}: the next call took {res['again_s']:.1f} s to fail"
 
 
@@ -190,8 +222,15 @@ def test_a_rank_killed_on_the_other_host(tmp_path, op):
         fault["at"] = time.time()
         os.kill(int((out / "pid.3").read_text()), signal.SIGKILL)
 
-    codes, results, shm = launch(tmp_path, "fault", [2, 2], op, during=kill_rank_three,
-                                 torchrun_args=SLOW_MONITOR, until=[0, 1, 2])
+    codes, results, shm = launch(
+        tmp_path,
+        "fault",
+        [2, 2],
+        op,
+        during=kill_rank_three,
+        torchrun_args=SLOW_MONITOR,
+        until=[0, 1, 2],
+    )
     _check_survivors(results, [0, 1, 2], fault["at"], op)
     assert shm == [[], []], shm
 
@@ -205,8 +244,15 @@ def test_a_host_whose_link_goes_down(tmp_path):
         fault["at"] = time.time()
         hosts.link(1, up=False)
 
-    codes, results, shm = launch(tmp_path, "fault", [2, 2], "all_reduce", during=cut_host_one,
-                                 torchrun_args=SLOW_MONITOR, until=[0, 1, 2, 3])
+    codes, results, shm = launch(
+        tmp_path,
+        "fault",
+        [2, 2],
+        "all_reduce",
+        during=cut_host_one,
+        torchrun_args=SLOW_MONITOR,
+        until=[0, 1, 2, 3],
+    )
     _check_survivors(results, [0, 1, 2, 3], fault["at"], "all_reduce")
     assert shm == [[], []], shm
 

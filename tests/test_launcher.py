@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-
 from harness import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,13 +32,21 @@ def base_env(**extra) -> dict:
 
 def launch(launcher: list[str], script: str, *args, env=None, cwd=None):
     cmd = [
-        sys.executable, *launcher,
-        "--nproc-per-node", "2", f"--master-port={free_port()}",
-        script, *args,
+        sys.executable,
+        *launcher,
+        "--nproc-per-node",
+        "2",
+        f"--master-port={free_port()}",
+        script,
+        *args,
     ]
     proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-        env=env if env is not None else base_env(), cwd=cwd,
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+        env=env if env is not None else base_env(),
+        cwd=cwd,
     )
     assert proc.returncode == 0, (
         f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
@@ -65,16 +72,14 @@ def rank_lines(stdout: str) -> list[str]:
     ],
 )
 def test_default_backends_run_on_hsdp(tmp_path, variant, shown):
-    proc = launch(HSDP_RUN, ALLREDUCE, variant,
-                  env=base_env(HSDP_RUN_VERBOSE="1"), cwd=tmp_path)
+    proc = launch(HSDP_RUN, ALLREDUCE, variant, env=base_env(HSDP_RUN_VERBOSE="1"), cwd=tmp_path)
     assert rank_lines(proc.stdout) == [
         "rank 0 backend hsdp sum 3.0 marker -",
         "rank 1 backend hsdp sum 3.0 marker -",
     ]
     for rank in (0, 1):
         assert (
-            f"[hsdp.run rank {rank}] init_process_group(backend={shown}) -> 'hsdp'"
-            in proc.stderr
+            f"[hsdp.run rank {rank}] init_process_group(backend={shown}) -> 'hsdp'" in proc.stderr
         ), proc.stderr
 
 
@@ -87,9 +92,7 @@ def test_group_really_runs_on_hsdp_and_chains_sitecustomize(tmp_path):
         "import os\nos.environ['CHAINED_SITECUSTOMIZE'] = 'ran-as-' + __name__\n"
     )
     env = base_env()
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in [str(theirs), env.get("PYTHONPATH", "")] if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(theirs), env.get("PYTHONPATH", "")] if p)
     proc = launch(HSDP_RUN, ENGINE, env=env, cwd=tmp_path)
     assert rank_lines(proc.stdout) == [
         "rank 0 backend hsdp engine shm marker ran-as-sitecustomize",
@@ -101,8 +104,7 @@ def test_group_really_runs_on_hsdp_and_chains_sitecustomize(tmp_path):
 def test_plain_torchrun_keeps_gloo(tmp_path):
     # The mapping is the launcher's doing only: installing hsdp_backend
     # changes nothing for a script run by torchrun itself.
-    proc = launch(TORCHRUN, ALLREDUCE, "gloo",
-                  env=base_env(HSDP_RUN_VERBOSE="1"), cwd=tmp_path)
+    proc = launch(TORCHRUN, ALLREDUCE, "gloo", env=base_env(HSDP_RUN_VERBOSE="1"), cwd=tmp_path)
     assert rank_lines(proc.stdout) == [
         "rank 0 backend gloo sum 3.0 marker -",
         "rank 1 backend gloo sum 3.0 marker -",
@@ -131,7 +133,11 @@ def launcher_env(**extra) -> dict:
 def plain_python(code: str, env: dict, cwd) -> subprocess.CompletedProcess:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=60,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=60,
     )
     assert proc.returncode == 0, f"--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
     return proc
@@ -149,9 +155,7 @@ def test_prepare_env_only_prepends_and_enables(tmp_path):
     assert prepare_env(dict(env)) == env  # a nested launch adds nothing
     assert prepare_env({})["PYTHONPATH"] == launch_dir()
     # The injected directory holds the sitecustomize and nothing importable else.
-    assert sorted(
-        n for n in os.listdir(launch_dir()) if n != "__pycache__"
-    ) == ["sitecustomize.py"]
+    assert sorted(n for n in os.listdir(launch_dir()) if n != "__pycache__") == ["sitecustomize.py"]
 
 
 def test_sitecustomize_does_not_import_torch(tmp_path):
@@ -163,7 +167,8 @@ def test_sitecustomize_does_not_import_torch(tmp_path):
         print("torch", "torch" in sys.modules, "hsdp", "hsdp_backend" in sys.modules)
         print("hooked", any(type(f).__name__ == "_Finder" for f in sys.meta_path))
         """,
-        launcher_env(), tmp_path,
+        launcher_env(),
+        tmp_path,
     )
     from hsdp_backend.run import launch_dir
 
@@ -180,7 +185,8 @@ def test_hook_is_off_without_the_launchers_variable(tmp_path):
         import sys, sitecustomize
         print("hooked", any(type(f).__name__ == "_Finder" for f in sys.meta_path))
         """,
-        env, tmp_path,
+        env,
+        tmp_path,
     )
     assert "hooked False" in proc.stdout
 
@@ -203,7 +209,8 @@ def test_other_backends_are_passed_through_and_import_errors_explain(tmp_path):
         except ImportError as exc:
             print("error", exc)
         """,
-        launcher_env(HSDP_RUN_VERBOSE="1"), tmp_path,
+        launcher_env(HSDP_RUN_VERBOSE="1"),
+        tmp_path,
     )
     assert (
         "calls [(('nccl',), {}), (('mpi',), {'rank': 0}), ((), {'backend': 'hsdp'}), "

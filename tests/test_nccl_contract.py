@@ -3,9 +3,8 @@ nccl_contract_cases.py), through the NCCL-contract double. Every test id
 here and in the ops / fusion / FSDP suites that runs through the double
 contains ``nccl_contract``: ``pytest tests -k nccl_contract`` selects them."""
 
-import pytest
-
 import nccl_contract_cases
+import pytest
 from conftest import NCCL_CONTRACT_WORLDS
 
 NAMES = list(nccl_contract_cases.CASES)

@@ -1,10 +1,8 @@
 """Every c10d op on hsdp, on world sizes 1-4 (cases in ops_cases.py)."""
 
-import pytest
-
-from conftest import engine_worlds
-
 import ops_cases
+import pytest
+from conftest import engine_worlds
 
 NAMES = list(ops_cases.CASES)
 

@@ -14,11 +14,16 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(600)
 def test_step_protocol_model_checks():
     assert shutil.which("spin"), "spin missing: run scripts/setup.sh (installs Debian's spin)"
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "check_protocol.sh")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=580)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "check_protocol.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
-    lines = [l for l in out.splitlines() if l.startswith("[protocol]")]
+    lines = [line for line in out.splitlines() if line.startswith("[protocol]")]
     assert len(lines) == 7, out
-    assert sum("safe, no deadlock" in l for l in lines) == 3, out
-    assert sum("violation found" in l for l in lines) == 4, out
+    assert sum("safe, no deadlock" in line for line in lines) == 3, out
+    assert sum("violation found" in line for line in lines) == 4, out

@@ -6,8 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from harness import free_port
 
 
@@ -16,7 +14,11 @@ def python(code: str, env: dict | None = None, cwd=None, timeout=120):
     full_env = {**os.environ, **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        timeout=timeout,
     )
     return proc
 
@@ -73,8 +75,9 @@ def test_init_process_group_finds_hsdp_without_import(tmp_path):
 def test_failing_registration_never_breaks_import_torch(tmp_path):
     # A sitecustomize plants a registration module that raises, as a broken
     # install would; import torch must still succeed, with a warning.
-    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(
-        """
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
         import sys, types
         broken = types.ModuleType("hsdp_backend._registration")
         broken.BACKEND_NAME = "hsdp"
@@ -83,7 +86,8 @@ def test_failing_registration_never_breaks_import_torch(tmp_path):
         broken.register = register
         sys.modules["hsdp_backend._registration"] = broken
         """
-    ))
+        )
+    )
     proc = python(
         """
         import warnings

@@ -10,7 +10,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import hsdp_segments
 from harness import run_ranks
 
@@ -32,7 +31,11 @@ def inputs(seed, rank, n, dtype):
 def reference(seed, world, n, dtype, avg=False):
     import torch
 
-    total = sum(inputs(seed, r, n, torch.float64) for r in range(world)) if n else torch.zeros(0, dtype=torch.float64)
+    total = (
+        sum(inputs(seed, r, n, torch.float64) for r in range(world))
+        if n
+        else torch.zeros(0, dtype=torch.float64)
+    )
     if avg:
         total = total / world
     return total.to(dtype)
@@ -54,11 +57,15 @@ def eight_ranks_body(rank, world):
         shard = out.narrow(0, rank * n, n)
         shard.copy_(inputs(seed, rank, n, torch.float32))
         dist.all_gather_into_tensor(out, shard)
-        assert torch.equal(out, torch.cat([inputs(seed, r, n, torch.float32) for r in range(world)]))
+        assert torch.equal(
+            out, torch.cat([inputs(seed, r, n, torch.float32) for r in range(world)])
+        )
         o = torch.empty(n)
         full = inputs(seed + 50, rank, world * n, torch.float32)
         dist.reduce_scatter_tensor(o, full)
-        assert torch.equal(o, reference(seed + 50, world, world * n, torch.float32)[rank * n:(rank + 1) * n])
+        assert torch.equal(
+            o, reference(seed + 50, world, world * n, torch.float32)[rank * n : (rank + 1) * n]
+        )
         b = inputs(seed, rank, n, torch.float32)
         dist.broadcast(b, src=world - 1)
         assert torch.equal(b, inputs(seed, world - 1, n, torch.float32))
@@ -87,10 +94,14 @@ def sixteen_ranks_body(rank, world):
         torch.testing.assert_close(t, reference(seed, world, n, torch.bfloat16, avg=True))
         out = torch.empty(world * n)
         dist.all_gather_into_tensor(out, inputs(seed, rank, n, torch.float32))
-        assert torch.equal(out, torch.cat([inputs(seed, r, n, torch.float32) for r in range(world)]))
+        assert torch.equal(
+            out, torch.cat([inputs(seed, r, n, torch.float32) for r in range(world)])
+        )
         o = torch.empty(n)
         dist.reduce_scatter_tensor(o, inputs(seed + 9, rank, world * n, torch.float32))
-        assert torch.equal(o, reference(seed + 9, world, world * n, torch.float32)[rank * n:(rank + 1) * n])
+        assert torch.equal(
+            o, reference(seed + 9, world, world * n, torch.float32)[rank * n : (rank + 1) * n]
+        )
     dist.barrier()
     return True
 
@@ -146,9 +157,11 @@ def _soak(rank, world, ops, seed, victim, kill_at):
     import torch
     import torch.distributed as dist
 
-    groups = [(dist.group.WORLD, list(range(world))),
-              (dist.new_group([0, 1]), [0, 1]),
-              (dist.new_group([1, 2]), [1, 2])]
+    groups = [
+        (dist.group.WORLD, list(range(world))),
+        (dist.new_group([0, 1]), [0, 1]),
+        (dist.new_group([1, 2]), [1, 2]),
+    ]
     schedule = random.Random(seed)
     jitter = random.Random(seed * 10 + rank)
     pending = []
@@ -177,9 +190,16 @@ def _soak(rank, world, ops, seed, victim, kill_at):
             time.sleep(jitter.random() * 0.003)
         if op == "all_reduce":
             t = inputs(i, me, n, dtype)
-            work = dist.all_reduce(t, op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM, group=group, async_op=use_async)
+            work = dist.all_reduce(
+                t,
+                op=dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM,
+                group=group,
+                async_op=use_async,
+            )
             expected = reference(i, w, n, dtype, avg)
-            check = lambda t=t, e=expected, i=i: torch.testing.assert_close(t, e, msg=lambda m: f"op {i}: {m}")
+            check = lambda t=t, e=expected, i=i: torch.testing.assert_close(
+                t, e, msg=lambda m: f"op {i}: {m}"
+            )
         elif op == "all_gather":
             out = torch.empty(w * n, dtype=dtype)
             shard = out.narrow(0, me * n, n)
@@ -189,8 +209,10 @@ def _soak(rank, world, ops, seed, victim, kill_at):
             check = lambda o=out, e=expected: torch.testing.assert_close(o, e, rtol=0, atol=0)
         elif op == "reduce_scatter":
             out = torch.empty(n, dtype=dtype)
-            work = dist.reduce_scatter_tensor(out, inputs(i, me, w * n, dtype), group=group, async_op=use_async)
-            expected = reference(i, w, w * n, dtype)[me * n:(me + 1) * n]
+            work = dist.reduce_scatter_tensor(
+                out, inputs(i, me, w * n, dtype), group=group, async_op=use_async
+            )
+            expected = reference(i, w, w * n, dtype)[me * n : (me + 1) * n]
             check = lambda o=out, e=expected: torch.testing.assert_close(o, e)
         elif op == "broadcast":
             t = inputs(i, me, n, dtype)
@@ -235,23 +257,37 @@ def test_soak_rounds_with_ranks_killed_and_recreated():
             ops_run += ops
         else:
             victim, kill_at = draw.randrange(3), draw.randrange(ops)
-            results = run_ranks(soak_body, 3, ops=ops, seed=seed, victim=victim,
-                                kill_at=kill_at, may_die=(victim,), timeout_s=600)
+            results = run_ranks(
+                soak_body,
+                3,
+                ops=ops,
+                seed=seed,
+                victim=victim,
+                kill_at=kill_at,
+                may_die=(victim,),
+                timeout_s=600,
+            )
             assert results[victim] is None, results
             for r, result in enumerate(results):
                 if r != victim:
                     # A survivor either finished every op it was in before the
                     # kill mattered to it (an int), or failed naming a failure.
-                    assert isinstance(result, int) or "exited" in result or "unusable" in result \
-                        or "failed" in result, (seed, victim, kill_at, r, result)
+                    assert (
+                        isinstance(result, int)
+                        or "exited" in result
+                        or "unusable" in result
+                        or "failed" in result
+                    ), (seed, victim, kill_at, r, result)
             assert any(isinstance(x, str) for x in results), (seed, victim, kill_at, results)
             kills += 1
             ops_run += kill_at
         rounds += 1
         assert hsdp_segments() == before, f"round {rounds} left segments behind"
         print(f"[soak] round {rounds} done at {time.monotonic() - start:.0f} s", flush=True)
-    print(f"[soak] {rounds} rounds, {kills} ranks killed, about {ops_run} collectives per rank 1 "
-          f"in {time.monotonic() - start:.0f} s")
+    print(
+        f"[soak] {rounds} rounds, {kills} ranks killed, about {ops_run} collectives per rank 1 "
+        f"in {time.monotonic() - start:.0f} s"
+    )
 
 
 def numerics_body(rank, world):
@@ -261,7 +297,11 @@ def numerics_body(rank, world):
     # bf16/fp16 AVG: the sum in fp32 in rank order, divided in fp32, rounded
     # once. The reference does exactly that, so the match is bitwise.
     for dtype in (torch.bfloat16, torch.float16):
-        for n in (5, 100_000, 300_000):  # one-shot, two rounds via slots, two rounds with direct reads
+        for n in (
+            5,
+            100_000,
+            300_000,
+        ):  # one-shot, two rounds via slots, two rounds with direct reads
             g = [torch.Generator().manual_seed(100 * r + n) for r in range(world)]
             data = [torch.randn(n, generator=g[r]).to(dtype) for r in range(world)]
             t = data[rank].clone()
@@ -277,7 +317,7 @@ def numerics_body(rank, world):
             acc = full[0].float()
             for r in range(1, world):
                 acc = acc + full[r].float()
-            expected = (acc / world).to(dtype)[rank * n:(rank + 1) * n]
+            expected = (acc / world).to(dtype)[rank * n : (rank + 1) * n]
             assert torch.equal(out, expected), (dtype, n)
     return True
 

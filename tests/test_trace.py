@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from harness import run_ranks
 from test_faults import expect_backend_error
 
@@ -22,8 +21,13 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def analyse(trace_dir) -> str:
     # Run from the tests' directory: `-m` from the repository root would
     # import the source tree instead of the installed package.
-    proc = subprocess.run([sys.executable, "-m", "hsdp_backend.trace", str(trace_dir)],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT / "tests")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hsdp_backend.trace", str(trace_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT / "tests",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 
@@ -59,16 +63,21 @@ def skip_body(rank, world, trace_dir):
         _, text = expect_backend_error(lambda: dist.all_reduce(x), "different collectives")
     else:
         out = torch.empty(256 * world)
-        _, text = expect_backend_error(lambda: dist.all_gather_into_tensor(out, x),
-                                       "different collectives")
+        _, text = expect_backend_error(
+            lambda: dist.all_gather_into_tensor(out, x), "different collectives"
+        )
     assert f"Flight record of this rank: {record_path(trace_dir, rank)}" in text, text
     assert record_path(trace_dir, rank).exists()
     return text
 
 
 def test_a_rank_that_skips_a_collective_is_named(tmp_path):
-    texts = run_ranks(skip_body, 3, trace_dir=tmp_path,
-                      env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm"})
+    texts = run_ranks(
+        skip_body,
+        3,
+        trace_dir=tmp_path,
+        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm"},
+    )
     # Every rank's error says where each rank is, by c10d sequence number.
     for text in texts:
         assert "rank 2 (this rank)" in text or "rank 2 " in text, text
@@ -76,7 +85,9 @@ def test_a_rank_that_skips_a_collective_is_named(tmp_path):
         assert "all_reduce #4" in text, text
     report = analyse(tmp_path)
     assert "first divergence at collective #4" in report, report
-    assert "=> rank 2 called all_reduce, where ranks 0, 1 called all_gather_into_tensor #4" in report, report
+    assert (
+        "=> rank 2 called all_reduce, where ranks 0, 1 called all_gather_into_tensor #4" in report
+    ), report
 
 
 def different_op_body(rank, world):
@@ -108,17 +119,24 @@ def stuck_body(rank, world, trace_dir):
         # Stuck in Python after #5: only SIGUSR1 makes it write its record.
         wait_for(record_path(trace_dir, 1), seconds=60)
         return None
-    _, text = expect_backend_error(lambda: dist.all_reduce(torch.ones(8)), "Timed out after 1500 ms")
+    _, text = expect_backend_error(
+        lambda: dist.all_reduce(torch.ones(8)), "Timed out after 1500 ms"
+    )
     os.kill(pids[1], signal.SIGUSR1)
     return text
 
 
 def test_a_rank_stuck_in_python_is_named_and_sigusr1_dumps_it(tmp_path):
-    texts = run_ranks(stuck_body, 2, trace_dir=tmp_path,
-                      env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm",
-                           "HSDP_TIMEOUT_MS": "1500"})
+    texts = run_ranks(
+        stuck_body,
+        2,
+        trace_dir=tmp_path,
+        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm", "HSDP_TIMEOUT_MS": "1500"},
+    )
     assert "rank 1 finished all_reduce #5 and has called no collective since" in texts[0], texts[0]
-    assert "rank 0 (this rank) waits in all_reduce #6 (step 1 of 1) for every rank's post" in texts[0]
+    assert (
+        "rank 0 (this rank) waits in all_reduce #6 (step 1 of 1) for every rank's post" in texts[0]
+    )
     rank1 = json.loads(record_path(tmp_path, 1).read_text())
     assert rank1["reason"] == "SIGUSR1", rank1
     assert [e["seq"] for e in rank1["entries"]] == [1, 2, 3, 4, 5], rank1
@@ -148,9 +166,16 @@ def gloo_stuck_body(rank, world, trace_dir):
 
 
 def test_the_gloo_route_records_and_dumps_too(tmp_path):
-    run_ranks(gloo_stuck_body, 2, trace_dir=tmp_path,
-              env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "gloo",
-                   "HSDP_TEST_COLLECTIVE_TIMEOUT_S": "3"})
+    run_ranks(
+        gloo_stuck_body,
+        2,
+        trace_dir=tmp_path,
+        env={
+            "HSDP_TRACE_DIR": str(tmp_path),
+            "HSDP_ENGINE": "gloo",
+            "HSDP_TEST_COLLECTIVE_TIMEOUT_S": "3",
+        },
+    )
     rank0 = json.loads(record_path(tmp_path, 0).read_text())
     assert [e["state"] for e in rank0["entries"]] == ["completed"] * 3 + ["failed"], rank0
     assert {e["route"] for e in rank0["entries"]} == {"inner"}, rank0
@@ -177,9 +202,12 @@ def ring_body(rank, world, trace_dir):
 
 
 def test_the_ring_keeps_the_last_n_collectives(tmp_path):
-    run_ranks(ring_body, 2, trace_dir=tmp_path,
-              env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_TRACE_ENTRIES": "4",
-                   "HSDP_ENGINE": "shm"})
+    run_ranks(
+        ring_body,
+        2,
+        trace_dir=tmp_path,
+        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_TRACE_ENTRIES": "4", "HSDP_ENGINE": "shm"},
+    )
     assert "the ranks agree on every recorded collective, and all completed" in analyse(tmp_path)
 
 
@@ -208,10 +236,15 @@ def bad_setting_body(rank, world, name, value):
         dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=30))
 
 
-@pytest.mark.parametrize("name,value", [("HSDP_TRACE_ENTRIES", "-1"),
-                                        ("HSDP_TRACE_ENTRIES", "2000000"),
-                                        ("HSDP_TRACE_ENTRIES", "many"),
-                                        ("HSDP_TRACE_DIR", " ")])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("HSDP_TRACE_ENTRIES", "-1"),
+        ("HSDP_TRACE_ENTRIES", "2000000"),
+        ("HSDP_TRACE_ENTRIES", "many"),
+        ("HSDP_TRACE_DIR", " "),
+    ],
+)
 def test_trace_settings_out_of_range_are_rejected_by_name(name, value):
     run_ranks(bad_setting_body, 1, backend=None, name=name, value=value)
 
@@ -230,7 +263,8 @@ def gloo_ring_body(rank, world):
     [path] = hsdp_backend.dump_trace()
     record = json.loads(pathlib.Path(path).read_text())
     assert [(e["op"], e["state"]) for e in record["entries"]] == [
-        ("all_reduce", "completed")] * 3 + [("all_gather_into_tensor", "completed")], record
+        ("all_reduce", "completed")
+    ] * 3 + [("all_gather_into_tensor", "completed")], record
 
 
 def test_the_gloo_route_closes_every_entry(tmp_path):
@@ -238,23 +272,39 @@ def test_the_gloo_route_closes_every_entry(tmp_path):
 
 
 def _record(rank, entries, size=2):
-    return {"rank": rank, "size": size, "entries": [
-        {"seq": seq, "op": op, "bytes": 4, "route": route, "state": state, "error": ""}
-        for seq, op, route, state in entries]}
+    return {
+        "rank": rank,
+        "size": size,
+        "entries": [
+            {"seq": seq, "op": op, "bytes": 4, "route": route, "state": state, "error": ""}
+            for seq, op, route, state in entries
+        ],
+    }
 
 
 def test_analysis_reports_the_earliest_problem():
     from hsdp_backend.trace import first_divergence
 
     # #2 failed everywhere; rank 0 had issued #3 and #4 before it saw the failure.
-    records = {0: _record(0, [(1, "all_reduce", "shm", "completed"), (2, "broadcast", "shm", "failed"),
-                              (3, "all_reduce", "shm", "failed"), (4, "all_reduce", "shm", "failed")]),
-               1: _record(1, [(1, "all_reduce", "shm", "completed"), (2, "broadcast", "shm", "failed")])}
+    records = {
+        0: _record(
+            0,
+            [
+                (1, "all_reduce", "shm", "completed"),
+                (2, "broadcast", "shm", "failed"),
+                (3, "all_reduce", "shm", "failed"),
+                (4, "all_reduce", "shm", "failed"),
+            ],
+        ),
+        1: _record(1, [(1, "all_reduce", "shm", "completed"), (2, "broadcast", "shm", "failed")]),
+    }
     finding = first_divergence(records)
     assert finding.seq == 2 and "did not complete on ranks 0, 1" in finding.verdict, finding
     # The same op on different routes is a divergence too.
-    records = {0: _record(0, [(1, "all_reduce", "shm", "completed")]),
-               1: _record(1, [(1, "all_reduce", "inner", "failed")])}
+    records = {
+        0: _record(0, [(1, "all_reduce", "shm", "completed")]),
+        1: _record(1, [(1, "all_reduce", "inner", "failed")]),
+    }
     finding = first_divergence(records)
     assert finding.seq == 1 and "rank 0 via shm; rank 1 via inner" in finding.verdict, finding
     # Agreement.

@@ -70,7 +70,7 @@ def sweep_stale() -> None:
     for ns in _netns():
         if not ns.startswith(PREFIX):
             continue
-        owner = ns[len(PREFIX):].split("-")[0]
+        owner = ns[len(PREFIX) :].split("-")[0]
         if owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
             _kill_everything_in(ns)
             subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
@@ -89,9 +89,18 @@ def why_unavailable() -> str | None:
         return f"cannot create a network namespace: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
     shared = subprocess.run(
-        ["unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
-         "mount -t tmpfs tmpfs /dev/shm && hostname probe"],
-        capture_output=True, text=True,
+        [
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            "mount -t tmpfs tmpfs /dev/shm && hostname probe",
+        ],
+        capture_output=True,
+        text=True,
     )
     if shared.returncode != 0:
         return f"cannot create a mount namespace with its own /dev/shm: {shared.stderr.strip()}"
@@ -159,7 +168,21 @@ class SimHosts:
             _run("ip", "netns", "add", ns)
             self._made.append(ns)
             inner, outer = self._veth(h)
-            _run("ip", "-n", sw, "link", "add", outer, "type", "veth", "peer", "name", inner, "netns", ns)
+            _run(
+                "ip",
+                "-n",
+                sw,
+                "link",
+                "add",
+                outer,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                inner,
+                "netns",
+                ns,
+            )
             _run("ip", "-n", sw, "link", "set", outer, "master", "br0", "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.address(h)}/24", "dev", inner)
             _run("ip", "-n", ns, "link", "set", inner, "up")
@@ -189,7 +212,9 @@ class SimHosts:
 
     # -- running
 
-    def popen(self, h: int, argv: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    def popen(
+        self, h: int, argv: list[str], env: dict[str, str] | None = None, **kwargs
+    ) -> subprocess.Popen:
         """Runs `argv` on host h (its own session, so close() kills it all).
         After it exits, the host's /dev/shm listing is in shm_left(h)."""
         listing = os.path.join(self.dir, f"shm-left-{h}-{len(self.procs)}")
@@ -199,9 +224,25 @@ class SimHosts:
             '"$@"; rc=$?; ls -A /dev/shm > "$LISTING"; exit $rc'
         )
         full_env = dict(os.environ if env is None else env)
-        full_env.update(HOSTS=os.path.join(self.dir, "hosts"), HOSTNAME_=self.name(h), LISTING=listing)
-        cmd = ["ip", "netns", "exec", self.netns(h), "unshare", "--mount", "--uts", "--propagation",
-               "private", "sh", "-c", script, "sh", *argv]
+        full_env.update(
+            HOSTS=os.path.join(self.dir, "hosts"), HOSTNAME_=self.name(h), LISTING=listing
+        )
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            self.netns(h),
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *argv,
+        ]
         p = subprocess.Popen(cmd, env=full_env, start_new_session=True, **kwargs)
         p.shm_listing = listing  # type: ignore[attr-defined]
         self.procs.append(p)
@@ -220,10 +261,22 @@ class SimHosts:
     ) -> subprocess.Popen:
         """torchrun on host h: `nproc` ranks, c10d rendezvous on host 0."""
         argv = [
-            python, "-m", "torch.distributed.run",
-            "--nnodes", str(self.count), "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.name(0)}:{RDZV_PORT}",
-            "--rdzv-id", rdzv_id or self.tag, "--max-restarts", "0", *torchrun_args,
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(self.count),
+            "--nproc-per-node",
+            str(nproc),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.name(0)}:{RDZV_PORT}",
+            "--rdzv-id",
+            rdzv_id or self.tag,
+            "--max-restarts",
+            "0",
+            *torchrun_args,
             *script_and_args,
         ]
         return self.popen(h, argv, env=env, **kwargs)
@@ -235,7 +288,8 @@ class SimHosts:
             return None
         listing = subprocess.run(
             ["nsenter", "--target", str(p.pid), "--mount", "ls", "-A", "/dev/shm"],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         )
         return listing.stdout.split() if listing.returncode == 0 else None
 
@@ -270,7 +324,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--nproc-per-host", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds before everything is killed")
+    parser.add_argument(
+        "--timeout", type=float, default=3600, help="seconds before everything is killed"
+    )
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- script.py [args]")
     args = parser.parse_args()
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
@@ -281,7 +337,10 @@ def main() -> int:
         codes = wait_all(procs, args.timeout)
     for h, code in enumerate(codes):
         if code != 0:
-            print(f"simhosts: host{h} {'timed out' if code is None else f'exited with {code}'}", file=sys.stderr)
+            print(
+                f"simhosts: host{h} {'timed out' if code is None else f'exited with {code}'}",
+                file=sys.stderr,
+            )
             return 1 if code is None else code
     return 0
 

@@ -72,7 +72,7 @@ class FlightRecorder {
     State state = State::Started;
     std::string error;
   };
-  Entry* find(uint64_t seq); // under mutex_
+  Entry* find(uint64_t seq);      // under mutex_
   std::string pathLocked() const; // under mutex_
 
   const int rank_;

@@ -13,9 +13,8 @@ namespace hsdp {
 namespace {
 
 // The device the op's tensors live on (CPU when it has none, as a barrier).
-c10::Device deviceOf(
-    const std::vector<at::Tensor>& outputs,
-    const std::vector<at::Tensor>& keepAlive) {
+c10::Device
+deviceOf(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& keepAlive) {
   for (const auto* list : {&outputs, &keepAlive}) {
     for (const auto& t : *list) {
       if (t.defined()) {
@@ -51,10 +50,7 @@ std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
   };
 }
 
-InnerRoute::InnerRoute(
-    c10::intrusive_ptr<c10d::Backend> backend,
-    InnerCaps caps,
-    int rank)
+InnerRoute::InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps, int rank)
     : backend_(std::move(backend)), caps_(caps), rank_(rank) {
   TORCH_CHECK(backend_, "hsdp: an inner route needs a backend");
 }
@@ -140,7 +136,11 @@ InnerRoute::WorkPtr InnerRoute::finishOnThread(
     }
   }
   return WorkHSDP::onQueue(
-      *completions_, rank_, type, std::move(outputs), [works = std::move(works), post = std::move(post)] {
+      *completions_,
+      rank_,
+      type,
+      std::move(outputs),
+      [works = std::move(works), post = std::move(post)] {
         // Blocking here is this thread's purpose: the inner ops were all
         // issued already, so each completes without anything further from
         // this process.

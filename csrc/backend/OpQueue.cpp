@@ -55,7 +55,9 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
   State& s = *state;
   std::unique_lock<std::mutex> lock(s.mutex);
   while (true) {
-    s.cv.wait(lock, [&] { return (!s.tasks.empty() && !s.busy) || (s.stop && s.tasks.empty() && !s.busy); });
+    s.cv.wait(lock, [&] {
+      return (!s.tasks.empty() && !s.busy) || (s.stop && s.tasks.empty() && !s.busy);
+    });
     if (s.tasks.empty()) {
       return; // stopped and drained
     }

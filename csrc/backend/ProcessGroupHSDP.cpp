@@ -31,11 +31,7 @@ uint64_t bytesOf(const std::vector<at::Tensor>& ts) {
 }
 
 void checkOne(const OpContext& ctx, const std::vector<at::Tensor>& ts) {
-  HSDP_CHECK_VALUE(
-      ts.size() == 1,
-      ctx,
-      "expected exactly one tensor per rank, got ",
-      ts.size());
+  HSDP_CHECK_VALUE(ts.size() == 1, ctx, "expected exactly one tensor per rank, got ", ts.size());
 }
 
 // One dense tensor per rank: the form every route below plans for. Other
@@ -106,19 +102,9 @@ void checkSameDevice(
       expected.device());
 }
 
-void checkNumel(
-    const OpContext& ctx,
-    const at::Tensor& t,
-    int64_t expected,
-    const char* what) {
+void checkNumel(const OpContext& ctx, const at::Tensor& t, int64_t expected, const char* what) {
   HSDP_CHECK_VALUE(
-      t.numel() == expected,
-      ctx,
-      what,
-      " has ",
-      t.numel(),
-      " elements; expected ",
-      expected);
+      t.numel() == expected, ctx, what, " has ", t.numel(), " elements; expected ", expected);
 }
 
 // `lists` must be one list of one tensor per rank, each with `like`'s
@@ -201,7 +187,6 @@ std::vector<std::vector<size_t>> groupByDtype(const std::vector<at::Tensor>& ts)
   }
   return groups;
 }
-
 
 std::optional<shm::DType> shmDtype(at::ScalarType t) {
   switch (t) {
@@ -581,7 +566,8 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       innerOpts->group_name = opts->group_name;
       innerOpts->group_desc = opts->group_desc;
     }
-    auto child = inner.split(c10::make_intrusive<c10d::PrefixStore>(prefix, store), ranks, innerOpts);
+    auto child =
+        inner.split(c10::make_intrusive<c10d::PrefixStore>(prefix, store), ranks, innerOpts);
     if (!child) {
       return nullptr;
     }
@@ -594,14 +580,18 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
   }
   const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   return c10::make_intrusive<ProcessGroupHSDP>(
-      *store, rank, static_cast<int>(ranks.size()), timeout, std::move(cpu), std::move(cuda),
-      shmOptions_, traceOptions_);
+      *store,
+      rank,
+      static_cast<int>(ranks.size()),
+      timeout,
+      std::move(cpu),
+      std::move(cuda),
+      shmOptions_,
+      traceOptions_);
 }
 
-ProcessGroupHSDP::Traced ProcessGroupHSDP::recordCollective(
-    const OpContext& c,
-    uint64_t collectives,
-    uint64_t bytes) {
+ProcessGroupHSDP::Traced
+ProcessGroupHSDP::recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes) {
   stats_.record(c.op, collectives, bytes);
   const uint64_t seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
   trace_->started(seq, c.op, bytes);
@@ -653,8 +643,7 @@ void ProcessGroupHSDP::shutdown() {
 
 void ProcessGroupHSDP::startCoalescing() {
   std::lock_guard<std::mutex> lock(coalescingMutex_);
-  TORCH_CHECK(
-      !coalescing_, ctx("start_coalescing").prefix(), "already coalescing");
+  TORCH_CHECK(!coalescing_, ctx("start_coalescing").prefix(), "already coalescing");
   coalescing_ = true;
   coalescedWorks_.clear();
   for (auto* r : {cpu_.get(), cuda_.get()}) {
@@ -669,9 +658,7 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     TORCH_CHECK(
-        coalescing_,
-        ctx("end_coalescing").prefix(),
-        "end_coalescing without start_coalescing");
+        coalescing_, ctx("end_coalescing").prefix(), "end_coalescing without start_coalescing");
     coalescing_ = false;
     works.swap(coalescedWorks_);
   }
@@ -707,9 +694,8 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
   return cpu_->finish(OpType::COALESCED, /*asyncOp=*/true, std::move(works), {}, [] {});
 }
 
-WorkPtr ProcessGroupHSDP::broadcast(
-    std::vector<at::Tensor>& tensors,
-    const c10d::BroadcastOptions& opts) {
+WorkPtr
+ProcessGroupHSDP::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
   const auto c = ctx("broadcast");
   checkNotEmpty(c, tensors);
   checkRank(c, opts.rootRank, "root");
@@ -733,13 +719,16 @@ WorkPtr ProcessGroupHSDP::broadcast(
   std::vector<at::Tensor> io{arg.flat};
   auto work = r.backend().broadcast(io, opts);
   return track(r.finish(
-      OpType::BROADCAST, opts.asyncOp, {work}, {arg.user},
-      scaleAndCopyBack(DeferredScale::none(), arg), {arg.flat}));
+      OpType::BROADCAST,
+      opts.asyncOp,
+      {work},
+      {arg.user},
+      scaleAndCopyBack(DeferredScale::none(), arg),
+      {arg.flat}));
 }
 
-WorkPtr ProcessGroupHSDP::allreduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::AllreduceOptions& opts) {
+WorkPtr
+ProcessGroupHSDP::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
   return allreduceImpl(tensors, opts, 1.0);
 }
 
@@ -796,7 +785,11 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   std::vector<at::Tensor> io{arg.flat};
   auto work = r.backend().allreduce(io, innerOpts);
   return track(r.finish(
-      OpType::ALLREDUCE, opts.asyncOp, {work}, {arg.user}, scaleAndCopyBack(plan.post, arg),
+      OpType::ALLREDUCE,
+      opts.asyncOp,
+      {work},
+      {arg.user},
+      scaleAndCopyBack(plan.post, arg),
       {arg.flat}));
 }
 
@@ -844,8 +837,12 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
       for (const auto& p : *pending) {
         auto red = *shmReduction(p.plan, p.bucket.flat.scalar_type());
         engine_->allReduce(
-            "all_reduce_coalesced", p.bucket.flat.data_ptr(), p.bucket.flat.numel(), red.dtype,
-            red.op, red.scale);
+            "all_reduce_coalesced",
+            p.bucket.flat.data_ptr(),
+            p.bucket.flat.numel(),
+            red.dtype,
+            red.op,
+            red.scale);
         p.bucket.unpack(tensors);
         staging_->release(p.bucket.staging);
       }
@@ -860,7 +857,10 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
     works.push_back(r.backend().allreduce(flat, innerOpts));
   }
   return track(r.finish(
-      OpType::ALLREDUCE_COALESCED, asyncOp, std::move(works), tensors,
+      OpType::ALLREDUCE_COALESCED,
+      asyncOp,
+      std::move(works),
+      tensors,
       [pending, tensors, staging = staging_] {
         for (const auto& p : *pending) {
           p.plan.post.apply(p.bucket.flat);
@@ -885,8 +885,8 @@ WorkPtr ProcessGroupHSDP::allreduceNative(
   std::vector<at::Tensor> staged;
   size_t buckets = 0;
   for (const auto& members : groupByDtype(tensors)) {
-    auto plan = planReduce(
-        c, op, tensors[members[0]].scalar_type(), size_, divideBy, r.caps().nativeScale);
+    auto plan =
+        planReduce(c, op, tensors[members[0]].scalar_type(), size_, divideBy, r.caps().nativeScale);
     for (const auto& bucket : planBuckets(tensors, members, bucketBytes)) {
       std::vector<at::Tensor> flats;
       for (size_t i : bucket) {
@@ -908,7 +908,11 @@ WorkPtr ProcessGroupHSDP::allreduceNative(
   }
   const auto traced = recordCollective(c, buckets, bytesOf(tensors));
   return track(r.finish(
-      OpType::ALLREDUCE_COALESCED, asyncOp, std::move(works), tensors, inOrder(std::move(posts)),
+      OpType::ALLREDUCE_COALESCED,
+      asyncOp,
+      std::move(works),
+      tensors,
+      inOrder(std::move(posts)),
       std::move(staged)));
 }
 
@@ -918,16 +922,15 @@ WorkPtr ProcessGroupHSDP::allreduce_coalesced(
   return allreduceBucketed(tensors, opts.reduceOp, /*bucketBytes=*/0, opts.asyncOp);
 }
 
-WorkPtr ProcessGroupHSDP::reduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::ReduceOptions& opts) {
+WorkPtr
+ProcessGroupHSDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   const auto c = ctx("reduce");
   checkOne(c, tensors);
   checkRank(c, opts.rootRank, "root");
   checkRootTensor(c, opts.rootTensor, tensors);
   auto& r = route(c, tensors[0]);
-  auto plan = planReduce(
-      c, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
+  auto plan =
+      planReduce(c, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
   c10d::ReduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
   const auto traced = recordCollective(c, 1, bytesOf(tensors));
@@ -1065,7 +1068,9 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
   if (shm) {
     return track(runShm(OpType::COALESCED, opts.asyncOp, outputs, [this, pack, outputs] {
       engine_->allGather(
-          "all_gather_into_tensor_coalesced", pack->input.data_ptr(), pack->output.data_ptr(),
+          "all_gather_into_tensor_coalesced",
+          pack->input.data_ptr(),
+          pack->output.data_ptr(),
           pack->input.nbytes());
       pack->unpack(outputs, size_);
       staging_->release(pack->staging);
@@ -1073,7 +1078,10 @@ WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
   }
   auto work = r.backend()._allgather_base(pack->output, pack->input, opts);
   return track(r.finish(
-      OpType::COALESCED, opts.asyncOp, {work}, outputs,
+      OpType::COALESCED,
+      opts.asyncOp,
+      {work},
+      outputs,
       [pack, outputs, size = size_, staging = staging_] {
         pack->unpack(outputs, size);
         staging->release(pack->staging);
@@ -1125,7 +1133,10 @@ WorkPtr ProcessGroupHSDP::allgather_coalesced(
     outputs.insert(outputs.end(), list.begin(), list.end());
   }
   return track(r.finish(
-      OpType::ALLGATHER_COALESCED, opts.asyncOp, {work}, outputs,
+      OpType::ALLGATHER_COALESCED,
+      opts.asyncOp,
+      {work},
+      outputs,
       [gathered, outputTensorLists] {
         for (size_t q = 0; q < outputTensorLists.size(); ++q) {
           for (size_t i = 0; i < gathered.size(); ++i) {
@@ -1189,8 +1200,8 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
     checkNumel(c, inputs[0][rank_], outputs[0].numel(), "this rank's input tensor");
   }
   auto& r = route(c, outputs[0]);
-  auto plan = planReduce(
-      c, opts.reduceOp, outputs[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
+  auto plan =
+      planReduce(c, opts.reduceOp, outputs[0].scalar_type(), size_, 1.0, r.caps().nativeScale);
   const auto traced = recordCollective(c, 1, bytesOf(inputs[0]));
   if (auto red = shmReduction(plan, outputs[0].scalar_type());
       red && even && onShm(outputs) && onShm(inputs[0])) {
@@ -1200,7 +1211,13 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
       auto flat = at::cat(ins);
       onContiguous(out, [&](const at::Tensor& o) {
         engine_->reduceScatter(
-            "reduce_scatter", flat.data_ptr(), o.data_ptr(), o.numel(), red.dtype, red.op, red.scale);
+            "reduce_scatter",
+            flat.data_ptr(),
+            o.data_ptr(),
+            o.numel(),
+            red.dtype,
+            red.op,
+            red.scale);
       });
     }));
   }
@@ -1245,16 +1262,23 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   checkNumel(c, input, output.numel() * size_, "the input (world size x output)");
   checkContiguous(c, input, "the input");
   auto& r = route(c, input);
-  auto plan = planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy, r.caps().nativeScale);
+  auto plan =
+      planReduce(c, opts.reduceOp, input.scalar_type(), size_, divideBy, r.caps().nativeScale);
   const auto traced = recordCollective(c, 1, bytesOf(input));
   if (auto red = shmReduction(plan, input.scalar_type()); red && onShm({&input, &output})) {
-    return track(runShm(OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
-      onContiguous(output, [&](const at::Tensor& o) { // input is contiguous (checked)
-        engine_->reduceScatter(
-            "reduce_scatter_tensor", input.data_ptr(), o.data_ptr(), o.numel(), red.dtype, red.op,
-            red.scale);
-      });
-    }));
+    return track(runShm(
+        OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [this, input, output, red = *red] {
+          onContiguous(output, [&](const at::Tensor& o) { // input is contiguous (checked)
+            engine_->reduceScatter(
+                "reduce_scatter_tensor",
+                input.data_ptr(),
+                o.data_ptr(),
+                o.numel(),
+                red.dtype,
+                red.op,
+                red.scale);
+          });
+        }));
   }
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
@@ -1262,8 +1286,12 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   auto arg = FlatArg::of(output);
   auto work = r.backend()._reduce_scatter_base(arg.flat, in, innerOpts);
   return track(r.finish(
-      OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {work}, {arg.user},
-      scaleAndCopyBack(plan.post, arg), {arg.flat, in}));
+      OpType::_REDUCE_SCATTER_BASE,
+      opts.asyncOp,
+      {work},
+      {arg.user},
+      scaleAndCopyBack(plan.post, arg),
+      {arg.flat, in}));
 }
 
 WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
@@ -1307,7 +1335,11 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     }
     const auto traced = recordCollective(c, works.size(), bytesOf(inputs));
     return track(r.finish(
-        OpType::COALESCED, opts.asyncOp, std::move(works), outputs, inOrder(std::move(posts)),
+        OpType::COALESCED,
+        opts.asyncOp,
+        std::move(works),
+        outputs,
+        inOrder(std::move(posts)),
         std::move(ins)));
   }
   struct Pending {
@@ -1334,8 +1366,13 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
       for (const auto& p : *pending) {
         auto red = *shmReduction(p.plan, p.pack.input.scalar_type());
         engine_->reduceScatter(
-            "reduce_scatter_tensor_coalesced", p.pack.input.data_ptr(), p.pack.output.data_ptr(),
-            p.pack.output.numel(), red.dtype, red.op, red.scale);
+            "reduce_scatter_tensor_coalesced",
+            p.pack.input.data_ptr(),
+            p.pack.output.data_ptr(),
+            p.pack.output.numel(),
+            red.dtype,
+            red.op,
+            red.scale);
         p.pack.unpack(p.outputs);
         staging_->release(p.pack.staging);
       }
@@ -1387,8 +1424,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
     const c10d::AllToAllOptions& opts) {
   const auto c = ctx("all_to_all");
   HSDP_CHECK_VALUE(
-      outputs.size() == static_cast<size_t>(size_) &&
-          inputs.size() == static_cast<size_t>(size_),
+      outputs.size() == static_cast<size_t>(size_) && inputs.size() == static_cast<size_t>(size_),
       c,
       "expected ",
       size_,
@@ -1414,14 +1450,16 @@ WorkPtr ProcessGroupHSDP::alltoall(
     flatInputs.push_back(t.reshape({-1}));
   }
   auto input = at::cat(flatInputs);
-  auto output = at::empty(
-      {std::accumulate(outSplits.begin(), outSplits.end(), int64_t{0})},
-      input.options());
+  auto output =
+      at::empty({std::accumulate(outSplits.begin(), outSplits.end(), int64_t{0})}, input.options());
   // The inner backend may move from the split vectors it is given.
   auto innerOutSplits = outSplits;
   auto work = r.backend().alltoall_base(output, input, innerOutSplits, inSplits, opts);
   return track(r.finish(
-      OpType::ALLTOALL, opts.asyncOp, {work}, outputs,
+      OpType::ALLTOALL,
+      opts.asyncOp,
+      {work},
+      outputs,
       [output, outputs, outSplits] {
         int64_t off = 0;
         for (size_t i = 0; i < outputs.size(); ++i) {
@@ -1434,10 +1472,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
 
 // Point-to-point calls are counted in comm_stats but are not collectives:
 // they leave the sequence number alone, as on gloo.
-WorkPtr ProcessGroupHSDP::send(
-    std::vector<at::Tensor>& tensors,
-    int dstRank,
-    int tag) {
+WorkPtr ProcessGroupHSDP::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const auto c = ctx("send");
   checkOne(c, tensors);
   checkRank(c, dstRank, "destination");
@@ -1446,10 +1481,7 @@ WorkPtr ProcessGroupHSDP::send(
   return track(r.finish(OpType::SEND, true, {r.backend().send(tensors, dstRank, tag)}, tensors));
 }
 
-WorkPtr ProcessGroupHSDP::recv(
-    std::vector<at::Tensor>& tensors,
-    int srcRank,
-    int tag) {
+WorkPtr ProcessGroupHSDP::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const auto c = ctx("recv");
   checkOne(c, tensors);
   checkRank(c, srcRank, "source");
@@ -1458,9 +1490,7 @@ WorkPtr ProcessGroupHSDP::recv(
   return track(r.finish(OpType::RECV, true, {r.backend().recv(tensors, srcRank, tag)}, tensors));
 }
 
-WorkPtr ProcessGroupHSDP::recvAnysource(
-    std::vector<at::Tensor>& tensors,
-    int tag) {
+WorkPtr ProcessGroupHSDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const auto c = ctx("recv");
   checkOne(c, tensors);
   auto& r = route(c, tensors[0]);
@@ -1474,14 +1504,13 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   // Barriers synchronise processes, not devices: the CPU engines serve them
   // whatever devices the group also handles.
   if (engine_) {
-    return track(runShm(OpType::BARRIER, opts.asyncOp, {}, [this] { engine_->barrier("barrier"); }));
+    return track(
+        runShm(OpType::BARRIER, opts.asyncOp, {}, [this] { engine_->barrier("barrier"); }));
   }
   return track(cpu_->finish(OpType::BARRIER, opts.asyncOp, {cpu_->backend().barrier(opts)}, {}));
 }
 
-void ProcessGroupHSDP::monitoredBarrier(
-    const c10d::BarrierOptions& opts,
-    bool waitAllRanks) {
+void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   stats_.record("monitored_barrier", 1, 0);
   cpu_->backend().monitoredBarrier(opts, waitAllRanks);
 }

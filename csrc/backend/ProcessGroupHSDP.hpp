@@ -87,18 +87,15 @@ class ProcessGroupHSDP final : public c10d::Backend {
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;
 
-  c10::intrusive_ptr<c10d::Work> broadcast(
-      std::vector<at::Tensor>& tensors,
-      const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work>
+  broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work>
+  allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(
-      std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work>
+  reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allgather(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
@@ -147,21 +144,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
       std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(
-      std::vector<at::Tensor>& tensors,
-      int dstRank,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(
-      std::vector<at::Tensor>& tensors,
-      int srcRank,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(
-      std::vector<at::Tensor>& tensors,
-      int tag) override;
-  c10::intrusive_ptr<c10d::Work> barrier(
-      const c10d::BarrierOptions& opts) override;
-  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks)
-      override;
+  c10::intrusive_ptr<c10d::Work>
+  send(std::vector<at::Tensor>& tensors, int dstRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work>
+  recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
 
   // hsdp's own API (bound in bindings.cpp).
 
@@ -178,11 +167,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // all_reduce / reduce_scatter_tensor whose result is also divided by
   // `divideBy`, fused with the op's own scale into one step (one rounding):
   // the deferred division of a chain of SUM collectives over several groups.
-  c10::intrusive_ptr<c10d::Work> allreduceDividedBy(
-      at::Tensor& tensor,
-      const c10d::ReduceOp& op,
-      double divideBy,
-      bool asyncOp);
+  c10::intrusive_ptr<c10d::Work>
+  allreduceDividedBy(at::Tensor& tensor, const c10d::ReduceOp& op, double divideBy, bool asyncOp);
   c10::intrusive_ptr<c10d::Work> reduceScatterDividedBy(
       at::Tensor& output,
       at::Tensor& input,

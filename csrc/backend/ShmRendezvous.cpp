@@ -58,8 +58,9 @@ void adoptRankZeroSettings(c10d::Store& store, const Keys& key, int rank, ShmOpt
 // decide alike from the same keys.
 bool probeDirectReads(c10d::Store& store, const Keys& key, int rank, int size) {
   static const uint64_t probe = 0x70726f6265ull; // read by peers, never written
-  store.set(key("probe", rank),
-            std::to_string(getpid()) + ":" + std::to_string(reinterpret_cast<uint64_t>(&probe)));
+  store.set(
+      key("probe", rank),
+      std::to_string(getpid()) + ":" + std::to_string(reinterpret_cast<uint64_t>(&probe)));
   bool ok = true;
   for (int q = 0; q < size && ok; ++q) {
     if (q == rank) {
@@ -69,8 +70,11 @@ bool probeDirectReads(c10d::Store& store, const Keys& key, int rank, int size) {
     const auto colon = where.find(':');
     uint64_t got = 0;
     ok = colon != std::string::npos &&
-        shm::canReadProcess(std::stoi(where.substr(0, colon)), std::stoull(where.substr(colon + 1)),
-                            &got, sizeof got) &&
+        shm::canReadProcess(
+             std::stoi(where.substr(0, colon)),
+             std::stoull(where.substr(colon + 1)),
+             &got,
+             sizeof got) &&
         got == probe;
   }
   store.set(key("direct", rank), ok ? "1" : "0");
@@ -198,7 +202,11 @@ std::unique_ptr<ShmRoute> connectShm(
   auto give_up = [&](const std::string& why) -> std::unique_ptr<ShmRoute> {
     TORCH_CHECK(
         options.mode != ShmOptions::Mode::Required,
-        "[rank ", rank, "/", size, "] init: HSDP_ENGINE=shm, but the group cannot use shared memory: ",
+        "[rank ",
+        rank,
+        "/",
+        size,
+        "] init: HSDP_ENGINE=shm, but the group cannot use shared memory: ",
         why);
     *whyNot = why;
     return nullptr;
@@ -214,22 +222,30 @@ std::unique_ptr<ShmRoute> connectShm(
   }
   for (int q = 0; q < size; ++q) {
     if (identities[q] == "?") {
-      return give_up("rank " + std::to_string(q) +
-                     " could not read its host identity (hostname, boot id, namespaces), so "
-                     "no rank may assume it shares memory with it");
+      return give_up(
+          "rank " + std::to_string(q) +
+          " could not read its host identity (hostname, boot id, namespaces), so "
+          "no rank may assume it shares memory with it");
     }
   }
   const Hosts hosts(identities);
   if (hosts.members.size() > 1) {
     TORCH_CHECK(
         options.mode != ShmOptions::Mode::Required,
-        "[rank ", rank, "/", size, "] init: HSDP_ENGINE=shm, but the group spans ",
-        hosts.members.size(), " hosts (", hosts.describe(),
+        "[rank ",
+        rank,
+        "/",
+        size,
+        "] init: HSDP_ENGINE=shm, but the group spans ",
+        hosts.members.size(),
+        " hosts (",
+        hosts.describe(),
         ") and shared memory cannot reach across hosts; HSDP_ENGINE=auto uses it within each "
         "host and gloo between hosts");
     if (!hosts.even()) {
-      return give_up("its hosts hold different numbers of its ranks (" + hosts.describe() +
-                     "); shared memory within hosts needs the same number on every host");
+      return give_up(
+          "its hosts hold different numbers of its ranks (" + hosts.describe() +
+          "); shared memory within hosts needs the same number on every host");
     }
     if (!cpuInner.supportsSplitting()) {
       return give_up("the inner CPU backend cannot be split into inter-host groups");
@@ -274,7 +290,13 @@ std::unique_ptr<ShmRoute> connectShm(
             c10::intrusive_ptr<c10d::Store>::unsafe_reclaim_from_nonowning(&store)),
         layout.columnRanks(layout.local),
         innerOpts);
-    TORCH_CHECK(column, "[rank ", rank, "/", size, "] init: the inner CPU backend returned no inter-host group");
+    TORCH_CHECK(
+        column,
+        "[rank ",
+        rank,
+        "/",
+        size,
+        "] init: the inner CPU backend returned no inter-host group");
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
   if (options.engine.directReadBytes > 0 &&

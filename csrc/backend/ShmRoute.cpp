@@ -23,7 +23,8 @@ at::Tensor wrap(const void* data, size_t bytes) {
 class Staged {
  public:
   Staged(StagingPool& pool, size_t bytes)
-      : pool_(pool), tensor_(pool.acquire(static_cast<int64_t>(bytes), at::TensorOptions().dtype(at::kByte))) {}
+      : pool_(pool),
+        tensor_(pool.acquire(static_cast<int64_t>(bytes), at::TensorOptions().dtype(at::kByte))) {}
   Staged(const Staged&) = delete;
   Staged& operator=(const Staged&) = delete;
   ~Staged() {
@@ -49,8 +50,9 @@ std::string joined(const std::vector<int>& ranks) {
 } // namespace
 
 std::vector<int> HostLayout::hostRanks(int h) const {
-  return {ranks.begin() + static_cast<ptrdiff_t>(h) * perHost,
-          ranks.begin() + static_cast<ptrdiff_t>(h + 1) * perHost};
+  return {
+      ranks.begin() + static_cast<ptrdiff_t>(h) * perHost,
+      ranks.begin() + static_cast<ptrdiff_t>(h + 1) * perHost};
 }
 
 std::vector<int> HostLayout::columnRanks(int l) const {
@@ -93,7 +95,8 @@ std::string ShmRoute::prefix(const char* op) const {
 // longer agrees with its column on what comes next.
 class ShmRoute::FailsTheRoute {
  public:
-  explicit FailsTheRoute(ShmRoute& route) : route_(route), exceptions_(std::uncaught_exceptions()) {}
+  explicit FailsTheRoute(ShmRoute& route)
+      : route_(route), exceptions_(std::uncaught_exceptions()) {}
   FailsTheRoute(const FailsTheRoute&) = delete;
   FailsTheRoute& operator=(const FailsTheRoute&) = delete;
   ~FailsTheRoute() {
@@ -180,13 +183,17 @@ class ShmRoute::Transfers {
     if (bytes == 0) {
       return;
     }
-    route_.acrossHosts(op_, 0, [&](c10d::Backend& column) {
-      // Every rank of a column runs the same collectives in the same
-      // order, so the counter names each phase alike on all of them.
-      std::vector<at::Tensor> t{wrap(data, bytes)};
-      works_.push_back(isSend ? column.send(t, host, tag_) : column.recv(t, host, tag_));
-      return std::vector<WorkPtr>{};
-    }, /*count=*/false);
+    route_.acrossHosts(
+        op_,
+        0,
+        [&](c10d::Backend& column) {
+          // Every rank of a column runs the same collectives in the same
+          // order, so the counter names each phase alike on all of them.
+          std::vector<at::Tensor> t{wrap(data, bytes)};
+          works_.push_back(isSend ? column.send(t, host, tag_) : column.recv(t, host, tag_));
+          return std::vector<WorkPtr>{};
+        },
+        /*count=*/false);
     bytes_ += isSend ? bytes : 0;
   }
 
@@ -282,7 +289,8 @@ void ShmRoute::reduceScatter(
   std::vector<const char*> block(L.hosts); // my column's partial sum for host h
   for (int h = 0; h < L.hosts; ++h) {
     // One rank per host: the input itself.
-    block[h] = L.perHost == 1 ? in + static_cast<size_t>(L.rankOf(h, 0)) * chunk : partial.data() + h * chunk;
+    block[h] = L.perHost == 1 ? in + static_cast<size_t>(L.rankOf(h, 0)) * chunk
+                              : partial.data() + h * chunk;
   }
   Transfers column(*this, op);
   auto ship = [&](int h) {
@@ -301,8 +309,13 @@ void ShmRoute::reduceScatter(
     for (int k = 1; k <= L.hosts; ++k) {
       const int h = (L.host + k) % L.hosts;
       local_->reduceScatter(
-          op, in + static_cast<size_t>(h) * L.perHost * chunk, partial.data() + h * chunk, count, dtype,
-          redop, {});
+          op,
+          in + static_cast<size_t>(h) * L.perHost * chunk,
+          partial.data() + h * chunk,
+          count,
+          dtype,
+          redop,
+          {});
       ship(h);
     }
   } else {
@@ -311,8 +324,10 @@ void ShmRoute::reduceScatter(
     Staged packed(*staging_, chunk * size_);
     for (int q = 0; q < L.perHost; ++q) {
       for (int h = 0; h < L.hosts; ++h) {
-        std::memcpy(packed.data() + (static_cast<size_t>(q) * L.hosts + h) * chunk,
-                    in + static_cast<size_t>(L.rankOf(h, q)) * chunk, chunk);
+        std::memcpy(
+            packed.data() + (static_cast<size_t>(q) * L.hosts + h) * chunk,
+            in + static_cast<size_t>(L.rankOf(h, q)) * chunk,
+            chunk);
       }
     }
     withinHost(chunk * size_);
@@ -406,7 +421,8 @@ void ShmRoute::allReduceColumn(
       sources[h] = received.data() + h * size(L.host);
     }
     column.wait();
-    shm::reduce(bytes + begin(L.host), sources.data(), L.hosts, size(L.host) / es, dtype, redop, scale);
+    shm::reduce(
+        bytes + begin(L.host), sources.data(), L.hosts, size(L.host) / es, dtype, redop, scale);
   }
   Transfers column(*this, op);
   for (int h = 0; h < L.hosts; ++h) {
@@ -463,7 +479,8 @@ void ShmRoute::barrier(const char* op) {
     withinHost(0);
     local_->barrier(op);
   }
-  acrossHosts(op, 0, [&](c10d::Backend& column) { return std::vector<WorkPtr>{column.barrier({})}; });
+  acrossHosts(
+      op, 0, [&](c10d::Backend& column) { return std::vector<WorkPtr>{column.barrier({})}; });
 }
 
 } // namespace hsdp

@@ -51,8 +51,8 @@ namespace hsdp {
 struct HostLayout {
   int hosts = 1;
   int perHost = 1;
-  int host = 0; // this rank's host
-  int local = 0; // this rank's index on its host
+  int host = 0;           // this rank's host
+  int local = 0;          // this rank's index on its host
   std::vector<int> ranks; // ranks[h * perHost + l]: the group rank of host h's l-th rank
 
   int rankOf(int h, int l) const {
@@ -97,7 +97,13 @@ class ShmRoute {
       shm::DType dtype,
       shm::RedOp redop,
       shm::Scale scale);
-  void allReduce(const char* op, void* data, size_t count, shm::DType dtype, shm::RedOp redop, shm::Scale scale);
+  void allReduce(
+      const char* op,
+      void* data,
+      size_t count,
+      shm::DType dtype,
+      shm::RedOp redop,
+      shm::Scale scale);
   void broadcast(const char* op, void* data, size_t bytes, int root);
   void barrier(const char* op);
   // Piecewise all-gather: flat groups only (hierarchical ones pack).
@@ -140,7 +146,13 @@ class ShmRoute {
   class Transfers; // pairwise sends and receives on my column
   // All-reduce over my column (one rank per host) of data that is
   // identical on my host's ranks.
-  void allReduceColumn(const char* op, void* data, size_t count, shm::DType dtype, shm::RedOp redop, shm::Scale scale);
+  void allReduceColumn(
+      const char* op,
+      void* data,
+      size_t count,
+      shm::DType dtype,
+      shm::RedOp redop,
+      shm::Scale scale);
   class FailsTheRoute;
   void checkUsable(const char* op) const;
   void withinHost(uint64_t bytes);
@@ -156,7 +168,7 @@ class ShmRoute {
   std::shared_ptr<StagingPool> staging_;
   uint64_t exchanges_ = 0;
   std::string failure_; // the first inter-host failure: the route refuses work after it
-  bool hostMajor_; // rankOf(h, l) == h * perHost + l
+  bool hostMajor_;      // rankOf(h, l) == h * perHost + l
 };
 
 } // namespace hsdp

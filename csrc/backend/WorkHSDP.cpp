@@ -35,10 +35,7 @@ void unregisterInflight(c10d::Work& work) {
   }
 }
 
-WorkHSDP::WorkHSDP(
-    int rank,
-    c10d::OpType opType,
-    c10::intrusive_ptr<c10::ivalue::Future> future)
+WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue::Future> future)
     : Work(rank, opType), future_(std::move(future)) {}
 
 bool WorkHSDP::isCompleted() {
@@ -95,12 +92,9 @@ c10::intrusive_ptr<c10::ivalue::Future> WorkHSDP::getFuture() {
   return future_;
 }
 
-c10::intrusive_ptr<c10d::Work> WorkHSDP::completed(
-    int rank,
-    c10d::OpType opType,
-    std::vector<at::Tensor> outputs) {
-  auto future = c10::make_intrusive<c10::ivalue::Future>(
-      tensorListType(), devicesOf(outputs));
+c10::intrusive_ptr<c10d::Work>
+WorkHSDP::completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), devicesOf(outputs));
   future->markCompleted(c10::IValue(std::move(outputs)));
   return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
 }

@@ -24,10 +24,7 @@ void unregisterInflight(c10d::Work& work);
 
 class WorkHSDP : public c10d::Work {
  public:
-  WorkHSDP(
-      int rank,
-      c10d::OpType opType,
-      c10::intrusive_ptr<c10::ivalue::Future> future);
+  WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue::Future> future);
 
   WorkHSDP(const WorkHSDP&) = delete;
   WorkHSDP& operator=(const WorkHSDP&) = delete;
@@ -41,10 +38,8 @@ class WorkHSDP : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
   // A Work that is already complete with `outputs`.
-  static c10::intrusive_ptr<c10d::Work> completed(
-      int rank,
-      c10d::OpType opType,
-      std::vector<at::Tensor> outputs);
+  static c10::intrusive_ptr<c10d::Work>
+  completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
 
   // A Work that completes with `outputs` once `task` has run on `queue`
   // (or fails with what it threw). The future completes after the queue is

@@ -84,8 +84,8 @@ bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
         C10_THROW_ERROR(
             DistBackendError,
             "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
-                std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) +
-                " on " + stream_.device().str() + ")");
+                std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) + " on " +
+                stream_.device().str() + ")");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

@@ -28,8 +28,7 @@ struct OpContext {
   const char* op;
 
   std::string prefix() const {
-    return "[rank " + std::to_string(rank) + "/" + std::to_string(size) +
-        "] " + op + ": ";
+    return "[rank " + std::to_string(rank) + "/" + std::to_string(size) + "] " + op + ": ";
   }
 };
 
@@ -43,17 +42,16 @@ struct ArgumentTypeError : c10::TypeError {
 
 } // namespace hsdp
 
-#define HSDP_THROW_IF_NOT_(cond, error, ctx, ...)                     \
-  do {                                                                \
-    if (C10_UNLIKELY(!(cond))) {                                      \
-      throw ::hsdp::error(                                            \
-          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},      \
-          ::c10::str((ctx).prefix(), __VA_ARGS__));                   \
-    }                                                                 \
+#define HSDP_THROW_IF_NOT_(cond, error, ctx, ...)                                                  \
+  do {                                                                                             \
+    if (C10_UNLIKELY(!(cond))) {                                                                   \
+      throw ::hsdp::error(                                                                         \
+          {__func__, __FILE__, static_cast<uint32_t>(__LINE__)},                                   \
+          ::c10::str((ctx).prefix(), __VA_ARGS__));                                                \
+    }                                                                                              \
   } while (false)
 
-#define HSDP_CHECK_VALUE(cond, ctx, ...) \
-  HSDP_THROW_IF_NOT_(cond, ArgumentError, ctx, __VA_ARGS__)
-#define HSDP_CHECK_TYPE(cond, ctx, ...) \
+#define HSDP_CHECK_VALUE(cond, ctx, ...) HSDP_THROW_IF_NOT_(cond, ArgumentError, ctx, __VA_ARGS__)
+#define HSDP_CHECK_TYPE(cond, ctx, ...)                                                            \
   HSDP_THROW_IF_NOT_(cond, ArgumentTypeError, ctx, __VA_ARGS__)
 #define HSDP_CHECK(cond, ctx, ...) TORCH_CHECK(cond, (ctx).prefix(), __VA_ARGS__)

@@ -6,9 +6,8 @@
 
 namespace hsdp {
 
-std::optional<at::Tensor> adjacentFlatView(
-    const std::vector<at::Tensor>& tensors,
-    at::ScalarType asType) {
+std::optional<at::Tensor>
+adjacentFlatView(const std::vector<at::Tensor>& tensors, at::ScalarType asType) {
   if (tensors.empty()) {
     return std::nullopt;
   }
@@ -16,8 +15,7 @@ std::optional<at::Tensor> adjacentFlatView(
   int64_t totalBytes = 0;
   const char* expected = static_cast<const char*>(first.data_ptr());
   for (const auto& t : tensors) {
-    if (!t.is_contiguous() || t.scalar_type() != asType ||
-        t.device() != first.device() ||
+    if (!t.is_contiguous() || t.scalar_type() != asType || t.device() != first.device() ||
         !t.storage().is_alias_of(first.storage()) ||
         static_cast<const char*>(t.data_ptr()) != expected) {
       return std::nullopt;
@@ -27,8 +25,7 @@ std::optional<at::Tensor> adjacentFlatView(
     totalBytes += bytes;
   }
   const int64_t elem = static_cast<int64_t>(c10::elementSize(asType));
-  const int64_t offsetBytes =
-      first.storage_offset() * static_cast<int64_t>(first.element_size());
+  const int64_t offsetBytes = first.storage_offset() * static_cast<int64_t>(first.element_size());
   if (offsetBytes % elem != 0) {
     return std::nullopt;
   }
@@ -56,11 +53,8 @@ char* bytePtr(const at::Tensor& t) {
 
 } // namespace
 
-AllGatherPack packAllGather(
-    const std::vector<at::Tensor>& inputs,
-    int rank,
-    int worldSize,
-    StagingPool& pool) {
+AllGatherPack
+packAllGather(const std::vector<at::Tensor>& inputs, int rank, int worldSize, StagingPool& pool) {
   AllGatherPack pack;
   pack.offsets.reserve(inputs.size());
   for (const auto& t : inputs) {
@@ -88,9 +82,7 @@ AllGatherPack packAllGather(
   return pack;
 }
 
-void AllGatherPack::unpack(
-    const std::vector<at::Tensor>& outputs,
-    int worldSize) const {
+void AllGatherPack::unpack(const std::vector<at::Tensor>& outputs, int worldSize) const {
   const auto rows = output.view({worldSize, rowBytes});
   for (size_t i = 0; i < outputs.size(); ++i) {
     const int64_t bytes = static_cast<int64_t>(outputs[i].nbytes()) / worldSize;
@@ -161,7 +153,8 @@ void ReduceScatterPack::unpack(const std::vector<at::Tensor>& outputs) const {
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (plainCpu(outputs[i]) && output.device().is_cpu()) {
       std::memcpy(
-          bytePtr(outputs[i]), bytePtr(output) + offsets[i] * output.element_size(),
+          bytePtr(outputs[i]),
+          bytePtr(output) + offsets[i] * output.element_size(),
           outputs[i].nbytes());
     } else {
       outputs[i].view({-1}).copy_(output.narrow(0, offsets[i], outputs[i].numel()));
@@ -178,8 +171,7 @@ std::vector<std::vector<size_t>> planBuckets(
   for (size_t idx : members) {
     const auto& t = tensors[idx];
     const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    if (groups.empty() || (bucketBytes > 0 && filled + bytes > bucketBytes &&
-                           filled > 0)) {
+    if (groups.empty() || (bucketBytes > 0 && filled + bytes > bucketBytes && filled > 0)) {
       groups.emplace_back();
       filled = 0;
     }

@@ -24,16 +24,15 @@ namespace hsdp {
 
 // A 1-D view of dtype `asType` that covers `tensors` back to back, when they
 // are contiguous, adjacent and in one storage; nullopt otherwise.
-std::optional<at::Tensor> adjacentFlatView(
-    const std::vector<at::Tensor>& tensors,
-    at::ScalarType asType);
+std::optional<at::Tensor>
+adjacentFlatView(const std::vector<at::Tensor>& tensors, at::ScalarType asType);
 
 struct AllGatherPack {
   std::vector<at::Tensor> staging; // buffers to give back to the pool
-  at::Tensor input; // uint8 [N], this rank's row of `output` when packed
-  at::Tensor output; // uint8 [W * N]
-  std::vector<int64_t> offsets; // byte offset of tensor i in a row
-  int64_t rowBytes = 0; // N
+  at::Tensor input;                // uint8 [N], this rank's row of `output` when packed
+  at::Tensor output;               // uint8 [W * N]
+  std::vector<int64_t> offsets;    // byte offset of tensor i in a row
+  int64_t rowBytes = 0;            // N
 
   // Copies rank r's bytes of tensor i into outputs[i].narrow(r).
   void unpack(const std::vector<at::Tensor>& outputs, int worldSize) const;
@@ -41,17 +40,14 @@ struct AllGatherPack {
 
 // The packed input is this rank's row of the packed output (an in-place
 // all-gather), unless the inputs already are one flat buffer.
-AllGatherPack packAllGather(
-    const std::vector<at::Tensor>& inputs,
-    int rank,
-    int worldSize,
-    StagingPool& pool);
+AllGatherPack
+packAllGather(const std::vector<at::Tensor>& inputs, int rank, int worldSize, StagingPool& pool);
 
 struct ReduceScatterPack {
   std::vector<at::Tensor> staging; // buffers to give back to the pool
-  at::Tensor input; // [W * N], all one dtype
-  at::Tensor output; // [N]; a view of the callers' outputs when adjacent
-  std::vector<int64_t> offsets; // element offset of tensor i in the output
+  at::Tensor input;                // [W * N], all one dtype
+  at::Tensor output;               // [N]; a view of the callers' outputs when adjacent
+  std::vector<int64_t> offsets;    // element offset of tensor i in the output
   bool outputIsCallers = false;
 
   void unpack(const std::vector<at::Tensor>& outputs) const;
@@ -66,9 +62,9 @@ ReduceScatterPack packReduceScatter(
 
 struct Bucket {
   std::vector<at::Tensor> staging; // buffers to give back to the pool
-  std::vector<size_t> members; // indices into the caller's tensor list
-  at::Tensor flat; // one dtype, [sum numel]
-  bool isCallers = false; // flat aliases the caller's tensors: no copy-back
+  std::vector<size_t> members;     // indices into the caller's tensor list
+  at::Tensor flat;                 // one dtype, [sum numel]
+  bool isCallers = false;          // flat aliases the caller's tensors: no copy-back
 
   void unpack(const std::vector<at::Tensor>& tensors) const;
 };

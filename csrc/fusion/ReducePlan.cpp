@@ -7,8 +7,7 @@ namespace hsdp {
 namespace {
 
 bool isBitwiseOp(c10d::ReduceOp::RedOpType op) {
-  return op == c10d::ReduceOp::BAND || op == c10d::ReduceOp::BOR ||
-      op == c10d::ReduceOp::BXOR;
+  return op == c10d::ReduceOp::BAND || op == c10d::ReduceOp::BOR || op == c10d::ReduceOp::BXOR;
 }
 
 } // namespace
@@ -81,8 +80,7 @@ void DeferredScale::apply(const at::Tensor& t) const {
     return;
   }
   const auto dtype = t.scalar_type();
-  if (kind_ == Kind::Divide && !at::isFloatingType(dtype) &&
-      !at::isComplexType(dtype)) {
+  if (kind_ == Kind::Divide && !at::isFloatingType(dtype) && !at::isComplexType(dtype)) {
     // The divisor is a group size: integral, so integer division stays exact.
     t.div_(at::Scalar(static_cast<int64_t>(value_)), "trunc");
     return;
@@ -110,11 +108,8 @@ void DeferredScale::apply(const at::Tensor& t) const {
 namespace {
 
 // The plan for the reduction alone.
-ReducePlan planReduceOp(
-    const OpContext& ctx,
-    const c10d::ReduceOp& op,
-    at::ScalarType dtype,
-    int groupSize) {
+ReducePlan
+planReduceOp(const OpContext& ctx, const c10d::ReduceOp& op, at::ScalarType dtype, int groupSize) {
   const auto type = op.op_;
   const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
   const bool isBool = dtype == at::kBool;
@@ -135,23 +130,14 @@ ReducePlan planReduceOp(
     case c10d::ReduceOp::MAX:
       return {op, DeferredScale::none()};
     case c10d::ReduceOp::AVG:
-      HSDP_CHECK_VALUE(
-          !isBool,
-          ctx,
-          "ReduceOp.AVG needs a numeric tensor, got ",
-          dtype);
+      HSDP_CHECK_VALUE(!isBool, ctx, "ReduceOp.AVG needs a numeric tensor, got ", dtype);
       return {
           c10d::ReduceOp(c10d::ReduceOp::SUM),
-          groupSize == 1 ? DeferredScale::none()
-                         : DeferredScale::divideBy(groupSize)};
+          groupSize == 1 ? DeferredScale::none() : DeferredScale::divideBy(groupSize)};
     case c10d::ReduceOp::PREMUL_SUM: {
       HSDP_CHECK_VALUE(
-          isFloat,
-          ctx,
-          "ReduceOp.PREMUL_SUM needs a floating-point tensor, got ",
-          dtype);
-      auto* supplement =
-          dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+          isFloat, ctx, "ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtype);
+      auto* supplement = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
       HSDP_CHECK_VALUE(
           supplement != nullptr,
           ctx,
@@ -166,8 +152,7 @@ ReducePlan planReduceOp(
               : DeferredScale::multiplyBy(supplement->double_factor)};
     }
     default:
-      HSDP_CHECK_VALUE(
-          false, ctx, "unsupported reduce op ", static_cast<int>(type));
+      HSDP_CHECK_VALUE(false, ctx, "unsupported reduce op ", static_cast<int>(type));
   }
   return {op, DeferredScale::none()};
 }
@@ -185,7 +170,8 @@ ReducePlan planReduce(
   const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
   if (divideBy != 1.0) {
     HSDP_CHECK_VALUE(
-        divideBy > 0 && (isFloat || divideBy == static_cast<double>(static_cast<int64_t>(divideBy))),
+        divideBy > 0 &&
+            (isFloat || divideBy == static_cast<double>(static_cast<int64_t>(divideBy))),
         ctx,
         "divide_by must be positive (and a whole number for integer tensors), got ",
         divideBy);

@@ -73,7 +73,7 @@ const char* reduceOpName(c10d::ReduceOp::RedOpType op);
 
 struct ReducePlan {
   c10d::ReduceOp innerOp; // what the transport runs
-  DeferredScale post; // what we do to the result afterwards
+  DeferredScale post;     // what we do to the result afterwards
 };
 
 // Checks that `op` makes sense for `dtype` (ValueError otherwise, naming the

@@ -11,7 +11,8 @@ at::Tensor StagingPool::acquire(int64_t numel, const at::TensorOptions& options)
     // GPU may still be reading.
     return at::empty({numel}, options);
   }
-  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  const int64_t bytes =
+      numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
   at::Tensor buffer;
   {
     std::lock_guard<std::mutex> lock(mutex_);

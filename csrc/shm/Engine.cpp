@@ -55,8 +55,7 @@ bool processGone(int32_t pid) {
 }
 
 std::string peerExited(const std::string& rank, int32_t pid) {
-  return rank + " (pid " + std::to_string(pid) +
-      ") exited before finishing this collective";
+  return rank + " (pid " + std::to_string(pid) + ") exited before finishing this collective";
 }
 
 const char* kindName(uint32_t kind) {
@@ -135,10 +134,7 @@ bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
 }
 
 Engine::Engine(Segment segment, int rank, EngineConfig config)
-    : segment_(std::move(segment)),
-      rank_(rank),
-      size_(segment_.nranks()),
-      config_(config) {
+    : segment_(std::move(segment)), rank_(rank), size_(segment_.nranks()), config_(config) {
   reinterpret_cast<std::atomic<int32_t>*>(&segment_.control(rank_).pid)
       ->store(static_cast<int32_t>(getpid()), std::memory_order_release);
 }
@@ -230,29 +226,31 @@ std::string Engine::whereEveryRankIs() const {
   return out;
 }
 
-Engine::OpState Engine::begin(
-    const char* op,
-    Kind kind,
-    size_t count,
-    DType dtype,
-    RedOp redop,
-    int root) {
+Engine::OpState
+Engine::begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop, int root) {
   if (const std::string broken = brokenBy(); !broken.empty()) {
-    throw CommError(prefix(op) + "the group is unusable after " + broken +
-                    "; create a new process group");
+    throw CommError(
+        prefix(op) + "the group is unusable after " + broken + "; create a new process group");
   }
   if (segment_.header().magic != kMagic) {
     markBroken(prefix(op) + "the segment header's magic number was overwritten");
-    throw CommError(prefix(op) + "the shared-memory segment's header was overwritten" +
-                    kCorrupted);
+    throw CommError(prefix(op) + "the shared-memory segment's header was overwritten" + kCorrupted);
   }
   ++opSeq_;
   const uint64_t seq = callerSeq_ != 0 ? callerSeq_ : opSeq_;
   return OpState(
       *this,
       op,
-      Signature{0, opSeq_, count, static_cast<uint32_t>(kind), static_cast<uint32_t>(dtype),
-                static_cast<uint32_t>(redop), root, 0, 0},
+      Signature{
+          0,
+          opSeq_,
+          count,
+          static_cast<uint32_t>(kind),
+          static_cast<uint32_t>(dtype),
+          static_cast<uint32_t>(redop),
+          root,
+          0,
+          0},
       seq);
 }
 
@@ -304,8 +302,8 @@ std::string Engine::brokenBy() const {
     return "a rank failed (it did not finish writing its reason)";
   }
   if (by > static_cast<uint32_t>(size_)) {
-    return "the segment's failure record names rank " + std::to_string(by - 1) +
-        " of a group of " + std::to_string(size_) + kCorrupted;
+    return "the segment's failure record names rank " + std::to_string(by - 1) + " of a group of " +
+        std::to_string(size_) + kCorrupted;
   }
   char reason[sizeof h.brokenReason];
   std::memcpy(reason, h.brokenReason, sizeof reason);
@@ -338,9 +336,11 @@ uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
   // exceed this rank's posted step + 1. Anything larger was not written by
   // hsdp, and would let this rank read a slot before its data is there.
   if (v > posted_ + 1) {
-    fail(op, rankName(q) + "'s " + counterName(which) + " counter reads " +
-             std::to_string(v) + ", but no rank can be past step " + std::to_string(posted_ + 1) +
-             " while this rank has posted step " + std::to_string(posted_) + kCorrupted);
+    fail(
+        op,
+        rankName(q) + "'s " + counterName(which) + " counter reads " + std::to_string(v) +
+            ", but no rank can be past step " + std::to_string(posted_ + 1) +
+            " while this rank has posted step " + std::to_string(posted_) + kCorrupted);
   }
   return v;
 }
@@ -371,9 +371,10 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   }
   // Not ready at once: published for peers' messages until the wait ends
   // (a wait that passes at once publishes nothing).
-  op.at(which == Counter::Posted    ? Activity::WaitingPosted
-            : which == Counter::Reduced ? Activity::WaitingReduced
-                                        : Activity::WaitingDone);
+  op.at(
+      which == Counter::Posted        ? Activity::WaitingPosted
+          : which == Counter::Reduced ? Activity::WaitingReduced
+                                      : Activity::WaitingDone);
   struct Working {
     const OpState& op;
     ~Working() {
@@ -417,11 +418,12 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       if (now >= op.deadline) {
         // "Timed out", as gloo words it: code that matches gloo's timeout
         // message (PyTorch's own tests do) matches this one.
-        fail(op, "Timed out after " +
-                 std::to_string(config_.timeout.count()) + " ms waiting for " +
-                 rankName(laggard) + " (it has not reached step " + std::to_string(target) +
-                 " of the group; is it stuck, or did it call a different collective?). " +
-                 whereEveryRankIs());
+        fail(
+            op,
+            "Timed out after " + std::to_string(config_.timeout.count()) + " ms waiting for " +
+                rankName(laggard) + " (it has not reached step " + std::to_string(target) +
+                " of the group; is it stuck, or did it call a different collective?). " +
+                whereEveryRankIs());
       }
       futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
     }
@@ -448,18 +450,21 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
     // Rank q posted `step`, so its slot's signature is for `step` and was
     // written by hsdp: anything else was written by something else.
     if (s.step != step || s.kind < 1 || s.kind > 6 || s.dtype > 8 || s.redop > 6) {
-      fail(op, rankName(q) + "'s signature for step " + std::to_string(step) +
-               " is not one hsdp writes (step=" + std::to_string(s.step) +
-               ", kind=" + std::to_string(s.kind) + ", dtype=" + std::to_string(s.dtype) +
-               ", op=" + std::to_string(s.redop) + ")" + kCorrupted);
+      fail(
+          op,
+          rankName(q) + "'s signature for step " + std::to_string(step) +
+              " is not one hsdp writes (step=" + std::to_string(s.step) +
+              ", kind=" + std::to_string(s.kind) + ", dtype=" + std::to_string(s.dtype) +
+              ", op=" + std::to_string(s.redop) + ")" + kCorrupted);
     }
     if (s.step != step || s.opSeq != mine.opSeq || s.kind != mine.kind || s.count != mine.count ||
         s.dtype != mine.dtype || s.redop != mine.redop || s.root != mine.root ||
         s.pieces != mine.pieces) {
       Signature expected = mine;
-      fail(op, "ranks called different collectives: " + rankName(q) + " called " +
-               describe(s) + ", this rank called " + describe(expected) + ". " +
-               whereEveryRankIs());
+      fail(
+          op,
+          "ranks called different collectives: " + rankName(q) + " called " + describe(s) +
+              ", this rank called " + describe(expected) + ". " + whereEveryRankIs());
     }
   }
 }
@@ -470,8 +475,10 @@ void Engine::failedRead(const OpState& op, int q, int32_t pid, const std::string
   if (err == ESRCH || processGone(pid)) {
     fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
   }
-  fail(op, "reading " + what + " from " + rankName(q) + " (pid " + std::to_string(pid) +
-           ") failed: " + std::strerror(err));
+  fail(
+      op,
+      "reading " + what + " from " + rankName(q) + " (pid " + std::to_string(pid) +
+          ") failed: " + std::strerror(err));
 }
 
 void Engine::readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes) {
@@ -500,9 +507,11 @@ void Engine::readPeerPieces(
   const int32_t pid = peerPid(q);
   for (size_t i = 0; i < local.size(); ++i) {
     if (remote[2 * i + 1] != local[i].bytes) {
-      fail(op, rankName(q) + "'s piece " + std::to_string(i) + " has " +
-               std::to_string(remote[2 * i + 1]) + " bytes; this rank expects " +
-               std::to_string(local[i].bytes));
+      fail(
+          op,
+          rankName(q) + "'s piece " + std::to_string(i) + " has " +
+              std::to_string(remote[2 * i + 1]) + " bytes; this rank expects " +
+              std::to_string(local[i].bytes));
     }
   }
   // Batches of up to IOV_MAX pieces; a short read resumes mid-piece.
@@ -714,8 +723,8 @@ void Engine::reduceScatter(
       }
     });
     for (int r = 0; r < size_; ++r) {
-      srcs[r] = r == rank_ ? in + (rank_ * n + off) * es
-                           : segment_.slot(r, slot) + rank_ * len * es;
+      srcs[r] =
+          r == rank_ ? in + (rank_ * n + off) * es : segment_.slot(r, slot) + rank_ * len * es;
     }
     reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale);
     publish(Counter::Done, s);
@@ -779,8 +788,12 @@ void Engine::allReduce(
       for (int i = 1; i < size_; ++i) {
         const int q = (rank_ + i) % size_;
         const size_t qa = partBegin(q), qb = partBegin(q + 1);
-        readPeer(op, q, segment_.control(q).sig[slot].sourceAddress + qa * es, mine + qa * es,
-                 (qb - qa) * es);
+        readPeer(
+            op,
+            q,
+            segment_.control(q).sig[slot].sourceAddress + qa * es,
+            mine + qa * es,
+            (qb - qa) * es);
       }
       publish(Counter::Done, s);
       step_ = last = s;

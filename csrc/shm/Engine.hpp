@@ -215,18 +215,13 @@ class Engine {
   // Copies `bytes` at `address` in rank q's memory to `dst`.
   void readPeer(const OpState& op, int q, uint64_t address, void* dst, size_t bytes);
   // Copies rank q's pieces `remote` (address, bytes pairs) into `local`.
-  void readPeerPieces(
-      const OpState& op,
-      int q,
-      const uint64_t* remote,
-      const std::vector<Span>& local);
+  void
+  readPeerPieces(const OpState& op, int q, const uint64_t* remote, const std::vector<Span>& local);
   // Publishes `source`'s address, waits for every peer's, and calls
   // `readFrom(q, q's address)` for each peer; returns only after every peer
   // finished reading mine.
-  void directStep(
-      OpState& op,
-      const void* source,
-      const std::function<void(int, uint64_t)>& readFrom);
+  void
+  directStep(OpState& op, const void* source, const std::function<void(int, uint64_t)>& readFrom);
   // Moves an n-byte message through the slots, a slot-sized piece a step:
   // `fill(mySlot, offset, length)` writes this rank's piece, then
   // `drain(slot, offset, length)` reads the peers' slots of that step.
@@ -241,7 +236,7 @@ class Engine {
   const int rank_;
   const int size_;
   const EngineConfig config_;
-  uint64_t step_ = 0; // last step this rank finished
+  uint64_t step_ = 0;   // last step this rank finished
   uint64_t posted_ = 0; // last step this rank posted
   uint64_t opSeq_ = 0;
   uint64_t callerSeq_ = 0;

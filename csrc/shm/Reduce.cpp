@@ -37,8 +37,7 @@ const char* redOpName(RedOp op) {
 }
 
 bool isFloating(DType dtype) {
-  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16 ||
-      dtype == DType::F16;
+  return dtype == DType::F32 || dtype == DType::F64 || dtype == DType::BF16 || dtype == DType::F16;
 }
 
 bool reduceSupported(DType dtype, RedOp op) {
@@ -104,8 +103,9 @@ inline A combine(A a, A b) {
     // Wrap around like torch's integer arithmetic, without the undefined
     // behaviour of signed overflow: compute in the unsigned type.
     using U = std::make_unsigned_t<A>;
-    return static_cast<A>(op == RedOp::Sum ? static_cast<U>(static_cast<U>(a) + static_cast<U>(b))
-                                           : static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
+    return static_cast<A>(
+        op == RedOp::Sum ? static_cast<U>(static_cast<U>(a) + static_cast<U>(b))
+                         : static_cast<U>(static_cast<U>(a) * static_cast<U>(b)));
   } else if constexpr (op == RedOp::Sum) {
     return a + b;
   } else if constexpr (op == RedOp::Prod) {
@@ -127,12 +127,8 @@ inline A combine(A a, A b) {
 // Processes `count` elements in blocks through a local accumulator, which
 // keeps the loops vectorisable although dst may alias a source.
 template <typename T, RedOp op>
-__attribute__((always_inline)) inline void reduceBlocks(
-    T* dst,
-    const T* const* srcs,
-    int nsrcs,
-    size_t count,
-    Scale scale) {
+__attribute__((always_inline)) inline void
+reduceBlocks(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale) {
   using A = typename Acc<T>::type;
   constexpr size_t kBlock = 512;
   A acc[kBlock];
@@ -169,13 +165,8 @@ __attribute__((always_inline)) inline void reduceBlocks(
 }
 
 template <typename T>
-__attribute__((always_inline)) inline void reduceTyped(
-    void* dst,
-    const void* const* srcs,
-    int nsrcs,
-    size_t count,
-    RedOp op,
-    Scale scale) {
+__attribute__((always_inline)) inline void
+reduceTyped(void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) {
   auto* d = static_cast<T*>(dst);
   auto* s = reinterpret_cast<const T* const*>(srcs);
   switch (op) {
@@ -209,10 +200,10 @@ __attribute__((always_inline)) inline void reduceTyped(
 #else
 #define HSDP_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-#define HSDP_KERNEL(NAME, T)                                                    \
-  HSDP_MULTIVERSION void NAME(                                                   \
-      void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) { \
-    reduceTyped<T>(dst, srcs, nsrcs, count, op, scale);                          \
+#define HSDP_KERNEL(NAME, T)                                                                       \
+  HSDP_MULTIVERSION void NAME(                                                                     \
+      void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) {        \
+    reduceTyped<T>(dst, srcs, nsrcs, count, op, scale);                                            \
   }
 
 HSDP_KERNEL(reduceF32, float)

@@ -61,8 +61,8 @@ Segment Segment::create(const std::string& name, int nranks, size_t slotBytes) {
     throw CommError(sysError("shm_open(" + name + ", O_CREAT|O_EXCL) failed"));
   }
   if (ftruncate(fd, static_cast<off_t>(layout.totalBytes)) != 0) {
-    std::string msg = sysError("ftruncate of " + name + " to " +
-                               std::to_string(layout.totalBytes) + " bytes failed");
+    std::string msg = sysError(
+        "ftruncate of " + name + " to " + std::to_string(layout.totalBytes) + " bytes failed");
     ::close(fd);
     shm_unlink(name.c_str());
     throw CommError(msg);
@@ -78,7 +78,8 @@ Segment Segment::create(const std::string& name, int nranks, size_t slotBytes) {
   header->slotBytes = slotBytes;
   header->totalBytes = layout.totalBytes;
   std::atomic_thread_fence(std::memory_order_release);
-  reinterpret_cast<std::atomic<uint64_t>*>(&header->magic)->store(kMagic, std::memory_order_release);
+  reinterpret_cast<std::atomic<uint64_t>*>(&header->magic)
+      ->store(kMagic, std::memory_order_release);
   return Segment(base, layout, nranks, slotBytes);
 }
 
@@ -91,22 +92,22 @@ Segment Segment::open(const std::string& name, int nranks, size_t slotBytes) {
   struct stat st;
   if (fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) != layout.totalBytes) {
     ::close(fd);
-    throw CommError("shared-memory segment " + name + " has " +
-                    std::to_string(st.st_size) + " bytes; expected " +
-                    std::to_string(layout.totalBytes) +
-                    " (do all ranks use the same HSDP_SHM_SLOT_BYTES?)");
+    throw CommError(
+        "shared-memory segment " + name + " has " + std::to_string(st.st_size) +
+        " bytes; expected " + std::to_string(layout.totalBytes) +
+        " (do all ranks use the same HSDP_SHM_SLOT_BYTES?)");
   }
   char* base = mapFd(fd, layout.totalBytes, name);
   const Header& h = *reinterpret_cast<Header*>(base);
   const uint64_t magic =
       reinterpret_cast<const std::atomic<uint64_t>*>(&h.magic)->load(std::memory_order_acquire);
-  if (magic != kMagic || h.version != kLayoutVersion ||
-      h.nranks != static_cast<uint32_t>(nranks) || h.slotBytes != slotBytes ||
-      h.totalBytes != layout.totalBytes) {
+  if (magic != kMagic || h.version != kLayoutVersion || h.nranks != static_cast<uint32_t>(nranks) ||
+      h.slotBytes != slotBytes || h.totalBytes != layout.totalBytes) {
     munmap(base, layout.totalBytes);
-    throw CommError("shared-memory segment " + name +
-                    " does not have the layout this rank expects (magic, version, "
-                    "rank count or slot size differ)");
+    throw CommError(
+        "shared-memory segment " + name +
+        " does not have the layout this rank expects (magic, version, "
+        "rank count or slot size differ)");
   }
   return Segment(base, layout, nranks, slotBytes);
 }

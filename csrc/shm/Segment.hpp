@@ -49,8 +49,8 @@ struct Signature {
 // fields of two neighbouring moments, never a torn word.
 struct Activity {
   enum State : uint32_t {
-    Idle = 0, // between collectives: `seq` is the last one it finished
-    Working, // copying or reducing in step `step` of `steps`
+    Idle = 0,      // between collectives: `seq` is the last one it finished
+    Working,       // copying or reducing in step `step` of `steps`
     WaitingPosted, // waiting for every rank's post of the step
     WaitingReduced,
     WaitingDone,

@@ -126,10 +126,7 @@ class DeferredWork final : public c10d::Work {
 
 } // namespace
 
-NcclContractBackend::NcclContractBackend(
-    c10::intrusive_ptr<c10d::Backend> gloo,
-    int rank,
-    int size)
+NcclContractBackend::NcclContractBackend(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size)
     : Backend(rank, size), gloo_(std::move(gloo)) {}
 
 void NcclContractBackend::failNext(const std::string& message) {
@@ -142,10 +139,8 @@ std::vector<std::string> NcclContractBackend::receivedReductions() {
   return received_;
 }
 
-c10d::ReduceOp NcclContractBackend::sumFor(
-    const char* what,
-    const c10d::ReduceOp& op,
-    const at::Tensor& t) {
+c10d::ReduceOp
+NcclContractBackend::sumFor(const char* what, const c10d::ReduceOp& op, const at::Tensor& t) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     received_.push_back(std::string(what) + ":" + reduceOpName(op.op_));
@@ -292,9 +287,8 @@ WorkPtr NcclContractBackend::allreduce_coalesced(
   });
 }
 
-WorkPtr NcclContractBackend::reduce(
-    std::vector<at::Tensor>& tensors,
-    const c10d::ReduceOptions& opts) {
+WorkPtr
+NcclContractBackend::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   return run(c10d::OpType::REDUCE, opts.asyncOp, tensors, [&](auto& p) {
     auto o = opts;
     o.reduceOp = sumFor("reduce", opts.reduceOp, p[0]);
@@ -340,7 +334,10 @@ WorkPtr NcclContractBackend::gather(
     const c10d::GatherOptions& opts) {
   const bool root = !outputs.empty();
   return run(
-      c10d::OpType::GATHER, opts.asyncOp, root ? outputs[0] : std::vector<at::Tensor>{}, [&](auto& p) {
+      c10d::OpType::GATHER,
+      opts.asyncOp,
+      root ? outputs[0] : std::vector<at::Tensor>{},
+      [&](auto& p) {
         std::vector<std::vector<at::Tensor>> o;
         if (root) {
           o.push_back(p);

@@ -52,8 +52,9 @@ class NcclContractBackend final : public c10d::Backend {
       const std::vector<int>& ranks,
       const c10::intrusive_ptr<Options>& opts) override {
     auto child = gloo_->split(store, ranks, opts);
-    return child ? c10::make_intrusive<NcclContractBackend>(child, child->getRank(), child->getSize())
-                 : nullptr;
+    return child
+        ? c10::make_intrusive<NcclContractBackend>(child, child->getRank(), child->getSize())
+        : nullptr;
   }
   void setTimeout(std::chrono::milliseconds timeout) override {
     gloo_->setTimeout(timeout);
@@ -80,10 +81,8 @@ class NcclContractBackend final : public c10d::Backend {
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;
-  WorkPtr _allgather_base(
-      at::Tensor& output,
-      at::Tensor& input,
-      const c10d::AllgatherOptions& opts) override;
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts)
+      override;
   WorkPtr allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs,
       std::vector<at::Tensor>& inputs,
@@ -128,8 +127,8 @@ class NcclContractBackend final : public c10d::Backend {
  private:
   // Issues `issue` on Gloo with private copies of `outputs` (what it
   // returns is Gloo's Works) and hands back what NCCL would.
-  WorkPtr run(
-      c10d::OpType type,
+  WorkPtr
+  run(c10d::OpType type,
       bool asyncOp,
       std::vector<at::Tensor> outputs,
       const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue);

@@ -135,7 +135,9 @@ def _hsdp_post_import():
     name = "hsdp_backend._post_import"
     module = sys.modules.get(name)
     if module is None:
-        path = os.path.join(os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "_post_import.py")
+        path = os.path.join(
+            os.path.dirname(os.path.dirname(os.path.realpath(__file__))), "_post_import.py"
+        )
         loader = importlib.machinery.SourceFileLoader(name, path)
         spec = importlib.machinery.ModuleSpec(name, loader, origin=path)
         spec.has_location = True  # gives the module its __file__

@@ -23,7 +23,6 @@ import sys
 import tempfile
 import unittest
 
-
 # The suite's gates are read as for gloo when the backend under test is another
 # CPU backend: hsdp claims every gloo feature, and a test it cannot pass fails.
 GATES_AS = {"hsdp": "gloo"}
@@ -47,7 +46,9 @@ if __name__ == "__main__":
     _args.add_argument("--backend", required=True)
     _args.add_argument("--world", type=int, default=2)
     _args.add_argument("--out", required=True)
-    _args.add_argument("-k", dest="pattern", default=None, help="only tests whose name contains this")
+    _args.add_argument(
+        "-k", dest="pattern", default=None, help="only tests whose name contains this"
+    )
     ARGS = _args.parse_args()
     _configure(ARGS.backend, ARGS.world)
 # Spawned ranks re-import this module: the environment above is theirs already.
@@ -82,7 +83,9 @@ class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
         # In the rank, after _run has created the group on the backend under test.
         import torch.distributed as dist
 
-        assert dist.get_backend() == BACKEND, f"{test_name} runs on {dist.get_backend()}, not {BACKEND}"
+        assert dist.get_backend() == BACKEND, (
+            f"{test_name} runs on {dist.get_backend()}, not {BACKEND}"
+        )
         if test_name.startswith(BODY_READS_NAME):
             distributed_test.BACKEND = GATES_AS.get(BACKEND, BACKEND)
         return super().run_test(test_name, parent_pipe)
@@ -106,16 +109,24 @@ class _Outcomes(unittest.TextTestResult):
 
     def addFailure(self, test, err):
         super().addFailure(test, err)
-        self.outcomes[self._name(test)] = "fail: " + self._exc_info_to_string(err, test).strip().splitlines()[-1]
+        self.outcomes[self._name(test)] = (
+            "fail: " + self._exc_info_to_string(err, test).strip().splitlines()[-1]
+        )
 
     def addError(self, test, err):
         super().addError(test, err)
-        self.outcomes[self._name(test)] = "fail: " + self._exc_info_to_string(err, test).strip().splitlines()[-1]
+        self.outcomes[self._name(test)] = (
+            "fail: " + self._exc_info_to_string(err, test).strip().splitlines()[-1]
+        )
 
 
 def main() -> int:
     loader = unittest.TestLoader()
-    names = [n for n in loader.getTestCaseNames(TestDistBackendWithSpawn) if not ARGS.pattern or ARGS.pattern in n]
+    names = [
+        n
+        for n in loader.getTestCaseNames(TestDistBackendWithSpawn)
+        if not ARGS.pattern or ARGS.pattern in n
+    ]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
     runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=1, stream=sys.stderr)
     result = runner.run(suite)

@@ -71,43 +71,68 @@ Signature& signature(Segment& s, uint64_t step) {
 
 std::vector<Case> cases() {
   return {
-      {"PostedCounterAhead", false, allReduceOnce,
+      {"PostedCounterAhead",
+       false,
+       allReduceOnce,
        [](Segment& s, uint64_t step) { s.control(1).posted.store(step + 5); },
        "posted counter reads"},
-      {"DoneCounterAhead", false, allReduceOnce,
+      {"DoneCounterAhead",
+       false,
+       allReduceOnce,
        [](Segment& s, uint64_t step) { s.control(1).done.store(step + 3); },
        "done counter reads"},
-      {"SignatureCount", false, allReduceOnce,
+      {"SignatureCount",
+       false,
+       allReduceOnce,
        [](Segment& s, uint64_t step) { signature(s, step).count = 1ull << 60; },
        "rank 1 called all_reduce(count=1152921504606846976"},
-      {"SignatureKind", false, allReduceOnce,
-       [](Segment& s, uint64_t step) { signature(s, step).kind = 77; }, "kind=77"},
-      {"SignatureDtype", false, allReduceOnce,
-       [](Segment& s, uint64_t step) { signature(s, step).dtype = 200; }, "dtype=200"},
-      {"SignatureStep", false, allReduceOnce,
+      {"SignatureKind",
+       false,
+       allReduceOnce,
+       [](Segment& s, uint64_t step) { signature(s, step).kind = 77; },
+       "kind=77"},
+      {"SignatureDtype",
+       false,
+       allReduceOnce,
+       [](Segment& s, uint64_t step) { signature(s, step).dtype = 200; },
+       "dtype=200"},
+      {"SignatureStep",
+       false,
+       allReduceOnce,
        [](Segment& s, uint64_t step) { signature(s, step).step = step + 2; },
        "is not one hsdp writes"},
-      {"PieceTableSize", true, [](Engine& e) { gatherPieces(e); },
+      {"PieceTableSize",
+       true,
+       [](Engine& e) { gatherPieces(e); },
        [](Segment& s, uint64_t step) { pieceTable(s, step)[1] = UINT64_MAX; },
        "rank 1's piece 0 has 18446744073709551615 bytes"},
-      {"PieceTableAddress", true, [](Engine& e) { gatherPieces(e); },
-       [](Segment& s, uint64_t step) { pieceTable(s, step)[2] = 8; }, "Bad address"},
-      {"SourceAddress", true,
+      {"PieceTableAddress",
+       true,
+       [](Engine& e) { gatherPieces(e); },
+       [](Segment& s, uint64_t step) { pieceTable(s, step)[2] = 8; },
+       "Bad address"},
+      {"SourceAddress",
+       true,
        [](Engine& e) {
          std::vector<char> mine(1000, 'a'), all(1000 * e.size());
          e.allGather("all_gather", mine.data(), all.data(), mine.size());
        },
        [](Segment& s, uint64_t step) { signature(s, step).sourceAddress = 1ull << 63; },
        "Bad address"},
-      {"FailureRecordOutOfRange", false, allReduceOnce,
+      {"FailureRecordOutOfRange",
+       false,
+       allReduceOnce,
        [](Segment& s, uint64_t) {
          // An unterminated reason as well: it must not be read past its end.
          std::memset(s.header().brokenReason, 'x', sizeof s.header().brokenReason);
          s.header().brokenBy.store(1000);
        },
        "the segment's failure record names rank 999 of a group of 3"},
-      {"HeaderMagic", false, allReduceOnce,
-       [](Segment& s, uint64_t) { s.header().magic = 0; }, "header was overwritten"},
+      {"HeaderMagic",
+       false,
+       allReduceOnce,
+       [](Segment& s, uint64_t) { s.header().magic = 0; },
+       "header was overwritten"},
   };
 }
 
@@ -123,8 +148,7 @@ TEST_P(Corruption, EveryRankFailsNamingIt) {
     }
   }));
   const auto start = std::chrono::steady_clock::now();
-  const auto errors =
-      g.runFrom(1, c.op, [&](uint64_t step) { c.corrupt(g.view(), step); });
+  const auto errors = g.runFrom(1, c.op, [&](uint64_t step) { c.corrupt(g.view(), step); });
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
   bool said = false;
   for (int r = 0; r < 3; ++r) {
@@ -138,11 +162,9 @@ TEST_P(Corruption, EveryRankFailsNamingIt) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Segment,
-    Corruption,
-    ::testing::ValuesIn(cases()),
-    [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Segment, Corruption, ::testing::ValuesIn(cases()), [](const auto& info) {
+  return std::string(info.param.name);
+});
 
 TEST(CorruptionIgnored, APidOverwrittenAfterTheFirstStepIsNotUsed) {
   // Each rank keeps its own copy of the peers' pids from its first step on:
@@ -179,7 +201,8 @@ void runOp(Engine& e, int which) {
       break;
     case 2: {
       std::vector<float> in(16 * e.size(), 1.0f);
-      e.reduceScatter("reduce_scatter", in.data(), data.data(), 16, DType::F32, RedOp::Max, Scale{});
+      e.reduceScatter(
+          "reduce_scatter", in.data(), data.data(), 16, DType::F32, RedOp::Max, Scale{});
       break;
     }
     case 3:
@@ -207,14 +230,22 @@ std::string mutate(Segment& s, int victim, uint64_t step, std::mt19937_64& rng) 
   Signature& sig = c.sig[(step + rng() % 2) % kSlots]; // this step's slot, or the previous one
   auto value = [&](uint64_t orig) -> uint64_t {
     switch (rng() % 8) {
-      case 0: return 0;
-      case 1: return orig - 1;
-      case 2: return orig + 1;
-      case 3: return orig + 2 + rng() % 100;
-      case 4: return UINT64_MAX;
-      case 5: return orig ^ (1ull << (rng() % 64));
-      case 6: return rng();
-      default: return orig;
+      case 0:
+        return 0;
+      case 1:
+        return orig - 1;
+      case 2:
+        return orig + 1;
+      case 3:
+        return orig + 2 + rng() % 100;
+      case 4:
+        return UINT64_MAX;
+      case 5:
+        return orig ^ (1ull << (rng() % 64));
+      case 6:
+        return rng();
+      default:
+        return orig;
     }
   };
   // Addresses are replaced only with ones that map nothing here: ranks are
@@ -239,16 +270,36 @@ std::string mutate(Segment& s, int victim, uint64_t step, std::mt19937_64& rng) 
     return v;
   };
   switch (rng() % 12) {
-    case 0: c.posted.store(counter(c.posted.load())); return "posted";
-    case 1: c.reduced.store(counter(c.reduced.load())); return "reduced";
-    case 2: c.done.store(counter(c.done.load())); return "done";
-    case 3: sig.step = value(sig.step); return "signature step";
-    case 4: sig.opSeq = value(sig.opSeq); return "signature opSeq";
-    case 5: sig.count = value(sig.count); return "signature count";
-    case 6: sig.kind = static_cast<uint32_t>(value(sig.kind)); return "signature kind";
-    case 7: sig.dtype = static_cast<uint32_t>(value(sig.dtype)); return "signature dtype";
-    case 8: sig.pieces = value(sig.pieces); return "signature pieces";
-    case 9: sig.sourceAddress = address(); return "signature sourceAddress";
+    case 0:
+      c.posted.store(counter(c.posted.load()));
+      return "posted";
+    case 1:
+      c.reduced.store(counter(c.reduced.load()));
+      return "reduced";
+    case 2:
+      c.done.store(counter(c.done.load()));
+      return "done";
+    case 3:
+      sig.step = value(sig.step);
+      return "signature step";
+    case 4:
+      sig.opSeq = value(sig.opSeq);
+      return "signature opSeq";
+    case 5:
+      sig.count = value(sig.count);
+      return "signature count";
+    case 6:
+      sig.kind = static_cast<uint32_t>(value(sig.kind));
+      return "signature kind";
+    case 7:
+      sig.dtype = static_cast<uint32_t>(value(sig.dtype));
+      return "signature dtype";
+    case 8:
+      sig.pieces = value(sig.pieces);
+      return "signature pieces";
+    case 9:
+      sig.sourceAddress = address();
+      return "signature sourceAddress";
     case 10: {
       auto* table = reinterpret_cast<uint64_t*>(s.slot(victim, static_cast<int>(step % kSlots)));
       const size_t word = rng() % 4;
@@ -265,8 +316,10 @@ TEST(CorruptionFuzz, EveryRankReturnsOrEveryRankFailsClearly) {
   const uint64_t seed = envOr("HSDP_FUZZ_SEED", std::random_device{}());
   const uint64_t trials = envOr("HSDP_FUZZ_TRIALS", 120);
   std::mt19937_64 rng(seed);
-  std::printf("[fuzz] seed %llu, %llu trials (HSDP_FUZZ_SEED replays)\n",
-              static_cast<unsigned long long>(seed), static_cast<unsigned long long>(trials));
+  std::printf(
+      "[fuzz] seed %llu, %llu trials (HSDP_FUZZ_SEED replays)\n",
+      static_cast<unsigned long long>(seed),
+      static_cast<unsigned long long>(trials));
   int failedTrials = 0;
   for (uint64_t t = 0; t < trials; ++t) {
     const int W = 2 + static_cast<int>(rng() % 3);
@@ -292,16 +345,16 @@ TEST(CorruptionFuzz, EveryRankReturnsOrEveryRankFailsClearly) {
         },
         [&](uint64_t step) { what = mutate(g.view(), victim, step, rng); });
     const auto took = std::chrono::steady_clock::now() - start;
-    const std::string trial = "trial " + std::to_string(t) + " (W=" + std::to_string(W) +
-        ", op " + std::to_string(which) + (direct ? ", direct" : ", slots") + ", rank " +
+    const std::string trial = "trial " + std::to_string(t) + " (W=" + std::to_string(W) + ", op " +
+        std::to_string(which) + (direct ? ", direct" : ", slots") + ", rank " +
         std::to_string(victim) + "'s " + what + ")";
     EXPECT_LT(took, std::chrono::seconds(5)) << trial;
     int threw = 0;
     for (int r = 0; r < W; ++r) {
       if (!errors[r].empty()) {
         ++threw;
-        EXPECT_TRUE(contains(errors[r], "threw: [rank " + std::to_string(r) + "/")) << trial
-                                                                                  << ": " << errors[r];
+        EXPECT_TRUE(contains(errors[r], "threw: [rank " + std::to_string(r) + "/"))
+            << trial << ": " << errors[r];
       }
     }
     // A rank can finish its last call before a peer detects a forgery that
@@ -314,8 +367,10 @@ TEST(CorruptionFuzz, EveryRankReturnsOrEveryRankFailsClearly) {
     }
     failedTrials += threw > 0;
   }
-  std::printf("[fuzz] %d of %llu trials failed on every rank, the others completed on every rank\n",
-              failedTrials, static_cast<unsigned long long>(trials));
+  std::printf(
+      "[fuzz] %d of %llu trials failed on every rank, the others completed on every rank\n",
+      failedTrials,
+      static_cast<unsigned long long>(trials));
 }
 
 } // namespace

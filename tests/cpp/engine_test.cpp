@@ -41,7 +41,7 @@ uint16_t floatToBf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof u);
   const uint16_t down = static_cast<uint16_t>(u >> 16); // toward zero
-  const uint16_t up = static_cast<uint16_t>(down + 1); // away from zero
+  const uint16_t up = static_cast<uint16_t>(down + 1);  // away from zero
   const double dd = std::fabs(static_cast<double>(f) - bf16ToFloat(down));
   const double du = std::fabs(static_cast<double>(f) - bf16ToFloat(up));
   if (dd != du) {
@@ -166,15 +166,24 @@ bool sameBits(const T& a, const T& b) {
 
 template <typename T>
 constexpr DType dtypeOf() {
-  if constexpr (std::is_same_v<T, float>) return DType::F32;
-  else if constexpr (std::is_same_v<T, double>) return DType::F64;
-  else if constexpr (std::is_same_v<T, BF16>) return DType::BF16;
-  else if constexpr (std::is_same_v<T, _Float16>) return DType::F16;
-  else if constexpr (std::is_same_v<T, int8_t>) return DType::I8;
-  else if constexpr (std::is_same_v<T, uint8_t>) return DType::U8;
-  else if constexpr (std::is_same_v<T, int16_t>) return DType::I16;
-  else if constexpr (std::is_same_v<T, int32_t>) return DType::I32;
-  else return DType::I64;
+  if constexpr (std::is_same_v<T, float>)
+    return DType::F32;
+  else if constexpr (std::is_same_v<T, double>)
+    return DType::F64;
+  else if constexpr (std::is_same_v<T, BF16>)
+    return DType::BF16;
+  else if constexpr (std::is_same_v<T, _Float16>)
+    return DType::F16;
+  else if constexpr (std::is_same_v<T, int8_t>)
+    return DType::I8;
+  else if constexpr (std::is_same_v<T, uint8_t>)
+    return DType::U8;
+  else if constexpr (std::is_same_v<T, int16_t>)
+    return DType::I16;
+  else if constexpr (std::is_same_v<T, int32_t>)
+    return DType::I32;
+  else
+    return DType::I64;
 }
 
 std::vector<RedOp> opsFor(DType d) {
@@ -264,12 +273,18 @@ std::string checkReductions(Engine& e) {
 
 std::string checkEveryDtype(Engine& e) {
   for (const auto& check :
-       {checkReductions<float, false>, checkReductions<double, false>,
-        checkReductions<BF16, false>, checkReductions<_Float16, false>,
-        checkReductions<int8_t, false>, checkReductions<uint8_t, false>,
-        checkReductions<int16_t, false>, checkReductions<int32_t, false>,
-        checkReductions<int64_t, false>, checkReductions<float, true>,
-        checkReductions<BF16, true>, checkReductions<_Float16, true>,
+       {checkReductions<float, false>,
+        checkReductions<double, false>,
+        checkReductions<BF16, false>,
+        checkReductions<_Float16, false>,
+        checkReductions<int8_t, false>,
+        checkReductions<uint8_t, false>,
+        checkReductions<int16_t, false>,
+        checkReductions<int32_t, false>,
+        checkReductions<int64_t, false>,
+        checkReductions<float, true>,
+        checkReductions<BF16, true>,
+        checkReductions<_Float16, true>,
         checkReductions<int64_t, true>}) {
     if (auto why = check(e); !why.empty()) {
       return why;
@@ -310,8 +325,9 @@ TEST_P(EngineWorlds, AllGatherBroadcastAndBarrierMoveEveryByte) {
       for (int q = 0; q < W; ++q) {
         for (size_t i = 0; i < n; ++i) {
           if (out[q * n + i] != byteOf(q, i)) {
-            throw std::runtime_error("all_gather of " + std::to_string(n) + " bytes: byte " +
-                                     std::to_string(i) + " from rank " + std::to_string(q));
+            throw std::runtime_error(
+                "all_gather of " + std::to_string(n) + " bytes: byte " + std::to_string(i) +
+                " from rank " + std::to_string(q));
           }
         }
       }
@@ -330,8 +346,9 @@ TEST_P(EngineWorlds, AllGatherBroadcastAndBarrierMoveEveryByte) {
         e.broadcast("broadcast", buf.data(), n, root);
         for (size_t i = 0; i < n; ++i) {
           if (buf[i] != byteOf(root, i)) {
-            throw std::runtime_error("broadcast of " + std::to_string(n) + " bytes from " +
-                                     std::to_string(root) + ": byte " + std::to_string(i));
+            throw std::runtime_error(
+                "broadcast of " + std::to_string(n) + " bytes from " + std::to_string(root) +
+                ": byte " + std::to_string(i));
           }
         }
       }
@@ -357,7 +374,8 @@ TEST_P(EnginePieces, AllGatherPiecesLandWhereTheyGo) {
       }
       inputs.push_back({reinterpret_cast<char*>(mine[i].data()), sizes[i]});
     }
-    std::vector<std::vector<std::vector<uint8_t>>> landed(W, std::vector<std::vector<uint8_t>>(sizes.size()));
+    std::vector<std::vector<std::vector<uint8_t>>> landed(
+        W, std::vector<std::vector<uint8_t>>(sizes.size()));
     std::vector<std::vector<Span>> outputs(W);
     for (int q = 0; q < W; ++q) {
       for (size_t i = 0; i < sizes.size(); ++i) {
@@ -377,7 +395,8 @@ TEST_P(EnginePieces, AllGatherPiecesLandWhereTheyGo) {
       for (size_t i = 0; i < sizes.size(); ++i) {
         for (size_t j = 0; j < sizes[i]; ++j) {
           if (landed[q][i][j] != byteOf(q, i * 1000 + j)) {
-            throw std::runtime_error("piece " + std::to_string(i) + " of rank " + std::to_string(q));
+            throw std::runtime_error(
+                "piece " + std::to_string(i) + " of rank " + std::to_string(q));
           }
         }
       }
@@ -459,11 +478,13 @@ TEST(EngineFailures, ATimeoutSaysWhereEveryRankIs) {
   int said = 0;
   for (int r : {0, 1}) {
     EXPECT_TRUE(contains(errors[r], "Timed out after 300 ms waiting for rank 2")) << errors[r];
-    EXPECT_TRUE(contains(
-        errors[r], "rank 2 finished all_reduce #811 and has called no collective since"))
+    EXPECT_TRUE(
+        contains(errors[r], "rank 2 finished all_reduce #811 and has called no collective since"))
         << errors[r];
-    said += contains(errors[r], " (this rank) waits in all_gather_into_tensor #812 (step 1 of 1) "
-                                "for every rank's post");
+    said += contains(
+        errors[r],
+        " (this rank) waits in all_gather_into_tensor #812 (step 1 of 1) "
+        "for every rank's post");
   }
   EXPECT_GE(said, 1) << errors[0] << "\n" << errors[1];
 }
@@ -504,7 +525,8 @@ TEST(EngineFailures, AbortFromAnotherThreadWakesEveryWaiter) {
   for (int r : {0, 1}) {
     EXPECT_TRUE(contains(errors[r], "aborted by the test")) << errors[r];
   }
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10)); // not the 60 s deadline
+  EXPECT_LT(
+      std::chrono::steady_clock::now() - start, std::chrono::seconds(10)); // not the 60 s deadline
   const auto after = g.run([](Engine& e) { e.barrier("barrier"); });
   for (int r = 0; r < 3; ++r) {
     EXPECT_TRUE(contains(after[r], "unusable")) << after[r];
