@@ -52,7 +52,7 @@ fi
 
 # Rebuild when any input of the build changed since the last install.
 stamp_file=build/.setup-stamp
-stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc hsdp_backend -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort) | sha256sum | cut -d' ' -f1)
+stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc src -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort) | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || ! (cd /tmp && "$ROOT/$PY" -c "import hsdp_backend._C") 2>/dev/null; then
   echo "[setup] building hsdp_backend (C++ extension; about a minute on 2 cores)"
   # --no-build-isolation: build against the torch in $VENV, never a second one.

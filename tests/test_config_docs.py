@@ -1,5 +1,5 @@
 """The README's table of environment variables is the configuration table
-(hsdp_backend/config.py), in name and default: a setting added, renamed or
+(src/hsdp_backend/config.py), in name and default: a setting added, renamed or
 re-defaulted in one place and not the other fails here."""
 
 import pathlib
