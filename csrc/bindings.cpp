@@ -35,6 +35,21 @@ hsdp::testing::NcclContractBackend& asNcclContract(c10d::Backend* backend) {
   return *double_;
 }
 
+// A read-write property of Config whose new value is checked with the rest
+// of the object before it is kept.
+template <typename T>
+void checkedField(py::class_<hsdp::Config>& cls, const char* name, T hsdp::Config::*member) {
+  cls.def_property(
+      name,
+      [member](const hsdp::Config& c) { return c.*member; },
+      [member](hsdp::Config& c, T value) {
+        hsdp::Config next = c;
+        next.*member = std::move(value);
+        next.validate();
+        c = std::move(next);
+      });
+}
+
 } // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -72,6 +87,28 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  // The settings object (common/Config.hpp). Every assignment is checked:
+  // a value out of range raises ValueError naming the field.
+  py::class_<hsdp::Config> config(
+      m, "Config", "Every setting of hsdp (src/hsdp_backend/config.py).");
+  config.def(py::init<>());
+  config.def_property(
+      "engine",
+      [](const hsdp::Config& c) { return std::string(hsdp::Config::engineName(c.engine)); },
+      [](hsdp::Config& c, const std::string& name) { c.engine = hsdp::Config::parseEngine(name); });
+  checkedField(config, "slot_bytes", &hsdp::Config::slotBytes);
+  checkedField(config, "spin_us", &hsdp::Config::spinUs);
+  checkedField(config, "one_shot_bytes", &hsdp::Config::oneShotBytes);
+  checkedField(config, "direct_read_bytes", &hsdp::Config::directReadBytes);
+  checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);
+  checkedField(config, "trace_entries", &hsdp::Config::traceEntries);
+  checkedField(config, "trace_dir", &hsdp::Config::traceDir);
+  checkedField(config, "fsdp_shim", &hsdp::Config::fsdpShim);
+  checkedField(config, "fsdp_bucket_bytes", &hsdp::Config::fsdpBucketBytes);
+  checkedField(config, "run_backend_map", &hsdp::Config::runBackendMap);
+  checkedField(config, "run_verbose", &hsdp::Config::runVerbose);
+  checkedField(config, "test_hosts", &hsdp::Config::testHosts);
+
   m.def(
       "create_backend",
       [](c10d::Store& store,
@@ -80,36 +117,12 @@ PYBIND11_MODULE(_C, m) {
          std::chrono::milliseconds timeout,
          c10d::Backend* cpuBackend,
          c10d::Backend* cudaBackend,
-         const std::string& engine,
-         int64_t slotBytes,
-         int64_t spinNs,
-         int64_t oneShotBytes,
-         int64_t directReadBytes,
-         int64_t engineTimeoutMs,
-         int64_t traceEntries,
-         const std::string& traceDir,
+         const hsdp::Config& config,
          std::optional<std::string> hostIdentity) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
-        TORCH_CHECK_VALUE(
-            engine == "auto" || engine == "shm" || engine == "gloo" || engine == "nccl_contract",
-            "unknown hsdp engine '",
-            engine,
-            "'; expected auto, shm, gloo or nccl_contract");
-        hsdp::ShmOptions shm;
-        shm.mode = engine == "auto" ? hsdp::ShmOptions::Mode::Auto
-            : engine == "shm"       ? hsdp::ShmOptions::Mode::Required
-                                    : hsdp::ShmOptions::Mode::Off;
-        shm.slotBytes = static_cast<size_t>(slotBytes);
-        shm.engine.spin = std::chrono::nanoseconds(spinNs);
-        shm.engine.oneShotBytes = static_cast<size_t>(oneShotBytes);
-        shm.engine.directReadBytes = static_cast<size_t>(directReadBytes);
-        shm.engine.timeout = std::chrono::milliseconds(engineTimeoutMs);
-        shm.hostIdentity = std::move(hostIdentity);
-        hsdp::TraceOptions trace;
-        trace.entries = static_cast<size_t>(traceEntries);
-        trace.dir = traceDir;
+        config.validate();
         std::unique_ptr<hsdp::InnerRoute> cpu;
-        if (engine == "nccl_contract") {
+        if (config.engine == hsdp::Config::Engine::NcclContract) {
           // Tests only: the CPU route runs the code CUDA tensors take.
           cpu = std::make_unique<hsdp::InnerRoute>(
               c10::make_intrusive<hsdp::testing::NcclContractBackend>(
@@ -127,7 +140,14 @@ PYBIND11_MODULE(_C, m) {
         }
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
         return c10::make_intrusive<hsdp::ProcessGroupHSDP>(
-            store, rank, size, timeout, std::move(cpu), std::move(cuda), shm, trace);
+            store,
+            rank,
+            size,
+            timeout,
+            std::move(cpu),
+            std::move(cuda),
+            config,
+            std::move(hostIdentity));
       },
       py::arg("store"),
       py::arg("rank"),
@@ -135,14 +155,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("timeout"),
       py::arg("cpu_backend"),
       py::arg("cuda_backend"),
-      py::arg("engine"),
-      py::arg("slot_bytes"),
-      py::arg("spin_ns"),
-      py::arg("one_shot_bytes"),
-      py::arg("direct_read_bytes"),
-      py::arg("engine_timeout_ms"),
-      py::arg("trace_entries"),
-      py::arg("trace_dir"),
+      py::arg("config"),
       py::arg("host_identity") = py::none());
 
   // Writes the flight record of every hsdp group of this process; returns

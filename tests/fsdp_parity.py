@@ -365,7 +365,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             param_group_module.foreach_reduce = original_foreach_reduce
         if on_hsdp:
             shim.enable(
-                bucket_bytes=config.read("HSDP_FSDP_BUCKET_BYTES")
+                bucket_bytes=config.resolve().fsdp_bucket_bytes
             )  # back to the defaults for the next scenario
 
 

@@ -3,13 +3,13 @@ Cases run as ``case(rank, world, ref)`` (ref: a gloo group over the ranks)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import torch
 import torch.distributed as dist
 
 import hsdp_backend
+from hsdp_backend import config
 
 CASES = {}
 
@@ -30,7 +30,7 @@ def sizes_for(count: int, seed: int) -> list[int]:
 
 
 def engine():
-    return os.environ.get("HSDP_ENGINE", "auto")
+    return config.read("HSDP_ENGINE")
 
 
 @case

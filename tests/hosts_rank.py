@@ -13,6 +13,8 @@ import sys
 import time
 import traceback
 
+from hsdp_backend import config
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
 
@@ -121,9 +123,9 @@ def main() -> None:
     import hsdp_backend  # noqa: F401  registers "hsdp"
 
     torch.set_num_threads(1)
-    timeout = float(os.environ.get("HSDP_TEST_GROUP_TIMEOUT_S", "60"))
+    timeout = config.read("HSDP_TEST_GROUP_TIMEOUT_S")
     dist.init_process_group(
-        os.environ.get("HSDP_TEST_BACKEND", "hsdp"), timeout=datetime.timedelta(seconds=timeout)
+        config.read("HSDP_TEST_BACKEND"), timeout=datetime.timedelta(seconds=timeout)
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import hsdp_backend
+from hsdp_backend import config
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 INTS = [torch.int64, torch.uint8]
@@ -641,7 +642,6 @@ def split_group_by_parity(rank, world, ref):
 
 @case
 def comm_stats_counts_and_resets(rank, world, ref):
-    import os
 
     hsdp_backend.reset_comm_stats()
     assert hsdp_backend.comm_stats() == {}
@@ -660,9 +660,7 @@ def comm_stats_counts_and_resets(rank, world, ref):
         # all-gather. Within hosts only when a host holds more than one rank.
         assert stats["inter_host"]["calls"] >= 4, stats
         assert stats["inter_host"]["bytes"] == 3 * 40 + 40, stats
-        hosts = os.environ.get(
-            "HSDP_TEST_HOSTS", os.environ.get("HSDP_TEST_EXPECTED_HOSTS", "")
-        ).split(",")[:world]
+        hosts = _hosts()[:world]
         within = 4 if hosts.count(hosts[0]) > 1 else 0
         assert stats.get("intra_host", {}).get("calls", 0) == within, stats
     else:
@@ -675,20 +673,22 @@ def comm_stats_counts_and_resets(rank, world, ref):
         raise AssertionError("comm_stats on a gloo group must raise TypeError")
 
 
+def _hosts() -> list[str]:
+    """Each global rank's host: pretended, or the real ones a test on
+    simulated hosts found; [] when neither is known (one host)."""
+    return config.read("HSDP_TEST_HOSTS") or config.read("HSDP_TEST_EXPECTED_HOSTS")
+
+
 def expected_engine(members: list[int]) -> str:
     """What cpu_engine says for a group of these global ranks, from
     HSDP_ENGINE and the hosts the ranks are on: pretended (HSDP_TEST_HOSTS),
     or real ones as a test on simulated hosts found them
     (HSDP_TEST_EXPECTED_HOSTS)."""
-    import os
-
-    engine = os.environ.get("HSDP_ENGINE", "auto")
+    engine = config.read("HSDP_ENGINE")
     if engine != "auto":
         return engine
-    hosts = os.environ.get("HSDP_TEST_HOSTS", os.environ.get("HSDP_TEST_EXPECTED_HOSTS", "")).split(
-        ","
-    )
-    if hosts == [""]:
+    hosts = _hosts()
+    if not hosts:
         return "shm"
     mine = [hosts[r] for r in members]
     if "?" in mine and len(members) > 1:
@@ -707,11 +707,10 @@ def engine_in_use(rank, world, ref):
 @case
 def large_messages(rank, world, ref):
     """Sizes past one pipeline slot and past the direct-read threshold."""
-    import os
 
     from hsdp_backend import _C
 
-    if os.environ.get("HSDP_ENGINE", "auto") in ("auto", "shm") and world > 1:
+    if config.read("HSDP_ENGINE") in ("auto", "shm") and world > 1:
         engine, _, direct = _C.cpu_engine(hsdp_backend.get_hsdp_backend())
         expected = expected_engine(list(range(world)))
         assert engine == expected, (engine, expected)

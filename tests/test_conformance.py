@@ -15,15 +15,16 @@ recorded baselines.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from hsdp_backend import config
+
 HERE = pathlib.Path(__file__).parent / "conformance"
-FULL = os.environ.get("HSDP_TEST_CONFORMANCE_FULL") == "1"
+FULL = config.read("HSDP_TEST_CONFORMANCE_FULL")
 WORLDS = [2, 3] if FULL else [2]
 
 

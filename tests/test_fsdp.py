@@ -119,7 +119,7 @@ def assert_comm_shape(name: str, s: Scenario, got: dict):
     shard = s.mesh[-1]
     reducing_backwards = s.micro_batches if s.accumulate in ("no_all_reduce", "none") else 1
     all_reducing_backwards = s.micro_batches if s.accumulate == "none" else 1
-    bucket = s.bucket_bytes or config.read("HSDP_FSDP_BUCKET_BYTES")
+    bucket = s.bucket_bytes or config.resolve().fsdp_bucket_bytes
     native = s.shim in ("off", "incompatible")
     # Every all-reduce hsdp served went through c10d's dispatcher (so
     # CommDebugMode, the profiler and compiled code see the shim's too).

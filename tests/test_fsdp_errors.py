@@ -155,7 +155,7 @@ def backward_fails_midway(rank, world):
         shim.disable()
         native_losses, native_params = train(True)
     finally:
-        shim.enable(bucket_bytes=config.read("HSDP_FSDP_BUCKET_BYTES"))
+        shim.enable(bucket_bytes=config.resolve().fsdp_bucket_bytes)
     torch.testing.assert_close(losses, native_losses, rtol=1e-5, atol=0)
     for n in native_params:
         torch.testing.assert_close(params[n], native_params[n], rtol=1e-5, atol=1e-6)

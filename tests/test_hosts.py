@@ -29,6 +29,8 @@ import time
 
 import pytest
 
+from hsdp_backend import config
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import simhosts  # noqa: E402
@@ -257,7 +259,7 @@ def test_a_host_whose_link_goes_down(tmp_path):
     assert shm == [[], []], shm
 
 
-EXIT_RUNS = int(os.environ.get("HSDP_TEST_EXIT_RUNS", "3"))
+EXIT_RUNS = config.read("HSDP_TEST_EXIT_RUNS")
 
 
 @pytest.mark.timeout(120 + 90 * EXIT_RUNS)

@@ -13,10 +13,12 @@ import pytest
 from conftest import hsdp_segments
 from harness import run_ranks
 
-SOAK_OPS = int(os.environ.get("HSDP_TEST_SOAK_OPS", "5000"))
+from hsdp_backend import config
+
+SOAK_OPS = config.read("HSDP_TEST_SOAK_OPS")
 # The soak with killed ranks runs rounds for this long: short in CI's run;
 # HSDP_TEST_SOAK_SECONDS=3600 is the long mode.
-SOAK_SECONDS = float(os.environ.get("HSDP_TEST_SOAK_SECONDS", "45"))
+SOAK_SECONDS = config.read("HSDP_TEST_SOAK_SECONDS")
 
 
 def inputs(seed, rank, n, dtype):
@@ -247,7 +249,7 @@ def test_soak_rounds_with_ranks_killed_and_recreated():
     (not hang), and the next round's processes, groups and segments start
     clean. Nothing may be left in /dev/shm."""
     before = hsdp_segments()
-    draw = random.Random(int(os.environ.get("HSDP_TEST_SOAK_SEED", "7")))
+    draw = random.Random(config.read("HSDP_TEST_SOAK_SEED"))
     start, rounds, kills, ops_run = time.monotonic(), 0, 0, 0
     while rounds < 2 or time.monotonic() - start < SOAK_SECONDS:
         seed, ops = draw.randrange(1 << 30), draw.choice([300, 1000, 2000])

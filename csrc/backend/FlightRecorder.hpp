@@ -18,9 +18,10 @@
 
 namespace hsdp {
 
+// From hsdp::Config (common/Config.hpp: the defaults).
 struct TraceOptions {
-  size_t entries = 64; // ring size; 0 turns the recorder off
-  std::string dir = "/tmp/hsdp-trace";
+  size_t entries = 0; // ring size; 0 turns the recorder off
+  std::string dir;
 };
 
 class FlightRecorder {

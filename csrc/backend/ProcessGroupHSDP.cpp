@@ -333,6 +333,37 @@ struct PendingEntry {
 };
 thread_local PendingEntry pending;
 
+ShmOptions shmOptionsOf(
+    const Config& config,
+    int size,
+    std::chrono::milliseconds groupTimeout,
+    const std::optional<std::string>& hostIdentity) {
+  ShmOptions shm;
+  switch (config.engine) {
+    case Config::Engine::Auto:
+      shm.mode = ShmOptions::Mode::Auto;
+      break;
+    case Config::Engine::Shm:
+      shm.mode = ShmOptions::Mode::Required;
+      break;
+    case Config::Engine::Gloo:
+    case Config::Engine::NcclContract:
+      shm.mode = ShmOptions::Mode::Off;
+      break;
+  }
+  shm.slotBytes = static_cast<size_t>(config.slotBytes);
+  shm.engine.timeout = config.engineTimeout(groupTimeout);
+  shm.engine.spin = config.spin(size);
+  shm.engine.oneShotBytes = static_cast<size_t>(config.oneShotBytes);
+  shm.engine.directReadBytes = static_cast<size_t>(config.directReadBytes);
+  shm.hostIdentity = hostIdentity;
+  return shm;
+}
+
+TraceOptions traceOptionsOf(const Config& config) {
+  return {static_cast<size_t>(config.traceEntries), config.traceDir};
+}
+
 } // namespace
 
 ProcessGroupHSDP::ProcessGroupHSDP(
@@ -342,18 +373,26 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     std::chrono::milliseconds timeout,
     std::unique_ptr<InnerRoute> cpuRoute,
     std::unique_ptr<InnerRoute> cudaRoute,
-    const ShmOptions& shmOptions,
-    const TraceOptions& traceOptions)
+    const Config& config,
+    std::optional<std::string> hostIdentity)
     : Backend(rank, size),
       options_(c10::make_intrusive<Options>("hsdp", timeout)),
-      shmOptions_(shmOptions),
-      traceOptions_(traceOptions),
+      config_(config),
+      hostIdentity_(std::move(hostIdentity)),
       cpu_(std::move(cpuRoute)),
       cuda_(std::move(cudaRoute)),
-      trace_(std::make_shared<FlightRecorder>(rank, size, traceOptions)) {
+      trace_(std::make_shared<FlightRecorder>(rank, size, traceOptionsOf(config))) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
   engine_ = connectShm(
-      store, rank, size, shmOptions, cpu_->backend(), timeout, stats_, staging_, &shmWhyNot_);
+      store,
+      rank,
+      size,
+      shmOptionsOf(config, size, timeout, hostIdentity_),
+      cpu_->backend(),
+      timeout,
+      stats_,
+      staging_,
+      &shmWhyNot_);
   if (engine_) {
     queue_ = std::make_unique<OpQueue>();
   }
@@ -586,8 +625,8 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       timeout,
       std::move(cpu),
       std::move(cuda),
-      shmOptions_,
-      traceOptions_);
+      config_,
+      hostIdentity_);
 }
 
 ProcessGroupHSDP::Traced

@@ -33,6 +33,7 @@
 #include "backend/InnerRoute.hpp"
 #include "backend/OpQueue.hpp"
 #include "backend/ShmRendezvous.hpp"
+#include "common/Config.hpp"
 #include "common/Errors.hpp"
 #include "fusion/ReducePlan.hpp"
 #include "fusion/StagingPool.hpp"
@@ -51,8 +52,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       std::chrono::milliseconds timeout,
       std::unique_ptr<InnerRoute> cpuRoute,
       std::unique_ptr<InnerRoute> cudaRoute,
-      const ShmOptions& shmOptions,
-      const TraceOptions& traceOptions);
+      const Config& config,
+      std::optional<std::string> hostIdentity = std::nullopt);
   ~ProcessGroupHSDP() override;
 
   ProcessGroupHSDP(const ProcessGroupHSDP&) = delete;
@@ -259,8 +260,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   [[noreturn]] void failShm(const shm::CommError& e, uint64_t seq);
 
   c10::intrusive_ptr<Options> options_;
-  ShmOptions shmOptions_; // what a split child negotiates with
-  TraceOptions traceOptions_;
+  const Config config_;                           // what a split child is built with
+  const std::optional<std::string> hostIdentity_; // tests: a pretended host
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;

@@ -29,9 +29,11 @@
 
 namespace hsdp {
 
+// What connectShm needs of hsdp::Config, resolved for one group
+// (ProcessGroupHSDP.cpp builds it).
 struct ShmOptions {
-  enum class Mode { Auto, Off, Required } mode = Mode::Auto;
-  size_t slotBytes = 4 << 20;
+  enum class Mode { Auto, Off, Required } mode = Mode::Off;
+  size_t slotBytes = 0;
   shm::EngineConfig engine;
   // Tests only: this rank's host identity, instead of reading it ("": as if
   // it could not be read).

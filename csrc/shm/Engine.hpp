@@ -57,18 +57,20 @@
 
 namespace hsdp::shm {
 
+// The backend fills it from hsdp::Config (common/Config.hpp: the settings
+// and their defaults); the engine's tests set every field themselves.
 struct EngineConfig {
-  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::chrono::milliseconds timeout{0};
   // How long a wait spins before it sleeps on the futex.
-  std::chrono::nanoseconds spin{std::chrono::microseconds(20)};
+  std::chrono::nanoseconds spin{0};
   // All-reduces up to this many bytes read every peer's whole buffer in one
   // round (one synchronisation instead of two).
-  size_t oneShotBytes = 32 * 1024;
+  size_t oneShotBytes = 0;
   // All-gathers and broadcasts of at least this many bytes per rank read
   // peers' buffers directly with process_vm_readv (one copy instead of two:
   // no staging through the slots), when every rank may read every other's
   // memory (checked at rendezvous). 0 disables it.
-  size_t directReadBytes = 256 * 1024;
+  size_t directReadBytes = 0;
   // How messages name the ranks: engine rank q is rank groupRanks[q] of a
   // group of groupSize (a host's part of a group that spans hosts). Empty:
   // the engine's ranks are the group's.

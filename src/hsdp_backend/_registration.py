@@ -51,7 +51,6 @@ def _create_backend(opts, backend_options):
     never collide with each other or with anything else on the group's store.
     """
     import logging
-    import os
 
     import torch
     import torch.distributed as dist
@@ -75,34 +74,14 @@ def _create_backend(opts, backend_options):
         nccl_opts.global_ranks_in_group = list(opts.global_ranks_in_group)
         nccl_opts.group_name = str(opts.group_id)
         cuda = dist.ProcessGroupNCCL(dist.PrefixStore("hsdp/nccl/", store), rank, size, nccl_opts)
-    spin_us = config.read("HSDP_SHM_SPIN_US")
-    if spin_us == "auto":
-        # Spinning only helps when every rank has a core to spin on.
-        spin_us = 20 if size <= (os.cpu_count() or 1) else 0
-    engine_timeout = config.read("HSDP_TIMEOUT_MS")
-    if engine_timeout == "group":
-        engine_timeout = int(timeout.total_seconds() * 1000)
-    fsdp.install_automatically()
+    settings = config.resolve()
+    fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
     backend = _C.create_backend(
-        store,
-        rank,
-        size,
-        timeout,
-        cpu,
-        cuda,
-        engine=config.read("HSDP_ENGINE"),
-        slot_bytes=config.read("HSDP_SHM_SLOT_BYTES"),
-        spin_ns=int(spin_us) * 1000,
-        one_shot_bytes=config.read("HSDP_SHM_ONESHOT_BYTES"),
-        direct_read_bytes=config.read("HSDP_SHM_DIRECT_READ_BYTES"),
-        engine_timeout_ms=engine_timeout,
-        trace_entries=config.read("HSDP_TRACE_ENTRIES"),
-        trace_dir=config.read("HSDP_TRACE_DIR"),
-        host_identity=_test_host_identity(opts),
+        store, rank, size, timeout, cpu, cuda, settings, _test_host_identity(settings)
     )
     engine, why_not, _ = _C.cpu_engine(backend)
-    if engine == "gloo" and config.read("HSDP_ENGINE") == "auto":
+    if engine == "gloo" and settings.engine == "auto":
         # One line: the group was meant for shared memory and did not get it.
         logging.getLogger("hsdp_backend").warning(
             "hsdp: [rank %d/%d] group %s runs its CPU collectives on gloo: %s",
@@ -139,13 +118,11 @@ def _collect_cycles_before_finalization() -> None:
         _exit_hook_registered = True
 
 
-def _test_host_identity(opts):
-    """HSDP_TEST_HOSTS (tests only): this rank's pretended host."""
+def _test_host_identity(settings):
+    """HSDP_TEST_HOSTS (tests only): this rank's pretended host, or None."""
     import os
 
-    from hsdp_backend import config
-
-    hosts = config.read("HSDP_TEST_HOSTS")
+    hosts = settings.test_hosts
     if not hosts:
         return None
     rank = int(os.environ.get("RANK", "0"))

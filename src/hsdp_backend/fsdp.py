@@ -127,7 +127,7 @@ def enable(bucket_bytes: int | None = None) -> bool:
     if bucket_bytes is not None:
         _shim.bucket_bytes = int(bucket_bytes)
     elif not _shim.bucket_bytes:  # first install; later automatic calls keep a user's choice
-        _shim.bucket_bytes = config.read("HSDP_FSDP_BUCKET_BYTES")
+        _shim.bucket_bytes = config.resolve().fsdp_bucket_bytes
     with _shim.lock:
         if _shim.original is not None:
             return True
@@ -175,10 +175,11 @@ def is_enabled() -> bool:
     return _shim.original is not None
 
 
-def install_automatically() -> None:
-    """Called for every hsdp process group: enables the shim once FSDP2 is
-    imported (now, or when the process imports it), unless ``HSDP_FSDP=off``."""
-    if config.read("HSDP_FSDP") == "off":
+def install_automatically(settings) -> None:
+    """Called for every hsdp process group with its settings (a
+    ``config.resolve()``): enables the shim once FSDP2 is imported (now, or
+    when the process imports it), unless ``HSDP_FSDP=off``."""
+    if not settings.fsdp_shim:
         return
     _post_import.when_imported(_PARAM_GROUP_MODULE, lambda _module: enable())
 

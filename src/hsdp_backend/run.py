@@ -31,10 +31,7 @@ from __future__ import annotations
 import os
 import sys
 
-ENABLE_ENV = "HSDP_RUN_BACKEND_MAP"
-VERBOSE_ENV = "HSDP_RUN_VERBOSE"
-
-__all__ = ["ENABLE_ENV", "VERBOSE_ENV", "launch_dir", "prepare_env", "main"]
+__all__ = ["launch_dir", "prepare_env", "main"]
 
 
 def launch_dir() -> str:
@@ -50,7 +47,7 @@ def prepare_env(environ=None) -> dict:
     path = environ.get("PYTHONPATH", "")
     if path.split(os.pathsep)[0] != here:
         environ["PYTHONPATH"] = here + (os.pathsep + path if path else "")
-    environ[ENABLE_ENV] = "1"
+    environ["HSDP_RUN_BACKEND_MAP"] = "1"  # read by the injected sitecustomize
     return environ
 
 

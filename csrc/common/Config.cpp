@@ -1,0 +1,85 @@
+#include "common/Config.hpp"
+
+#include <stdexcept>
+#include <thread>
+
+namespace hsdp {
+
+namespace {
+
+void expect(bool ok, const char* field, const std::string& what, int64_t got) {
+  if (!ok) {
+    throw std::invalid_argument(
+        std::string(field) + ": expected " + what + ", got " + std::to_string(got));
+  }
+}
+
+} // namespace
+
+Config::Engine Config::parseEngine(const std::string& name) {
+  for (Engine e : {Engine::Auto, Engine::Shm, Engine::Gloo, Engine::NcclContract}) {
+    if (name == engineName(e)) {
+      return e;
+    }
+  }
+  throw std::invalid_argument(
+      "engine: expected one of auto, shm, gloo, nccl_contract, got '" + name + "'");
+}
+
+const char* Config::engineName(Engine engine) {
+  switch (engine) {
+    case Engine::Auto:
+      return "auto";
+    case Engine::Shm:
+      return "shm";
+    case Engine::Gloo:
+      return "gloo";
+    case Engine::NcclContract:
+      return "nccl_contract";
+  }
+  return "?";
+}
+
+std::chrono::nanoseconds Config::spin(int groupSize) const {
+  if (spinUs) {
+    return std::chrono::microseconds(*spinUs);
+  }
+  const unsigned cores = std::thread::hardware_concurrency();
+  return std::chrono::microseconds(cores == 0 || groupSize <= static_cast<int>(cores) ? 20 : 0);
+}
+
+std::chrono::milliseconds Config::engineTimeout(std::chrono::milliseconds groupTimeout) const {
+  return timeoutMs ? std::chrono::milliseconds(*timeoutMs) : groupTimeout;
+}
+
+void Config::validate() const {
+  expect(
+      slotBytes >= (64 << 10) && slotBytes % 64 == 0,
+      "slot_bytes",
+      "an integer >= 65536 and a multiple of 64",
+      slotBytes);
+  if (spinUs) {
+    expect(*spinUs >= 0, "spin_us", "an integer >= 0 (or None: auto)", *spinUs);
+  }
+  expect(oneShotBytes >= 0, "one_shot_bytes", "an integer >= 0", oneShotBytes);
+  expect(directReadBytes >= 0, "direct_read_bytes", "an integer >= 0", directReadBytes);
+  if (timeoutMs) {
+    expect(*timeoutMs >= 1, "timeout_ms", "an integer >= 1 (or None: the group's)", *timeoutMs);
+  }
+  expect(
+      traceEntries >= 0 && traceEntries <= 1000000,
+      "trace_entries",
+      "an integer from 0 to 1000000",
+      traceEntries);
+  if (traceDir.find_first_not_of(" \t\n") == std::string::npos) {
+    throw std::invalid_argument("trace_dir: expected a directory path, got '" + traceDir + "'");
+  }
+  expect(fsdpBucketBytes >= 1, "fsdp_bucket_bytes", "an integer >= 1", fsdpBucketBytes);
+  for (const auto& host : testHosts) {
+    if (host.empty()) {
+      throw std::invalid_argument("test_hosts: expected a non-empty host name per rank");
+    }
+  }
+}
+
+} // namespace hsdp

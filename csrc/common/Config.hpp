@@ -1,0 +1,55 @@
+#pragma once
+
+// Every setting of hsdp, as one object: src/hsdp_backend/config.py resolves
+// the HSDP_* environment variables into it (bound as hsdp_backend._C.Config)
+// and hands it to each new process group. The defaults below are the only
+// copy of them: config.py's table and the README show these.
+//
+// Setting a field through `set` (what the Python binding does) checks it and
+// throws std::invalid_argument naming the field and what it expects; a
+// Config built in C++ is checked by validate().
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace hsdp {
+
+struct Config {
+  enum class Engine { Auto, Shm, Gloo, NcclContract };
+
+  // CPU engine: Auto (shared memory when the group's ranks can share it,
+  // else gloo), Shm (shared memory or an error), Gloo (always the inner
+  // group), NcclContract (tests: CPU tensors take the CUDA route's code).
+  Engine engine = Engine::Auto;
+  // Bytes a rank moves through shared memory per pipelined step.
+  int64_t slotBytes = 4 << 20;
+  // How long a wait spins before sleeping; unset: auto (see spin()).
+  std::optional<int64_t> spinUs;
+  int64_t oneShotBytes = 32 << 10;
+  int64_t directReadBytes = 256 << 10;
+  // Deadline of every shared-memory wait; unset: the group's timeout.
+  std::optional<int64_t> timeoutMs;
+  int64_t traceEntries = 64;
+  std::string traceDir = "/tmp/hsdp-trace";
+  // Read by the Python side (the FSDP2 shim, the launcher, tests).
+  bool fsdpShim = true;
+  int64_t fsdpBucketBytes = 4 << 20;
+  bool runBackendMap = false;
+  bool runVerbose = false;
+  std::vector<std::string> testHosts;
+
+  static Engine parseEngine(const std::string& name);
+  static const char* engineName(Engine engine);
+
+  // Spinning only helps when every rank has a core to spin on.
+  std::chrono::nanoseconds spin(int groupSize) const;
+  std::chrono::milliseconds engineTimeout(std::chrono::milliseconds groupTimeout) const;
+
+  // Throws std::invalid_argument naming the first field out of range.
+  void validate() const;
+};
+
+} // namespace hsdp

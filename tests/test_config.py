@@ -1,0 +1,97 @@
+"""The configuration table (src/hsdp_backend/config.py), the settings object
+(hsdp_backend._C.Config, csrc/common/Config.hpp) and README.md agree: every
+setting has one name, one default (the object's) and one description, every
+``HSDP_*`` name the tree reads is in the table, and bad values are refused by
+name wherever they enter."""
+
+import pathlib
+import re
+
+import pytest
+
+from hsdp_backend import _C, config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+FIELD_VARS = [v for v in config.VARS.values() if v.field is not None]
+
+
+def test_readme_table_is_the_generated_one():
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Environment variables") :]
+    section = section[: section.index("\n## ", 1)]
+    table = "\n".join(line for line in section.splitlines() if line.startswith("|")) + "\n"
+    assert table == config.markdown(), (
+        "README.md's table of variables is stale: paste `python -m hsdp_backend.config`'s output"
+    )
+
+
+def test_every_setting_of_the_object_has_a_variable():
+    fields = {n for n in dir(_C.Config) if isinstance(getattr(_C.Config, n), property)}
+    assert fields == {v.field for v in FIELD_VARS}
+
+
+@pytest.mark.parametrize("var", FIELD_VARS, ids=lambda v: v.name)
+def test_default_text_reads_back_as_the_objects_default(var):
+    # The table shows Config's default; read back, it is that default.
+    default = getattr(_C.Config(), var.field)
+    assert var.parse(config.default_text(var)) == default
+    assert getattr(config.resolve({}), var.field) == default
+
+
+def test_every_variable_the_tree_reads_is_in_the_table():
+    names = set()
+    for pattern in ("*.py", "*.cpp", "*.hpp", "*.sh"):
+        for path in ROOT.glob(f"**/{pattern}"):
+            if any(part in (".venv", "build", ".git") or part.startswith(".venv") for part in path.parts):
+                continue
+            names |= set(re.findall(r"""["'](HSDP_[A-Z0-9_]+)["']""", path.read_text()))
+    assert names, "found no HSDP_ names: the scan is broken"
+    assert names <= set(config.VARS), sorted(names - set(config.VARS))
+
+
+BAD = {
+    "HSDP_ENGINE": "shared",
+    "HSDP_SHM_SLOT_BYTES": "1000",
+    "HSDP_SHM_SPIN_US": "-1",
+    "HSDP_SHM_ONESHOT_BYTES": "x",
+    "HSDP_SHM_DIRECT_READ_BYTES": "-5",
+    "HSDP_TIMEOUT_MS": "0",
+    "HSDP_TRACE_ENTRIES": "1000001",
+    "HSDP_TRACE_DIR": " ",
+    "HSDP_FSDP": "on",
+    "HSDP_FSDP_BUCKET_BYTES": "0",
+    "HSDP_RUN_BACKEND_MAP": "yes",
+    "HSDP_RUN_VERBOSE": "2",
+    "HSDP_TEST_HOSTS": "a,,b",
+}
+
+
+def test_every_setting_has_a_bad_value_here():
+    assert set(BAD) == {v.name for v in FIELD_VARS}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_value_is_refused_by_name(name):
+    with pytest.raises(ValueError, match=rf"Invalid value for environment variable {name}="):
+        config.resolve({name: BAD[name]})
+
+
+def test_the_object_refuses_bad_values_naming_the_field():
+    c = _C.Config()
+    with pytest.raises(ValueError, match="engine: expected one of auto, shm, gloo, nccl_contract"):
+        c.engine = "shared"
+    with pytest.raises(ValueError, match="slot_bytes: expected an integer >= 65536"):
+        c.slot_bytes = 1000
+    assert c.slot_bytes == _C.Config().slot_bytes, "a refused value must not be kept"
+    c.spin_us = 0
+    c.timeout_ms = None
+    assert (c.spin_us, c.timeout_ms) == (0, None)
+
+
+def test_test_suite_settings_parse_their_defaults():
+    for var in config.VARS.values():
+        if var.field is None and var.default is not None:
+            config.read(var.name, {})
+    assert config.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "7"}) == 7
+    with pytest.raises(ValueError, match="HSDP_TEST_EXIT_RUNS='many'"):
+        config.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "many"})
