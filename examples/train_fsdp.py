@@ -14,7 +14,9 @@ over ranks, the step time (and, within it, forward + backward, where all of
 FSDP2's communication happens), the throughput in tokens/s over all ranks and, on hsdp, the
 collectives that step issued (``ag``: all-gather, ``rs``: reduce-scatter,
 ``ar``: all-reduce, each as ``calls/collectives``, plus the bytes this rank
-contributed).
+contributed). With ``--json`` it prints instead one JSON object per step, one
+per line on stdout, with the same numbers (see :func:`train`), for programs
+to read; the model and final-loss lines then go to stderr.
 
 ``examples/train_hsdp.py`` reuses this module's model, data and training loop
 on a 2-D (replicate, shard) device mesh.
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -380,6 +384,18 @@ def format_comm_stats(stats: dict[str, dict[str, int]]) -> str:
     return " ".join(parts)
 
 
+def step_comm_stats(stats_groups: dict[str, dist.ProcessGroup]) -> dict[str, dict]:
+    """hsdp's counters of each group since its last reset, the ops that ran.
+
+    Returns:
+        ``{label: {op_name: {"calls", "collectives", "bytes"}}}``.
+    """
+    return {
+        label: {op: c for op, c in hsdp_backend.comm_stats(g).items() if c["calls"]}
+        for label, g in stats_groups.items()
+    }
+
+
 def mean_across_ranks(value: torch.Tensor) -> torch.Tensor:
     """Averages a scalar tensor over all ranks (WORLD).
 
@@ -397,17 +413,21 @@ def train(
     """Builds, shards and trains the model; rank 0 logs every step.
 
     Args:
-        args: parsed flags.
+        args: parsed flags; ``args.json`` logs JSON lines instead of text.
         mesh: the FSDP (1-D) or HSDP (2-D) device mesh.
         stats_groups: label -> process group whose hsdp comm stats are
-            printed each step; the label is omitted when there is one group.
-            Ignored unless ``args.backend == "hsdp"``.
+            reported each step; in the text line the label is omitted when
+            there is one group. Ignored unless ``args.backend == "hsdp"``.
 
     Returns:
-        Per step: loss (averaged over ranks), step_ms, fwd_bwd_ms, tokens_per_s
-        (this rank's times; what rank 0 prints).
+        Per step, what rank 0 prints (as one JSON object with ``--json``):
+        step, loss (averaged over ranks), step_ms, fwd_bwd_ms, tokens_per_s
+        (this rank's times) and, on hsdp, comm_stats (:func:`step_comm_stats`).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    as_json = getattr(args, "json", False)
+    # With --json, stdout carries the step objects only.
+    prose = sys.stderr if as_json else sys.stdout
     model = build_model(args)
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
@@ -415,6 +435,7 @@ def train(
             f"model: {n_params / 1e6:.2f}M params, dim={args.dim} layers={args.layers} "
             f"heads={args.heads} vocab={args.vocab}; mesh {mesh.mesh.tolist()} "
             f"{mesh.mesh_dim_names}; backend={args.backend} mp={args.mixed_precision}",
+            file=prose,
             flush=True,
         )
     apply_fsdp(model, mesh, args.mixed_precision)
@@ -446,34 +467,38 @@ def train(
 
         # Read before the logging all-reduce below so the counts show only
         # the training step's own collectives.
-        comms = ""
-        if track_comms:
-            rendered = {
-                label: format_comm_stats(hsdp_backend.comm_stats(g))
-                for label, g in stats_groups.items()
-            }
-            if len(rendered) == 1:
-                comms = "  " + next(iter(rendered.values()))
-            else:
-                comms = "".join(f"  {label}[{text}]" for label, text in rendered.items())
+        comms = step_comm_stats(stats_groups) if track_comms else None
         loss_avg = mean_across_ranks(loss).item()
-        metrics.append(
-            {
-                "loss": loss_avg,
-                "step_ms": elapsed * 1e3,
-                "fwd_bwd_ms": fwd_bwd * 1e3,
-                "tokens_per_s": tokens_per_step / elapsed,
-            }
-        )
+        m = {
+            "step": step,
+            "loss": loss_avg,
+            "step_ms": elapsed * 1e3,
+            "fwd_bwd_ms": fwd_bwd * 1e3,
+            "tokens_per_s": tokens_per_step / elapsed,
+        }
+        if comms is not None:
+            m["comm_stats"] = comms
+        metrics.append(m)
         if rank == 0:
-            print(
-                f"step {step:3d}  loss {loss_avg:.6f}  {elapsed * 1e3:8.1f} ms  "
-                f"fwd+bwd {fwd_bwd * 1e3:8.1f} ms  {tokens_per_step / elapsed:8.0f} tok/s{comms}",
-                flush=True,
-            )
+            print(json.dumps(m) if as_json else format_step(m), flush=True)
     if rank == 0:
-        print(f"final loss {loss_avg:.6f}", flush=True)
+        print(f"final loss {loss_avg:.6f}", file=prose, flush=True)
     return metrics
+
+
+def format_step(m: dict) -> str:
+    """The readable line of one step's metrics (see :func:`train`)."""
+    comms = ""
+    if "comm_stats" in m:
+        rendered = {label: format_comm_stats(s) for label, s in m["comm_stats"].items()}
+        if len(rendered) == 1:
+            comms = "  " + next(iter(rendered.values()))
+        else:
+            comms = "".join(f"  {label}[{text}]" for label, text in rendered.items())
+    return (
+        f"step {m['step']:3d}  loss {m['loss']:.6f}  {m['step_ms']:8.1f} ms  "
+        f"fwd+bwd {m['fwd_bwd_ms']:8.1f} ms  {m['tokens_per_s']:8.0f} tok/s{comms}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -509,6 +534,12 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "bf16-reduce: gradients reduced in bf16 too",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object per step on stdout (step, loss, step_ms, fwd_bwd_ms, "
+        "tokens_per_s, and on hsdp comm_stats) instead of the readable line",
+    )
     return parser
 
 

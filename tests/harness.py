@@ -1,82 +1,36 @@
-"""Runs a function on W ranks, each a separate process, with hard timeouts.
+"""The tests' side of the rank launcher (tools/ranks.py): its timeouts from
+the HSDP_TEST_* variables, and launches that run many cases at once.
 
-Every rank initialises the default group on the requested backend over a
-TCPStore on a free loopback port. The parent waits for all ranks with a
-deadline; when a rank fails the others get a short grace period, then every
-process still alive is killed, so a hang costs seconds and no process
-outlives its test. Each rank also arms faulthandler to print its stacks
-just before the deadline, so a hang is diagnosable from the test log.
+run_ranks starts every rank as its own process with the default group on
+the requested backend; the launch has a wall-clock deadline, after which
+every process still alive is killed, so a hang costs seconds and no process
+outlives its test (see tools/ranks.py).
 """
 
 from __future__ import annotations
 
-import datetime
-import multiprocessing as mp
 import os
-import queue
-import socket
-import time
+import pathlib
+import sys
 import traceback
 from typing import Any, Callable
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    # The repository root, for tools/ (its own sources, not the package's:
+    # hsdp_backend lives under src/ and stays the installed one).
+    sys.path.append(str(ROOT))
+
+from hsdp_backend import config  # noqa: E402
+from tools.ranks import RankFailure, free_port  # noqa: E402
+from tools.ranks import run_ranks as _run_ranks  # noqa: E402
+
+__all__ = ["RankFailure", "free_port", "run_ranks", "run_cases", "CaseLauncher"]
+
 # Per-collective timeout inside the ranks; a lost peer surfaces this fast.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("HSDP_TEST_COLLECTIVE_TIMEOUT_S", "60"))
+COLLECTIVE_TIMEOUT_S = config.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S")
 # Wall-clock limit for one launch (all ranks, all cases).
-LAUNCH_TIMEOUT_S = float(os.environ.get("HSDP_TEST_LAUNCH_TIMEOUT_S", "300"))
-# How long other ranks may keep running once one rank failed.
-GRACE_AFTER_FAILURE_S = 15.0
-
-
-class RankFailure(AssertionError):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(fn, rank, world, port, backend, env, kwargs, results):
-    import faulthandler
-
-    faulthandler.enable()  # a crash prints every thread's Python stack
-    faulthandler.dump_traceback_later(max(LAUNCH_TIMEOUT_S - 5, 1), exit=True)
-    os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
-    try:
-        import torch
-        import torch.distributed as dist
-
-        import hsdp_backend  # noqa: F401  registers "hsdp"
-
-        torch.set_num_threads(1)
-        if backend is not None:
-            dist.init_process_group(
-                backend,
-                rank=rank,
-                world_size=world,
-                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-            )
-        out = fn(rank, world, **kwargs)
-        results.put((rank, "ok", out))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        try:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+LAUNCH_TIMEOUT_S = config.read("HSDP_TEST_LAUNCH_TIMEOUT_S")
 
 
 def run_ranks(
@@ -94,59 +48,19 @@ def run_ranks(
     per-rank return values (None for a rank in ``may_die`` that died, as a
     fault test's victim does), or raises RankFailure with every failing
     rank's traceback (and the ranks that had to be killed).
+    HSDP_TEST_COLLECTIVE_TIMEOUT_S in ``env`` overrides the parent's.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(fn, r, world, port, backend, env or {}, kwargs, results),
-            daemon=True,
-        )
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    outputs: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(outputs) + len(errors) < world:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            try:
-                rank, status, payload = results.get(timeout=min(1.0, deadline - now))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                for r in dead:
-                    if r in may_die and r not in outputs:
-                        outputs[r] = None
-                    elif r not in outputs and r not in errors:
-                        errors[r] = f"rank {r} died with exit code {procs[r].exitcode}"
-                if errors:
-                    deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
-                continue
-            if status == "ok":
-                outputs[rank] = payload
-            else:
-                errors[rank] = payload
-                deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    missing = [r for r in range(world) if r not in outputs and r not in errors]
-    if errors or missing:
-        lines = [f"{len(errors)} of {world} ranks failed; killed after timeout: {missing}"]
-        for r in sorted(errors):
-            lines.append(f"--- rank {r} ---\n{errors[r]}")
-        raise RankFailure("\n".join(lines))
-    return [outputs[r] for r in range(world)]
+    env = env or {}
+    return _run_ranks(
+        fn,
+        world,
+        backend=backend,
+        env=env,
+        timeout_s=timeout_s,
+        collective_timeout_s=config.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env}),
+        may_die=may_die,
+        kwargs=kwargs,
+    )
 
 
 def run_cases(rank: int, world: int, module: str, names: list[str]) -> dict[str, str | None]:

@@ -6,6 +6,7 @@ name wherever they enter."""
 
 import pathlib
 import re
+import subprocess
 
 import pytest
 
@@ -39,13 +40,19 @@ def test_default_text_reads_back_as_the_objects_default(var):
 
 
 def test_every_variable_the_tree_reads_is_in_the_table():
+    files = subprocess.run(
+        ["git", "ls-files", "*.py", "*.cpp", "*.hpp", "*.sh"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     names = set()
-    for pattern in ("*.py", "*.cpp", "*.hpp", "*.sh"):
-        for path in ROOT.glob(f"**/{pattern}"):
-            if any(part in (".venv", "build", ".git") or part.startswith(".venv") for part in path.parts):
-                continue
-            names |= set(re.findall(r"""["'](HSDP_[A-Z0-9_]+)["']""", path.read_text()))
-    assert names, "found no HSDP_ names: the scan is broken"
+    for name in files:
+        if not (ROOT / name).exists():  # deleted, not yet committed
+            continue
+        names |= set(re.findall(r"""["'](HSDP_[A-Z0-9_]+)["']""", (ROOT / name).read_text()))
+    assert "HSDP_ENGINE" in names, "the scan found nothing: it is broken"
     assert names <= set(config.VARS), sorted(names - set(config.VARS))
 
 

@@ -1,9 +1,12 @@
 """The README's main job: the FSDP2 examples under torchrun, hsdp against
-gloo on identical work (same seed, same data). fp32 losses must agree."""
+gloo on identical work (same seed, same data). fp32 losses must agree. The
+losses are read from the examples' ``--json`` lines, and their readable
+per-step line is checked to still be there."""
 
+import functools
+import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -12,9 +15,11 @@ from harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+STEP_KEYS = {"step", "loss", "step_ms", "fwd_bwd_ms", "tokens_per_s"}
 
 
-def train(script: str, nproc: int, backend: str, *extra: str) -> list[float]:
+def run_example(script: str, nproc: int, backend: str, *extra: str) -> str:
+    """The example's stdout (rank 0's)."""
     cmd = [
         *TORCHRUN,
         f"--nproc-per-node={nproc}",
@@ -41,9 +46,19 @@ def train(script: str, nproc: int, backend: str, *extra: str) -> list[float]:
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]
-    assert re.search(r"final loss [0-9.]+", proc.stdout), proc.stdout
-    return losses
+    return proc.stdout
+
+
+@functools.cache  # a run serves every test that reads it
+def train(script: str, nproc: int, backend: str) -> list[dict]:
+    """Per-step objects of a --json run; every stdout line must be one."""
+    out = run_example(script, nproc, backend, "--json")
+    steps = [json.loads(line) for line in out.splitlines()]
+    for s in steps:
+        assert STEP_KEYS <= s.keys(), s
+        assert ("comm_stats" in s) == (backend == "hsdp"), s
+    assert [s["step"] for s in steps] == [1, 2, 3, 4], out
+    return steps
 
 
 @pytest.mark.parametrize(
@@ -51,9 +66,30 @@ def train(script: str, nproc: int, backend: str, *extra: str) -> list[float]:
     [("train_fsdp.py", 2), ("train_hsdp.py", 4)],
 )
 def test_example_matches_gloo(script, nproc):
-    hsdp = train(script, nproc, "hsdp")
-    gloo = train(script, nproc, "gloo")
+    hsdp = [s["loss"] for s in train(script, nproc, "hsdp")]
+    gloo = [s["loss"] for s in train(script, nproc, "gloo")]
     assert len(hsdp) == len(gloo) >= 4
     assert hsdp[-1] < hsdp[0], f"loss did not decrease: {hsdp}"
     for a, b in zip(hsdp, gloo):
         assert a == pytest.approx(b, rel=1e-5), (hsdp, gloo)
+
+
+def test_json_lines_carry_the_metrics_and_counters():
+    steps = train("train_hsdp.py", 4, "hsdp")
+    for s in steps:
+        assert s["step_ms"] >= s["fwd_bwd_ms"] > 0 and s["tokens_per_s"] > 0, s
+        # One shard and one replicate group per rank, each with its ops' counters.
+        assert set(s["comm_stats"]) == {"shard", "replicate"}, s
+        shard = s["comm_stats"]["shard"]
+        assert shard["all_gather_into_tensor"]["calls"] > 0, s
+        assert shard["reduce_scatter_tensor"]["calls"] > 0, s
+        for counters in (*shard.values(), *s["comm_stats"]["replicate"].values()):
+            assert set(counters) == {"calls", "collectives", "bytes"}, s
+
+
+def test_readable_line_without_json():
+    out = run_example("train_fsdp.py", 2, "hsdp")
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == 4, out
+    assert " ms  fwd+bwd " in step_lines[0] and "tok/s  ag=" in step_lines[0], out
+    assert "final loss " in out, out

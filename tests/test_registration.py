@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+import torch
 from harness import free_port
 
 
@@ -52,22 +54,64 @@ def test_autoload_disabled_by_env(tmp_path):
     assert "registered False" in proc.stdout
 
 
+# torch.distributed resolves a backend name through the
+# `torch.distributed.backends` entry-point group from torch 2.14 on
+# (Backend._ensure_backend_registered, called by init_process_group, new_group
+# and split_group); torch 2.13 never reads that group.
+TORCH_RESOLVES_DIST_ENTRY_POINTS = tuple(
+    int(part) for part in torch.__version__.split("+")[0].split(".")[:2]
+) >= (2, 14)
+
+INIT_AND_ALL_REDUCE = """
+    import datetime, torch, torch.distributed as dist
+    {imports}
+    dist.init_process_group("hsdp", init_method="tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+    t = torch.ones(3)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    print("backend", dist.get_backend(), t.tolist())
+    dist.destroy_process_group()
+    """
+
+
+def init_process_group(tmp_path, imports="", env=None):
+    return python(
+        INIT_AND_ALL_REDUCE.format(imports=imports, port=free_port()), env=env, cwd=tmp_path
+    )
+
+
 def test_init_process_group_finds_hsdp_without_import(tmp_path):
+    # Every supported torch: the autoload entry point registered the name at
+    # `import torch`.
+    proc = init_process_group(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "backend hsdp [1.0, 1.0, 1.0]" in proc.stdout
+
+
+@pytest.mark.skipif(
+    not TORCH_RESOLVES_DIST_ENTRY_POINTS,
+    reason=f"torch {torch.__version__} does not read the torch.distributed.backends group",
+)
+def test_init_process_group_finds_hsdp_without_import_or_autoload(tmp_path):
     # With autoload off, torch.distributed's own entry-point group still
     # resolves the name when a process group asks for it.
-    proc = python(
-        f"""
-        import datetime, torch, torch.distributed as dist
-        dist.init_process_group("hsdp", init_method="tcp://127.0.0.1:{free_port()}",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
-        t = torch.ones(3)
-        dist.all_reduce(t, op=dist.ReduceOp.AVG)
-        print("backend", dist.get_backend(), t.tolist())
-        dist.destroy_process_group()
-        """,
-        env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
-        cwd=tmp_path,
-    )
+    proc = init_process_group(tmp_path, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert "backend hsdp [1.0, 1.0, 1.0]" in proc.stdout
+
+
+@pytest.mark.skipif(
+    TORCH_RESOLVES_DIST_ENTRY_POINTS,
+    reason="covered by test_init_process_group_finds_hsdp_without_import_or_autoload",
+)
+def test_autoload_off_needs_the_import_before_torch_2_14(tmp_path):
+    # What the README says: on torch 2.13 with TORCH_DEVICE_BACKEND_AUTOLOAD=0
+    # nothing registers "hsdp" until `import hsdp_backend`.
+    env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    proc = init_process_group(tmp_path, env=env)
+    assert proc.returncode != 0
+    assert "Unknown backend type hsdp" in proc.stderr
+    proc = init_process_group(tmp_path, imports="import hsdp_backend", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "backend hsdp [1.0, 1.0, 1.0]" in proc.stdout
 

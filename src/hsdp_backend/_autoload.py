@@ -6,8 +6,10 @@ exception escaping from it would break ``import torch`` for the user, so it
 catches everything and only warns. It registers the backend name and a
 creator; the C++ extension is loaded only when a group is actually created.
 
-``register`` is the ``torch.distributed.backends`` entry point: torch calls it
-when a process group names "hsdp" and nothing registered that name yet.
+``register`` is the ``torch.distributed.backends`` entry point: torch >= 2.14
+calls it when a process group names "hsdp" and nothing registered that name
+yet (``Backend._ensure_backend_registered``); torch 2.13 never reads that
+group, so there ``autoload`` or ``import hsdp_backend`` must have run.
 """
 
 
