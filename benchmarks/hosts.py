@@ -125,23 +125,15 @@ def rank_main(job: str, out: str, *args: str) -> None:
     import hsdp_backend  # noqa: F401  registers "hsdp"
 
     torch.set_num_threads(1)
-    # Every run alike: a fake all-gather leaves garbage in parameters, and
-    # denormals in it must not slow the arithmetic of that run alone.
-    torch.set_flush_denormal(True)
-    backend = args[0]
-    if backend == "fake":
-        # torch's fake backend: every rank does all of FSDP2's own work and
-        # no communication, the zero-cost-network limit of the same ranks.
-        from torch.testing._internal.distributed.fake_pg import FakeStore
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_fsdp
 
-        dist.init_process_group(
-            "fake",
-            store=FakeStore(),
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-        )
-    else:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    # --flush-denormal in every run alike (see the flag's help); "fake" is
+    # torch's fake backend: the zero-cost-network limit of the same ranks.
+    init_args = ["--backend", args[0], "--flush-denormal"]
+    train_fsdp.init_distributed(
+        train_fsdp.get_parser().parse_args(init_args), timeout=datetime.timedelta(seconds=300)
+    )
     if job == "collectives":
         result = _collectives(int(args[1]))
     else:

@@ -25,9 +25,11 @@ on a 2-D (replicate, shard) device mesh.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -516,7 +518,11 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--backend", default="hsdp", help="process-group backend, e.g. hsdp or gloo"
+        "--backend",
+        default="hsdp",
+        help="process-group backend, e.g. hsdp or gloo; fake: torch's fake backend (no "
+        "communication at all: the zero-cost-network limit of the same ranks; losses are "
+        "meaningless)",
     )
     parser.add_argument("--steps", type=int, default=20, help="training steps")
     parser.add_argument("--dim", type=int, default=128, help="model width")
@@ -540,7 +546,32 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
         help="print one JSON object per step on stdout (step, loss, step_ms, fwd_bwd_ms, "
         "tokens_per_s, and on hsdp comm_stats) instead of the readable line",
     )
+    parser.add_argument(
+        "--flush-denormal",
+        action="store_true",
+        help="torch.set_flush_denormal(True): what benchmarks set in every run, so the "
+        "garbage a fake all-gather leaves in parameters cannot slow one run's arithmetic",
+    )
     return parser
+
+
+def init_distributed(args: argparse.Namespace, timeout: datetime.timedelta | None = None) -> None:
+    """The default process group on ``args.backend`` (rendezvous from
+    torchrun's env), with ``timeout`` or torch's default."""
+    if args.flush_denormal:
+        torch.set_flush_denormal(True)
+    if args.backend == "fake":
+        # Every rank does all of FSDP2's own work and no communication.
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group(
+            "fake",
+            store=FakeStore(),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    else:
+        dist.init_process_group(backend=args.backend, timeout=timeout)
 
 
 def run_fsdp(args: argparse.Namespace) -> None:
@@ -563,7 +594,7 @@ def shut_down() -> None:
 
 def main() -> None:
     args = get_parser().parse_args()
-    dist.init_process_group(backend=args.backend)  # rendezvous from torchrun's env
+    init_distributed(args)
     try:
         run_fsdp(args)
     finally:

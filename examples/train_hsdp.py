@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 # examples/ is sys.path[0] when this file runs as a script, so the sibling
 # module imports directly (and registers the hsdp backend on import).
-from train_fsdp import get_parser, shut_down, train
+from train_fsdp import get_parser, init_distributed, shut_down, train
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--shard", type=int, default=2, help="size of the shard mesh dimension")
     args = parser.parse_args()
 
-    dist.init_process_group(backend=args.backend)  # rendezvous from torchrun's env
+    init_distributed(args)
     try:
         run_hsdp(args)
     finally:

@@ -58,20 +58,23 @@ def test_training_suite_quick(tmp_path):
     assert section["models"]["tiny"]["fsdp_groups"] == 11
     assert 50_000 < section["models"]["tiny"]["params"] < 80_000
 
-    # Three runs, interleaved: the baseline (two 1-rank copies), then hsdp and gloo on 2 ranks.
+    # Four runs, interleaved: the baseline (two 1-rank copies), then hsdp,
+    # gloo and the fake backend (the no-communication limit) on 2 ranks.
     runs = section["runs"]
     assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
         (1, 2, "gloo"),
         (2, 1, "hsdp"),
         (2, 1, "gloo"),
+        (2, 1, "fake"),
     ]
+    assert all("--flush-denormal" in r["command"] for r in runs)
     for r in runs:
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
         assert all(0 < f <= s for f, s in zip(r["fwd_bwd_ms"], r["step_ms"])), r
 
     [row] = section["results"]
     assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
-    for key in ("baseline", "hsdp", "gloo"):
+    for key in ("baseline", "hsdp", "gloo", "fake"):
         for ms in (row[key]["step_ms"], row[key]["fwd_bwd_ms"]):
             assert math.isfinite(ms) and ms > 0, (key, row)
     for b in ("hsdp", "gloo"):
@@ -81,6 +84,12 @@ def test_training_suite_quick(tmp_path):
         assert row[b]["comm_share"] == pytest.approx(row[b]["exposed_ms"] / row[b]["step_ms"])
     assert row["speedup"] == pytest.approx(row["gloo"]["step_ms"] / row["hsdp"]["step_ms"])
     assert "exposed_ratio_gloo_over_hsdp" in row
+    h, g, f = (row[b]["step_ms"] for b in ("hsdp", "gloo", "fake"))
+    assert row["hsdp_over_fake"] == pytest.approx(h / f)
+    if g > f:
+        assert row["overhead_vs_gloo"] == pytest.approx((h - f) / (g - f))
+    assert [v["mesh"] for v in section["verdicts"]] == ["fsdp_2"]
+    assert "hsdp/fake" in proc.stdout and "overhead" in proc.stdout
     # Same work on both backends: fp32 losses agree.
     assert row["hsdp"]["final_loss"] == pytest.approx(row["gloo"]["final_loss"], rel=1e-5)
     # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
