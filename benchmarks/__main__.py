@@ -7,6 +7,7 @@ import argparse
 import importlib
 import sys
 
+from benchmarks import load
 from benchmarks.suite import Suite, run
 
 SUITE_MODULES = ("collectives", "coalesced", "numerics", "training", "hosts")
@@ -20,6 +21,15 @@ def _parse_ranks(text: str) -> list[int]:
     if not ranks or any(r < 2 for r in ranks):
         raise argparse.ArgumentTypeError("world sizes must be integers >= 2, e.g. 2,4")
     return ranks
+
+
+def _parse_load(text: str) -> int:
+    try:
+        return load.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a count >= 0 or 'cores', got {text!r}"
+        ) from None
 
 
 def _parse_env(text: str) -> tuple[str, str]:
@@ -67,6 +77,14 @@ def _add_shared_arguments(parser: argparse.ArgumentParser, suite: Suite) -> None
         default=None,
         metavar="PATH",
         help=f"PNG plot (needs matplotlib); '' to skip (default: bench_results/{suite.output_stem}.png)",
+    )
+    parser.add_argument(
+        "--load",
+        type=_parse_load,
+        default=0,
+        metavar="N|cores",
+        help="loaded mode: N CPU-bound processes (cores: one per core) run beside the ranks "
+        "for the whole run (default: 0)",
     )
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="print each point as it is measured"

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks import load
 from tools.ranks import RankFailure, run_ranks
 
 BACKENDS = ("hsdp", "gloo")
@@ -194,9 +195,13 @@ def run(suite: Suite, args: argparse.Namespace, config: dict, argv: list[str]) -
     env = dict(args.env)
     try:
         info = machine_info()
+        info["load_processes"] = args.load
         _print_header(suite, args.ranks, info, timeout)
-        reference = suite.reference(config)
-        per_world, engines, wall = suite.run_all(config, args.ranks, env, deadline, args.verbose)
+        with load.busy(args.load):
+            reference = suite.reference(config)
+            per_world, engines, wall = suite.run_all(
+                config, args.ranks, env, deadline, args.verbose
+            )
         section = suite.report(config, reference, per_world)
     except BenchFailure as exc:
         print(
@@ -320,10 +325,15 @@ def _print_header(suite: Suite, ranks: list[int], info: dict, timeout: float) ->
             f"note: more ranks than cpus ({max(ranks)} > {cpus}): ranks share cores",
             flush=True,
         )
-    load = info["loadavg_at_start"]
-    if load and load[0] > 0.5:
+    if info["load_processes"]:
         print(
-            f"note: load average {load[0]:.1f} on {cpus} cpus before the run: other processes "
+            f"loaded mode: {info['load_processes']} CPU-bound processes run beside the ranks",
+            flush=True,
+        )
+    avg = info["loadavg_at_start"]
+    if avg and avg[0] > 0.5:
+        print(
+            f"note: load average {avg[0]:.1f} on {cpus} cpus before the run: other processes "
             "compete for the cpus; expect noisy absolute numbers",
             flush=True,
         )
