@@ -10,7 +10,7 @@ import sys
 from benchmarks import load
 from benchmarks.suite import Suite, run
 
-SUITE_MODULES = ("collectives", "coalesced", "numerics", "training", "hosts")
+SUITE_MODULES = ("collectives", "coalesced", "numerics", "training", "hosts", "peers")
 
 
 def _parse_ranks(text: str) -> list[int]:
