@@ -89,7 +89,7 @@ SECTIONS = {
     "trace": "Flight recorder",
     "fsdp": "FSDP2 shim",
     "launcher": "Launcher (`python -m hsdp_backend.run`; set by it, not by hand)",
-    "tests": "Tests only (the test suite and its tools; not for training jobs)",
+    "tests": "Tests and benchmarks only (the test suite and the tools beside it; not for training jobs)",
 }
 
 # fmt: off
@@ -162,6 +162,11 @@ _TABLE = [
         "the seed that draws which rank the soak test kills, and when", "7"),
     Var("HSDP_TEST_CONFORMANCE_FULL", "tests", None, _flag, lambda on: str(int(on)),
         "`1`: torch's DistributedTest conformance run adds world size 3 and re-checks gloo", "0"),
+    Var("HSDP_PEERS_DIR", "tests", None, _text, str,
+        "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
+        "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),
+    Var("HSDP_PEERS_CONFIG", "tests", None, _text, str,
+        "set by the peers suite for its MPI launches: the file with the ranks' configuration"),
     Var("HSDP_FUZZ_TRIALS", "tests", None, _int, str,
         "trials of the engine's C++ corruption fuzzer (`tests/cpp/corruption_test.cpp`)", "120"),
     Var("HSDP_FUZZ_SEED", "tests", None, _int, str,
