@@ -256,6 +256,44 @@ def _train_step(s: Scenario, model, data, step: int):
     return loss
 
 
+def _dispatched_collectives():
+    """A mode counting the c10d ops that pass through the dispatcher, with
+    CommDebugMode's get_comm_counts(): CommDebugMode itself, except on torch
+    2.13, whose CommDebugMode raises IndexError when a module runs forward
+    twice under it (its module tracker registers one more forward hook per
+    run and pops its parent list once per hook; fixed in 2.14). There, a
+    dispatch mode that counts the same way (DTensor ops desugared first)."""
+    import collections
+
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14):
+        return CommDebugMode()
+
+    class Counting(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.counts = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if isinstance(func, torch._ops.HigherOrderOperator):
+                return func(*args, **kwargs)
+            if any(t == DTensor for t in types):
+                return NotImplemented
+            out = func(*args, **kwargs)
+            self.counts[func._overloadpacket] += 1
+            return out
+
+        def get_comm_counts(self):
+            return self.counts
+
+    return Counting()
+
+
 def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = None) -> dict:
     """Runs scenario ``name`` on the default group's backend. Returns the
     per-step losses (mean over ranks), per-step hsdp comm counts, warnings
@@ -266,7 +304,6 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
 
     import hsdp_backend
     from hsdp_backend import config
@@ -326,7 +363,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
                     hsdp_backend.reset_comm_stats(g)
             optimizer.zero_grad()
             # The first step's collectives as c10d's dispatcher sees them.
-            debug = CommDebugMode() if on_hsdp and step == 0 else contextlib.nullcontext()
+            debug = _dispatched_collectives() if on_hsdp and step == 0 else contextlib.nullcontext()
             with debug:
                 loss = _train_step(s, model, data, step)
             if on_hsdp and step == 0:

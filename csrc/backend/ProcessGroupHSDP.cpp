@@ -562,12 +562,14 @@ void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
+#if HSDP_TORCH_AT_LEAST_2_14
 void ProcessGroupHSDP::setBoundDeviceId(std::optional<at::Device> device) {
   Backend::setBoundDeviceId(device);
   if (cuda_ && device && device->is_cuda()) {
     cuda_->backend().setBoundDeviceId(device); // NCCL's split and eager init use it
   }
 }
+#endif
 
 void ProcessGroupHSDP::eagerConnectSingleDevice(at::Device device) {
   if (cuda_ && device.is_cuda()) {
@@ -589,6 +591,26 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
     checkRank(c, r, "member");
   }
   const auto timeout = opts ? opts->timeout : options_->timeout;
+#if !HSDP_TORCH_AT_LEAST_2_14
+  const std::string groupName = opts ? opts->group_name : std::string();
+  if (lastSplit_ && lastSplit_->groupName == groupName && lastSplit_->ranks == ranks) {
+    if (lastSplit_->none) {
+      lastSplit_.reset();
+      return nullptr;
+    }
+    auto child = lastSplit_->child.lock();
+    lastSplit_.reset();
+    if (child) {
+      return child;
+    }
+  }
+  auto remember = [&](const c10::intrusive_ptr<c10d::Backend>& child) {
+    lastSplit_ = LastSplit{groupName, ranks, c10::weak_intrusive_ptr<c10d::Backend>(child), !child};
+    return child;
+  };
+#else
+  auto remember = [](c10::intrusive_ptr<c10d::Backend> child) { return child; };
+#endif
   // Inner backends get their own prefixes, as at creation. Every rank of
   // this group comes here (NCCL's split is collective over the parent); a
   // rank outside `ranks` gets no child.
@@ -599,14 +621,13 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
     auto& inner = route->backend();
     // A copy: split implementations fill in what they are given (NCCL sets
     // split_from and the child's ranks), and these are the parent's own.
-    auto innerOpts = inner.getBackendOptions()->clone();
-    innerOpts->timeout = timeout;
-    if (opts) {
-      innerOpts->group_name = opts->group_name;
-      innerOpts->group_desc = opts->group_desc;
-    }
-    auto child =
-        inner.split(c10::make_intrusive<c10d::PrefixStore>(prefix, store), ranks, innerOpts);
+    auto child = splitWithOwnOptions(
+        inner,
+        c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+        ranks,
+        timeout,
+        opts ? &opts->group_name : nullptr,
+        opts ? &opts->group_desc : nullptr);
     if (!child) {
       return nullptr;
     }
@@ -615,10 +636,10 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
   auto cuda = splitInner(cuda_.get(), "hsdp/nccl/");
   auto cpu = splitInner(cpu_.get(), "hsdp/gloo/");
   if (!cpu) {
-    return nullptr;
+    return remember(nullptr);
   }
   const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-  return c10::make_intrusive<ProcessGroupHSDP>(
+  return remember(c10::make_intrusive<ProcessGroupHSDP>(
       *store,
       rank,
       static_cast<int>(ranks.size()),
@@ -626,7 +647,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       std::move(cpu),
       std::move(cuda),
       config_,
-      hostIdentity_);
+      hostIdentity_));
 }
 
 ProcessGroupHSDP::Traced

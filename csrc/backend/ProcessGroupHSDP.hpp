@@ -74,7 +74,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   bool supportsSplitting() const override;
   // A default group bound to a GPU (init_process_group(device_id=...)):
   // NCCL connects eagerly and splits from the bound device.
+// Virtual since torch 2.14; on 2.13 the inner NCCL backend is not told the bound device.
+#if HSDP_TORCH_AT_LEAST_2_14
   void setBoundDeviceId(std::optional<at::Device> device) override;
+#endif
   void eagerConnectSingleDevice(at::Device device) override;
   c10::intrusive_ptr<c10d::Backend> split(
       const c10::intrusive_ptr<c10d::Store>& store,
@@ -262,6 +265,21 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<Options> options_;
   const Config config_;                           // what a split child is built with
   const std::optional<std::string> hostIdentity_; // tests: a pretended host
+#if !HSDP_TORCH_AT_LEAST_2_14
+  // torch 2.13's ProcessGroup::splitGroup calls split() once per device type
+  // the backend serves (cpu and cuda: the same backend), with the same store
+  // prefix and ranks; a second rendezvous there races with the first one's
+  // (gloo's connectFullMesh reads the other's addresses) and hangs. The
+  // second call gets the first one's result. (torch 2.14 splits each backend
+  // once.)
+  struct LastSplit {
+    std::string groupName;
+    std::vector<int> ranks;
+    c10::weak_intrusive_ptr<c10d::Backend> child;
+    bool none = false; // this rank got no child
+  };
+  std::optional<LastSplit> lastSplit_;
+#endif
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;

@@ -1,5 +1,7 @@
 #include "backend/ShmRendezvous.hpp"
 
+#include "backend/InnerRoute.hpp"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -282,14 +284,13 @@ std::unique_ptr<ShmRoute> connectShm(
     config.groupSize = size;
     // The ranks with my local index, one per host: Gloo's split builds a
     // new context among them (only they take part).
-    auto innerOpts = cpuInner.getBackendOptions()->clone();
-    innerOpts->timeout = timeout;
-    column = cpuInner.split(
+    column = splitWithOwnOptions(
+        cpuInner,
         c10::make_intrusive<c10d::PrefixStore>(
             key.prefix() + "column" + std::to_string(layout.local) + "/",
             c10::intrusive_ptr<c10d::Store>::unsafe_reclaim_from_nonowning(&store)),
         layout.columnRanks(layout.local),
-        innerOpts);
+        timeout);
     TORCH_CHECK(
         column,
         "[rank ",

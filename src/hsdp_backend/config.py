@@ -162,6 +162,9 @@ _TABLE = [
         "the seed that draws which rank the soak test kills, and when", "7"),
     Var("HSDP_TEST_CONFORMANCE_FULL", "tests", None, _flag, lambda on: str(int(on)),
         "`1`: torch's DistributedTest conformance run adds world size 3 and re-checks gloo", "0"),
+    Var("HSDP_COMPAT_RUN", "tests", None, _text, str,
+        "set by `tests/test_torch_versions.py` in its run on the second torch, so that run "
+        "does not start itself again"),
     Var("HSDP_PEERS_DIR", "tests", None, _text, str,
         "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
         "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),

@@ -94,7 +94,7 @@ _FOREACH_REDUCE_PARAMS = (
 TESTED_TORCH = "2.14"
 # FSDP2's custom-comm extension points, which foreach_reduce's signature above
 # assumes, arrived in 2.9; pyproject.toml requires the same.
-SUPPORTED_TORCH = ((2, 9), (2, 14))
+SUPPORTED_TORCH = ((2, 13), (2, 14))
 
 
 class _Shim:
