@@ -85,11 +85,12 @@ def test_torch_outside_the_supported_range_warns():
     from hsdp_backend import fsdp
 
     assert fsdp._check_torch_version("2.14.1+cu130")
+    assert fsdp._check_torch_version("2.13.0+cpu")
     fsdp._shim.warned.discard("torch-version")
     with pytest.warns(
-        UserWarning, match=r"torch 2\.8\.0 is outside the supported range 2\.9-2\.14"
+        UserWarning, match=r"torch 2\.12\.0 is outside the supported range 2\.13-2\.14"
     ):
-        assert not fsdp._check_torch_version("2.8.0")
+        assert not fsdp._check_torch_version("2.12.0")
     fsdp._shim.warned.discard("torch-version")
     with pytest.warns(UserWarning, match="HSDP_FSDP=off"):
         assert not fsdp._check_torch_version("3.0.0")
