@@ -6,31 +6,20 @@
 # CMake tree for incremental builds).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-ROOT=$(pwd)
 
-PYTHON=${PYTHON:-python3}
-TORCH_VERSION=2.14.1
+source scripts/venv_steps.sh
 VENV=.venv
 PY=$VENV/bin/python
-
-if [ ! -x "$PY" ]; then
-  echo "[setup] creating $VENV"
-  "$PYTHON" -m venv "$VENV"
-fi
-
-if ! "$PY" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
-  echo "[setup] installing torch==$TORCH_VERSION"
-  "$PY" -m pip install --quiet "torch==$TORCH_VERSION"
-fi
-
+ensure_venv "$VENV"
+ensure_torch "$PY" torch==2.14.1
 # expecttest: torch's own test utilities (the DistributedTest conformance run) import it.
-# ruff (pinned: its formatting is checked by tests/test_format.py).
+ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,matplotlib,expecttest \
+  "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest
+# ruff, pinned: tests/test_format.py checks its formatting.
 RUFF_VERSION=0.17.6
-if ! "$PY" -c "import scikit_build_core, ninja, pytest, pytest_timeout, numpy, matplotlib, expecttest" 2>/dev/null ||
-   [ "$("$VENV/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
-  echo "[setup] installing build, test and format tools"
-  "$PY" -m pip install --quiet "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest \
-    "ruff==$RUFF_VERSION"
+if [ "$("$VENV/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
+  echo "[setup] installing ruff==$RUFF_VERSION"
+  "$PY" -m pip install --quiet "ruff==$RUFF_VERSION"
 fi
 
 # googletest's sources (Debian): the engine's C++ tests (scripts/cpp_tests.sh)
@@ -50,14 +39,5 @@ if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null 
   fi
 fi
 
-# Rebuild when any input of the build changed since the last install.
-stamp_file=build/.setup-stamp
-stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc src -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort) | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || ! (cd /tmp && "$ROOT/$PY" -c "import hsdp_backend._C") 2>/dev/null; then
-  echo "[setup] building hsdp_backend (C++ extension; about a minute on 2 cores)"
-  # --no-build-isolation: build against the torch in $VENV, never a second one.
-  "$PY" -m pip install --quiet --no-build-isolation --no-deps .
-  mkdir -p build
-  echo "$stamp" > "$stamp_file"
-fi
+build_package "$PY" build/.setup-stamp
 echo "[setup] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -1,0 +1,50 @@
+# The steps of setting up a venv with hsdp_backend built into it, shared by
+# scripts/setup.sh (the main venv) and scripts/setup_compat.sh (the second
+# torch). Sourced, from the repository root. Each step is skipped when its
+# result is already in place, so a second run takes seconds.
+
+# ensure_venv VENV
+ensure_venv() {
+  if [ ! -x "$1/bin/python" ]; then
+    echo "[setup] creating $1"
+    "${PYTHON:-python3}" -m venv "$1"
+  fi
+}
+
+# ensure_torch PY REQUIREMENT: e.g. torch==2.14.1 (a local version suffix,
+# +cpu, is not compared).
+ensure_torch() {
+  local version=${2#torch==}
+  version=${version%%+*}
+  if ! "$1" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$version')" 2>/dev/null; then
+    echo "[setup] installing $2"
+    "$1" -m pip install --quiet "$2"
+  fi
+}
+
+# ensure_modules PY "MODULE,..." PACKAGE...: installs the packages unless
+# every module imports.
+ensure_modules() {
+  local py=$1 modules=$2
+  shift 2
+  if ! "$py" -c "import $modules" 2>/dev/null; then
+    echo "[setup] installing $*"
+    "$py" -m pip install --quiet "$@"
+  fi
+}
+
+# build_package PY STAMP_FILE [PIP_ARGS...]: builds and installs the package
+# into PY's venv when an input of the build changed since the last install
+# (or the installed extension does not import).
+build_package() {
+  local py=$1 stamp_file=$2 root=$PWD stamp
+  shift 2
+  stamp=$(cat pyproject.toml CMakeLists.txt $(find csrc src -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort) | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || ! (cd /tmp && "$root/$py" -c "import hsdp_backend._C") 2>/dev/null; then
+    echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (about a minute on 2 cores)"
+    # --no-build-isolation: build against the torch in the venv, never a second one.
+    "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" .
+    mkdir -p "$(dirname "$stamp_file")"
+    echo "$stamp" > "$stamp_file"
+  fi
+}
