@@ -32,7 +32,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import report
+from benchmarks import report, timing
 from benchmarks.report import Column
 from benchmarks.suite import BenchFailure, Suite
 
@@ -202,7 +202,11 @@ TRAINING_COLUMNS = [
     Column("gloo/hsdp", 9, lambda r: f"{r['gloo_over_hsdp']:.2f}x"),
     Column("fake ms", 8, lambda r: f"{r['fake']['median_ms']:.1f}"),
     Column("hsdp/fake", 9, lambda r: f"{r['hsdp_over_fake']:.2f}x"),
-    Column("overhead", 8, lambda r: f"{r['overhead_vs_gloo']:.2f}"),
+    Column(
+        "overhead",
+        8,
+        lambda r: "n/a" if r["overhead_vs_gloo"] is None else f"{r['overhead_vs_gloo']:.2f}",
+    ),
 ]
 
 
@@ -285,8 +289,9 @@ class HostsSuite(Suite):
                 row[backend] = _summary(samples[backend])
             hsdp_ms, gloo_ms, fake_ms = (row[b]["median_ms"] for b in TRAINING_BACKENDS)
             row["gloo_over_hsdp"] = gloo_ms / hsdp_ms
-            row["hsdp_over_fake"] = hsdp_ms / fake_ms
-            row["overhead_vs_gloo"] = (hsdp_ms - fake_ms) / (gloo_ms - fake_ms)
+            row["hsdp_over_fake"], row["overhead_vs_gloo"] = timing.against_limit(
+                hsdp_ms, gloo_ms, fake_ms
+            )
             section["training"].append(row)
         report.print_table(
             TRAINING_COLUMNS,

@@ -219,6 +219,14 @@ def summarise(
     }
 
 
+def against_limit(hsdp_ms: float, gloo_ms: float, fake_ms: float) -> tuple[float, float | None]:
+    """hsdp's step against the zero-cost limit (torch's fake backend): hsdp /
+    fake, and (hsdp - fake) / (gloo - fake), hsdp's cost above the limit as a
+    fraction of gloo's (None when gloo is not above the limit)."""
+    overhead = (hsdp_ms - fake_ms) / (gloo_ms - fake_ms) if gloo_ms > fake_ms else None
+    return hsdp_ms / fake_ms, overhead
+
+
 def measure_memcpy(sizes: list[int], dtype_name: str, sampling: Sampling) -> dict[int, dict]:
     """Single-thread ``dst.copy_(src)`` time per size (median over samples).
 

@@ -566,11 +566,8 @@ class TrainingSuite(Suite):
                     g["exposed_ms"] / h["exposed_ms"] if h["exposed_ms"] > 0 else None
                 )
                 row["speedup"] = g["step_ms"] / h["step_ms"]
-                row["hsdp_over_fake"] = h["step_ms"] / f["step_ms"]
-                row["overhead_vs_gloo"] = (
-                    (h["step_ms"] - f["step_ms"]) / (g["step_ms"] - f["step_ms"])
-                    if g["step_ms"] > f["step_ms"]
-                    else None
+                row["hsdp_over_fake"], row["overhead_vs_gloo"] = timing.against_limit(
+                    h["step_ms"], g["step_ms"], f["step_ms"]
                 )
                 row["spread"] = max(row[k]["spread"] for k in ("baseline", *TRAINING_BACKENDS))
                 row["hsdp_comm_stats_last_step"] = runs_of(m, mesh.name, "hsdp")[-1][
