@@ -40,11 +40,19 @@ bool OpQueue::runInlineIfIdle(const std::function<void()>& task) {
   struct Release {
     State& s;
     ~Release() {
+      bool workerWaits;
       {
         std::lock_guard<std::mutex> lock(s.mutex);
         s.busy = false;
+        // The worker waits for `busy` only with work queued or a stop
+        // pending. Waking it otherwise (every small synchronous call) costs
+        // two futex calls and a context switch onto a core a peer rank may
+        // be spinning on.
+        workerWaits = !s.tasks.empty() || s.stop;
       }
-      s.cv.notify_all();
+      if (workerWaits) {
+        s.cv.notify_all();
+      }
     }
   } release{s};
   task();
@@ -67,8 +75,7 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
     lock.unlock();
     entry.task(); // tasks catch their own exceptions
     lock.lock();
-    s.busy = false;
-    s.cv.notify_all();
+    s.busy = false; // only this thread waits on cv: nobody to wake
     lock.unlock();
     entry.then(); // may run user callbacks, may even destroy the OpQueue
     lock.lock();
