@@ -100,6 +100,7 @@ PYBIND11_MODULE(_C, m) {
   checkedField(config, "spin_us", &hsdp::Config::spinUs);
   checkedField(config, "one_shot_bytes", &hsdp::Config::oneShotBytes);
   checkedField(config, "direct_read_bytes", &hsdp::Config::directReadBytes);
+  checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);
   checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);
   checkedField(config, "trace_entries", &hsdp::Config::traceEntries);
   checkedField(config, "trace_dir", &hsdp::Config::traceDir);

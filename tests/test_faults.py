@@ -159,6 +159,7 @@ def settings_differ_body(rank, world):
     if rank == 1:
         os.environ["HSDP_SHM_ONESHOT_BYTES"] = "0"
         os.environ["HSDP_SHM_DIRECT_READ_BYTES"] = "0"
+        os.environ["HSDP_SHM_DIRECT_ALLREDUCE_BYTES"] = "0"
     dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=30))
     for n in (100, 5000, 300_000):
         t = torch.full((n,), float(rank + 1))

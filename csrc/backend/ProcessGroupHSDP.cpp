@@ -356,6 +356,7 @@ ShmOptions shmOptionsOf(
   shm.engine.spin = config.spin(size);
   shm.engine.oneShotBytes = static_cast<size_t>(config.oneShotBytes);
   shm.engine.directReadBytes = static_cast<size_t>(config.directReadBytes);
+  shm.engine.directAllReduceBytes = static_cast<size_t>(config.directAllReduceBytes);
   shm.hostIdentity = hostIdentity;
   return shm;
 }

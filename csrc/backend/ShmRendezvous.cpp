@@ -46,12 +46,14 @@ class Keys {
 void adoptRankZeroSettings(c10d::Store& store, const Keys& key, int rank, ShmOptions& options) {
   if (rank == 0) {
     std::ostringstream out;
-    out << options.engine.oneShotBytes << " " << options.engine.directReadBytes;
+    out << options.engine.oneShotBytes << " " << options.engine.directReadBytes << " "
+        << options.engine.directAllReduceBytes;
     store.set(key("settings"), out.str());
     return;
   }
   std::istringstream in(store.get_to_str(key("settings")));
-  in >> options.engine.oneShotBytes >> options.engine.directReadBytes;
+  in >> options.engine.oneShotBytes >> options.engine.directReadBytes >>
+      options.engine.directAllReduceBytes;
 }
 
 // Whether every rank may read every other rank's memory with
@@ -300,7 +302,7 @@ std::unique_ptr<ShmRoute> connectShm(
         "] init: the inner CPU backend returned no inter-host group");
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
-  if (options.engine.directReadBytes > 0 &&
+  if ((options.engine.directReadBytes > 0 || options.engine.directAllReduceBytes > 0) &&
       probeDirectReads(store, hostKey, layout.local, layout.perHost)) {
     engine->enableDirectReads();
   }

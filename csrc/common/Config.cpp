@@ -63,6 +63,11 @@ void Config::validate() const {
   }
   expect(oneShotBytes >= 0, "one_shot_bytes", "an integer >= 0", oneShotBytes);
   expect(directReadBytes >= 0, "direct_read_bytes", "an integer >= 0", directReadBytes);
+  expect(
+      directAllReduceBytes >= 0,
+      "direct_all_reduce_bytes",
+      "an integer >= 0",
+      directAllReduceBytes);
   if (timeoutMs) {
     expect(*timeoutMs >= 1, "timeout_ms", "an integer >= 1 (or None: the group's)", *timeoutMs);
   }

@@ -29,7 +29,8 @@ struct Config {
   // How long a wait spins before sleeping; unset: auto (see spin()).
   std::optional<int64_t> spinUs;
   int64_t oneShotBytes = 32 << 10;
-  int64_t directReadBytes = 256 << 10;
+  int64_t directReadBytes = 8 << 10;
+  int64_t directAllReduceBytes = 256 << 10;
   // Deadline of every shared-memory wait; unset: the group's timeout.
   std::optional<int64_t> timeoutMs;
   int64_t traceEntries = 64;

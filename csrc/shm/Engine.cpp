@@ -648,7 +648,7 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   auto* out = static_cast<char*>(output);
   // FSDP2 gathers in place: the input is this rank's slice of the output.
   const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
-  if (directReads_ && n >= config_.directReadBytes) {
+  if (readsDirectly(n, config_.directReadBytes)) {
     if (!inPlace) {
       copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
     }
@@ -761,7 +761,7 @@ void Engine::allReduce(
   const size_t unit = std::max<size_t>(1, kCacheLine / es);
   const size_t steps = ceilDiv(n, piece);
   op.steps = static_cast<uint32_t>(steps);
-  if (directReads_ && n * es >= config_.directReadBytes) {
+  if (readsDirectly(n * es, config_.directAllReduceBytes)) {
     // Part q of my data is read by nobody but me, so it is not copied in;
     // I reduce it in place in my own buffer, and peers read the result
     // from there directly. The call returns once they have.
@@ -828,7 +828,7 @@ void Engine::allReduce(
 void Engine::broadcast(const char* name, void* data, size_t n, int root) {
   auto op = begin(name, Kind::Broadcast, n, DType::U8, RedOp::Sum, root);
   auto* buf = static_cast<char*>(data);
-  if (directReads_ && n >= config_.directReadBytes) {
+  if (readsDirectly(n, config_.directReadBytes)) {
     directStep(op, buf, [&](int q, uint64_t address) {
       if (q == root) {
         readPeer(op, q, address, buf, n);

@@ -71,6 +71,10 @@ struct EngineConfig {
   // no staging through the slots), when every rank may read every other's
   // memory (checked at rendezvous). 0 disables it.
   size_t directReadBytes = 0;
+  // The same for all-reduces (their gather half). Separate because the
+  // crossover differs: an all-gather gains from a few KiB, an all-reduce,
+  // whose reduce half still goes through the slots, from hundreds.
+  size_t directAllReduceBytes = 0;
   // How messages name the ranks: engine rank q is rank groupRanks[q] of a
   // group of groupSize (a host's part of a group that spans hosts). Empty:
   // the engine's ranks are the group's.
@@ -124,14 +128,14 @@ class Engine {
       const std::vector<Span>& inputs,
       const std::vector<std::vector<Span>>& outputs);
   bool gathersPieces(size_t pieces, size_t totalBytes) const {
-    return directReads_ && totalBytes >= config_.directReadBytes &&
+    return readsDirectly(totalBytes, config_.directReadBytes) &&
         pieces * 2 * sizeof(uint64_t) <= slotBytes();
   }
 
   // Enables direct reads (see EngineConfig::directReadBytes); every rank of
   // the group must call it alike, after a successful rendezvous probe.
   void enableDirectReads() {
-    directReads_ = config_.directReadBytes > 0;
+    directReads_ = config_.directReadBytes > 0 || config_.directAllReduceBytes > 0;
   }
   bool directReads() const {
     return directReads_;
@@ -165,6 +169,11 @@ class Engine {
     AllGatherPieces
   };
   enum class Counter { Posted, Reduced, Done };
+  // Whether a message of `bytes` per rank is read directly, for an op whose
+  // threshold is `threshold` (0: never).
+  bool readsDirectly(size_t bytes, size_t threshold) const {
+    return directReads_ && threshold > 0 && bytes >= threshold;
+  }
   static const char* counterName(Counter which) {
     return which == Counter::Posted ? "posted" : which == Counter::Reduced ? "reduced" : "done";
   }

@@ -112,6 +112,9 @@ _TABLE = [
         "all-gathers and broadcasts of at least this many bytes per rank read peers' buffers "
         "directly (`process_vm_readv`: one copy instead of two) when the ranks may read each "
         "other's memory; `0` disables"),
+    Var("HSDP_SHM_DIRECT_ALLREDUCE_BYTES", "engine", "direct_all_reduce_bytes", _int, str,
+        "all-reduces of at least this many bytes per rank gather the reduced parts directly "
+        "from their owners' buffers (`process_vm_readv`), as above; `0` disables"),
     Var("HSDP_TIMEOUT_MS", "engine", "timeout_ms", _int_or("group"), _shown_or("group"),
         "deadline of every shared-memory wait; `group`: the process group's timeout"),
     Var("HSDP_TRACE_ENTRIES", "trace", "trace_entries", _int, str,

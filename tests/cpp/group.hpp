@@ -25,6 +25,7 @@ inline EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::
   c.spin = std::chrono::nanoseconds(0); // more ranks than cores: sleep at once, as hsdp does
   c.oneShotBytes = 256;
   c.directReadBytes = 512;
+  c.directAllReduceBytes = 512;
   return c;
 }
 
