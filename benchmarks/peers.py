@@ -26,13 +26,17 @@ samples, max over ranks of the medians):
 A peer's ratio is taken against hsdp from the same launch:
 ``vs X`` = time(X) / time(hsdp), > 1 when hsdp is faster. ``hsdp/mc2`` =
 hsdp bus bandwidth (nccl-tests) / per-process bandwidth of two concurrent
-single-thread memcpy processes (memcpy2) of the per-rank size.
+single-thread memcpy processes (memcpy2) of the per-rank size, measured in
+the parent on warm buffers; ``hsdp/mcR`` = the same against memcpy2 measured
+inside the main launch as one more interleaved contender (every rank copies
+its per-rank size at once), whose caches are as cold as the collectives'.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import os
 import pickle
@@ -59,6 +63,9 @@ QUICK_SIZES = [64 * KIB, MIB]
 LATENCY_BYTES = 8
 TIME_PER_POINT_S = (0.3, 0.05)  # per contender (default, --quick)
 COLUMN_PEERS = ("gloo", "ompi", "mpich", "deepspeed")
+# The contender that copies the per-rank size on every rank at once (memcpy2
+# measured inside the run, interleaved with the collectives).
+IN_RUN_MEMCPY = "memcpy"
 
 
 def _buffers(op: str, numel: int, rank: int, world: int) -> dict:
@@ -146,6 +153,8 @@ def _agree(ctx: RankContext, bad: bool) -> bool:
 def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) -> list[dict]:
     """Every point, contenders hsdp, gloo and ``peers`` ({name: binder});
     ``problems`` collects {peer: reason} of peers that went wrong (dropped)."""
+    import torch
+
     sampling: timing.Sampling = config["sampling"]
     out = []
     gc.disable()  # no collector pauses inside timed regions
@@ -174,6 +183,12 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
                         f"wrong result at {op} {format_size(nbytes)}: {wrong or 'on another rank'}"
                     )
                     del calls[name]
+            # The copy limit under the same conditions: every rank copies its
+            # per-rank size at once, interleaved with the collectives, so its
+            # caches are as cold as theirs (the parent's memcpy2 reuses warm
+            # buffers). A reference, not a peer: nothing to check.
+            src, dst = torch.ones(numel), torch.empty(numel)
+            calls[IN_RUN_MEMCPY] = functools.partial(dst.copy_, src)
             per_call = timing.calibrate(ctx.gloo, calls, sampling)
             samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_call, sampling)
             res = {"op": op, "bytes": nbytes, "numel": numel, "checked": sorted(calls)}

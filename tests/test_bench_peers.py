@@ -71,6 +71,7 @@ def test_peers_suite_smallest(tmp_path):
         assert math.isfinite(r["hsdp"]["us"]) and r["hsdp"]["us"] > 0
         assert r["memcpy1_us"] > 0 and r["memcpy2_us"] > 0
         assert r["hsdp_memcpy2_fraction"] > 0
+        assert r["memcpy_in_run_us"] > 0 and r["hsdp_memcpy_in_run_fraction"] > 0
         for peer in PEERS:
             cell = r["peers"][peer]
             if status[peer]["status"] == "missing":
