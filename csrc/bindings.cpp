@@ -98,6 +98,7 @@ PYBIND11_MODULE(_C, m) {
       [](hsdp::Config& c, const std::string& name) { c.engine = hsdp::Config::parseEngine(name); });
   checkedField(config, "slot_bytes", &hsdp::Config::slotBytes);
   checkedField(config, "spin_us", &hsdp::Config::spinUs);
+  checkedField(config, "yield_us", &hsdp::Config::yieldUs);
   checkedField(config, "one_shot_bytes", &hsdp::Config::oneShotBytes);
   checkedField(config, "direct_read_bytes", &hsdp::Config::directReadBytes);
   checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);

@@ -60,6 +60,7 @@ BAD = {
     "HSDP_ENGINE": "shared",
     "HSDP_SHM_SLOT_BYTES": "1000",
     "HSDP_SHM_SPIN_US": "-1",
+    "HSDP_SHM_YIELD_US": "-1",
     "HSDP_SHM_ONESHOT_BYTES": "x",
     "HSDP_SHM_DIRECT_READ_BYTES": "-5",
     "HSDP_SHM_DIRECT_ALLREDUCE_BYTES": "-1",

@@ -61,6 +61,7 @@ void Config::validate() const {
   if (spinUs) {
     expect(*spinUs >= 0, "spin_us", "an integer >= 0 (or None: auto)", *spinUs);
   }
+  expect(yieldUs >= 0, "yield_us", "an integer >= 0", yieldUs);
   expect(oneShotBytes >= 0, "one_shot_bytes", "an integer >= 0", oneShotBytes);
   expect(directReadBytes >= 0, "direct_read_bytes", "an integer >= 0", directReadBytes);
   expect(

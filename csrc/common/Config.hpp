@@ -28,6 +28,8 @@ struct Config {
   int64_t slotBytes = 4 << 20;
   // How long a wait spins before sleeping; unset: auto (see spin()).
   std::optional<int64_t> spinUs;
+  // How long a wait then polls with sched_yield before sleeping.
+  int64_t yieldUs = 1000;
   int64_t oneShotBytes = 32 << 10;
   int64_t directReadBytes = 8 << 10;
   int64_t directAllReduceBytes = 256 << 10;

@@ -36,8 +36,10 @@
 // are compared, never used), and peers' addresses are only read through
 // process_vm_readv, which cannot fault this process.
 //
-// Waiting spins briefly, then sleeps on a futex in the segment (shared, not
-// FUTEX_PRIVATE: the waker is another process). Every wait has a deadline;
+// Waiting spins briefly (when every rank has a core), then polls with
+// sched_yield for a while (a peer that shares this core gets it at once),
+// then sleeps on a futex in the segment (shared, not FUTEX_PRIVATE: the
+// waker is another process). Every wait has a deadline;
 // while waiting, peers that have not arrived are checked for liveness, so a
 // dead peer surfaces in tens of milliseconds and a stuck one at the
 // deadline, as a CommError that names the rank and the op. The first rank
@@ -63,6 +65,10 @@ struct EngineConfig {
   std::chrono::milliseconds timeout{0};
   // How long a wait spins before it sleeps on the futex.
   std::chrono::nanoseconds spin{0};
+  // How long it then keeps polling with sched_yield in between, before the
+  // futex: with more ranks than cores, the peer it waits for may need this
+  // core, and a yield hands it over without a futex wake-up's latency.
+  std::chrono::nanoseconds yield{0};
   // All-reduces up to this many bytes read every peer's whole buffer in one
   // round (one synchronisation instead of two).
   size_t oneShotBytes = 0;
@@ -253,6 +259,12 @@ class Engine {
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;
   std::vector<int32_t> pids_;
+  // A yield that lasts this long gave the core to a process outside the
+  // group; yielding then pauses for kYieldPauseWaits << stalls so far waits.
+  static constexpr auto kForeignSlice = std::chrono::microseconds(500);
+  static constexpr uint64_t kYieldPauseWaits = 1024;
+  uint64_t yieldPause_ = 0;
+  uint32_t yieldStalls_ = 0;
 };
 
 } // namespace hsdp::shm

@@ -22,7 +22,8 @@ constexpr size_t kSlotBytes = 4096;
 inline EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
   EngineConfig c;
   c.timeout = timeout;
-  c.spin = std::chrono::nanoseconds(0); // more ranks than cores: sleep at once, as hsdp does
+  c.spin = std::chrono::nanoseconds(0);     // more ranks than cores: no spinning, as hsdp does
+  c.yield = std::chrono::microseconds(100); // every wait takes the yield path, then the futex
   c.oneShotBytes = 256;
   c.directReadBytes = 512;
   c.directAllReduceBytes = 512;
