@@ -401,8 +401,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
     // a wake-up (4 ranks on 2 cores: an 8-byte all_reduce 2 us instead of
     // 30). But a process outside the group that wants the core keeps it for
     // a whole time slice (milliseconds) after a yield; a yield that took that
-    // long says such a process is here, and yielding pauses, for longer each
-    // time it happens again.
+    // long says such a process is here, and yielding pauses for a while.
     for (const auto until = Clock::now() + config_.yield;;) {
       const auto before = Clock::now();
       sched_yield();
@@ -411,7 +410,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
         return;
       }
       if (after - before > kForeignSlice) {
-        yieldPause_ = kYieldPauseWaits << std::min(yieldStalls_++, 10u);
+        yieldPause_ = kYieldPauseWaits;
         break;
       }
       if (after >= until || h.brokenBy.load(std::memory_order_acquire) != 0) {

@@ -260,11 +260,11 @@ class Engine {
   bool directReads_ = false;
   std::vector<int32_t> pids_;
   // A yield that lasts this long gave the core to a process outside the
-  // group; yielding then pauses for kYieldPauseWaits << stalls so far waits.
+  // group (or to a peer's long stretch of work); yielding then pauses for
+  // kYieldPauseWaits waits.
   static constexpr auto kForeignSlice = std::chrono::microseconds(500);
   static constexpr uint64_t kYieldPauseWaits = 1024;
   uint64_t yieldPause_ = 0;
-  uint32_t yieldStalls_ = 0;
 };
 
 } // namespace hsdp::shm

@@ -106,10 +106,11 @@ _TABLE = [
     Var("HSDP_SHM_SPIN_US", "engine", "spin_us", _int_or("auto"), _shown_or("auto"),
         "microseconds a wait spins before sleeping on the futex; `auto`: 20, or 0 when the "
         "group has more ranks than the machine has cores"),
-    Var("HSDP_SHM_YIELD_US", "engine", "yield_us", _int, str,
+    Var("HSDP_SHM_YIELD_US", "engine", "yield_us", _int_or("auto"), _shown_or("auto"),
         "microseconds a wait then polls with `sched_yield` before sleeping (hands the core to "
-        "a rank that shares it; paused by the engine while a process outside the group takes "
-        "the core on every yield); `0`: never yield"),
+        "a rank that shares it; paused for 1024 waits after a yield that lost the core for a "
+        "whole time slice to a process outside the group); `auto`: 1000 when the group has "
+        "more ranks than the machine has cores, else 0"),
     Var("HSDP_SHM_ONESHOT_BYTES", "engine", "one_shot_bytes", _int, str,
         "all-reduces up to this size read every peer's buffer in one round instead of two"),
     Var("HSDP_SHM_DIRECT_READ_BYTES", "engine", "direct_read_bytes", _int, str,
