@@ -36,3 +36,27 @@ def test_engine_cpp_tests(mode):
     assert proc.returncode == 0, f"cpp_tests.sh {mode} exited {proc.returncode}:\n{out[-8000:]}"
     assert not [r for r in REPORTS if r in out], out[-8000:]
     assert "[  PASSED  ]" in out and "FAILED" not in out, out[-4000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "op, nbytes, ranks",
+    [("all_reduce", 8, 2), ("all_gather_inplace", 65536, 2), ("reduce_scatter", 1 << 20, 3)],
+)
+def test_engine_bench_runs(op, nbytes, ranks):
+    """The engine-only benchmark (benchmarks/engine_bench.cpp) builds, runs
+    its ranks as processes and reports a time; no segment is left behind."""
+    import re
+
+    before = set(pathlib.Path("/dev/shm").glob("hsdp-*"))
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "engine_bench.sh"), op, str(nbytes), str(ranks), "20"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    m = re.search(rf"^{op} {nbytes} B x {ranks} ranks: median ([0-9.]+) us", proc.stdout, re.M)
+    assert m and float(m.group(1)) > 0, proc.stdout
+    assert set(pathlib.Path("/dev/shm").glob("hsdp-*")) <= before

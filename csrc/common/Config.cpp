@@ -48,14 +48,6 @@ std::chrono::nanoseconds Config::spin(int groupSize) const {
   return std::chrono::microseconds(cores == 0 || groupSize <= static_cast<int>(cores) ? 20 : 0);
 }
 
-std::chrono::nanoseconds Config::yield(int groupSize) const {
-  if (yieldUs) {
-    return std::chrono::microseconds(*yieldUs);
-  }
-  const unsigned cores = std::thread::hardware_concurrency();
-  return std::chrono::microseconds(cores != 0 && groupSize > static_cast<int>(cores) ? 1000 : 0);
-}
-
 std::chrono::milliseconds Config::engineTimeout(std::chrono::milliseconds groupTimeout) const {
   return timeoutMs ? std::chrono::milliseconds(*timeoutMs) : groupTimeout;
 }
@@ -69,9 +61,7 @@ void Config::validate() const {
   if (spinUs) {
     expect(*spinUs >= 0, "spin_us", "an integer >= 0 (or None: auto)", *spinUs);
   }
-  if (yieldUs) {
-    expect(*yieldUs >= 0, "yield_us", "an integer >= 0 (or None: auto)", *yieldUs);
-  }
+  expect(yieldUs >= 0, "yield_us", "an integer >= 0", yieldUs);
   expect(oneShotBytes >= 0, "one_shot_bytes", "an integer >= 0", oneShotBytes);
   expect(directReadBytes >= 0, "direct_read_bytes", "an integer >= 0", directReadBytes);
   expect(

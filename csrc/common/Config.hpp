@@ -28,9 +28,8 @@ struct Config {
   int64_t slotBytes = 4 << 20;
   // How long a wait spins before sleeping; unset: auto (see spin()).
   std::optional<int64_t> spinUs;
-  // How long a wait then polls with sched_yield before sleeping; unset:
-  // auto (see yield()).
-  std::optional<int64_t> yieldUs;
+  // How long a wait then polls with sched_yield before sleeping.
+  int64_t yieldUs = 1000;
   int64_t oneShotBytes = 32 << 10;
   int64_t directReadBytes = 8 << 10;
   int64_t directAllReduceBytes = 256 << 10;
@@ -50,9 +49,6 @@ struct Config {
 
   // Spinning only helps when every rank has a core to spin on.
   std::chrono::nanoseconds spin(int groupSize) const;
-  // Yielding only helps when ranks share cores: then the rank a wait is for
-  // may be waiting for this one's core.
-  std::chrono::nanoseconds yield(int groupSize) const;
   std::chrono::milliseconds engineTimeout(std::chrono::milliseconds groupTimeout) const;
 
   // Throws std::invalid_argument naming the first field out of range.

@@ -396,12 +396,13 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   if (yieldPause_ > 0) {
     --yieldPause_;
   } else if (config_.yield.count() > 0) {
-    // With more ranks than cores, the rank this one waits for may be waiting
-    // for this core: a yield hands it over at once, where a futex sleep costs
-    // a wake-up (4 ranks on 2 cores: an 8-byte all_reduce 2 us instead of
-    // 30). But a process outside the group that wants the core keeps it for
-    // a whole time slice (milliseconds) after a yield; a yield that took that
-    // long says such a process is here, and yielding pauses for a while.
+    // When ranks share cores (more ranks than cores, or other processes on
+    // them), the rank this one waits for may be waiting for this core: a
+    // yield hands it over at once, where a futex sleep costs a wake-up (4
+    // ranks on 2 cores: an 8-byte all_reduce 2 us instead of 30). But a
+    // process outside the group that wants the core keeps it for a whole
+    // time slice (milliseconds) after a yield; a yield that took that long
+    // says such a process is here, and yielding pauses for a while.
     for (const auto until = Clock::now() + config_.yield;;) {
       const auto before = Clock::now();
       sched_yield();

@@ -106,11 +106,10 @@ _TABLE = [
     Var("HSDP_SHM_SPIN_US", "engine", "spin_us", _int_or("auto"), _shown_or("auto"),
         "microseconds a wait spins before sleeping on the futex; `auto`: 20, or 0 when the "
         "group has more ranks than the machine has cores"),
-    Var("HSDP_SHM_YIELD_US", "engine", "yield_us", _int_or("auto"), _shown_or("auto"),
+    Var("HSDP_SHM_YIELD_US", "engine", "yield_us", _int, str,
         "microseconds a wait then polls with `sched_yield` before sleeping (hands the core to "
-        "a rank that shares it; paused for 1024 waits after a yield that lost the core for a "
-        "whole time slice to a process outside the group); `auto`: 1000 when the group has "
-        "more ranks than the machine has cores, else 0"),
+        "a rank that shares it, or that a process outside the group took; paused for 1024 "
+        "waits after a yield that lost the core for a whole time slice); `0`: never yield"),
     Var("HSDP_SHM_ONESHOT_BYTES", "engine", "one_shot_bytes", _int, str,
         "all-reduces up to this size read every peer's buffer in one round instead of two"),
     Var("HSDP_SHM_DIRECT_READ_BYTES", "engine", "direct_read_bytes", _int, str,

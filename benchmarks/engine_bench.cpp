@@ -1,0 +1,158 @@
+// The shared-memory engine alone (csrc/shm: no torch, no Python), W processes
+// over one segment: how many microseconds one collective costs the engine
+// itself, for profiling (perf, callgrind) and for choosing its thresholds.
+//
+//   bash scripts/engine_bench.sh OP BYTES [RANKS] [ITERS] [key=value ...]
+//
+// OP: all_gather, all_gather_inplace, reduce_scatter, all_reduce (fp32 SUM),
+// broadcast, barrier; BYTES per rank. Keys set EngineConfig fields:
+// spin_us, yield_us, one_shot_bytes, direct_read_bytes,
+// direct_all_reduce_bytes, slot_bytes (defaults: hsdp's for a group of RANKS
+// on this machine). Prints rank 0's median (and range) of 9 timed loops of
+// ITERS back-to-back calls, each loop after a barrier.
+
+#include "shm/Engine.hpp"
+
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace hsdp::shm;
+
+namespace {
+
+struct Args {
+  std::string op;
+  size_t bytes = 0;
+  int ranks = 2;
+  int iters = 1000;
+  std::map<std::string, size_t> keys;
+};
+
+size_t key(const Args& a, const std::string& name, size_t fallback) {
+  const auto it = a.keys.find(name);
+  return it == a.keys.end() ? fallback : it->second;
+}
+
+void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
+  const bool oversubscribed = a.ranks > static_cast<int>(std::thread::hardware_concurrency());
+  EngineConfig c;
+  c.timeout = std::chrono::seconds(60);
+  c.spin = std::chrono::microseconds(key(a, "spin_us", oversubscribed ? 0 : 20));
+  c.yield = std::chrono::microseconds(key(a, "yield_us", 1000));
+  c.oneShotBytes = key(a, "one_shot_bytes", 32 << 10);
+  c.directReadBytes = key(a, "direct_read_bytes", 8 << 10);
+  c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", 256 << 10);
+  Engine e(Segment::open(name, a.ranks, slotBytes), r, c);
+  e.barrier("start");
+  e.enableDirectReads(); // every rank of one machine may read every other (same user)
+  const size_t n = a.bytes;
+  std::vector<char> out(n * a.ranks, 1), in(n * a.ranks, 2);
+  std::vector<float> data(n / sizeof(float), 1.f);
+  const auto call = [&] {
+    if (a.op == "all_gather") {
+      e.allGather("all_gather", in.data(), out.data(), n);
+    } else if (a.op == "all_gather_inplace") {
+      e.allGather("all_gather", out.data() + r * n, out.data(), n);
+    } else if (a.op == "reduce_scatter") {
+      e.reduceScatter(
+          "reduce_scatter", in.data(), out.data(), n / sizeof(float), DType::F32, RedOp::Sum, {});
+    } else if (a.op == "all_reduce") {
+      e.allReduce("all_reduce", data.data(), data.size(), DType::F32, RedOp::Sum, {});
+    } else if (a.op == "broadcast") {
+      e.broadcast("broadcast", out.data(), n, 0);
+    } else if (a.op == "barrier") {
+      e.barrier("barrier");
+    } else {
+      throw std::invalid_argument("unknown op " + a.op);
+    }
+  };
+  for (int i = 0; i < 20; ++i) {
+    call();
+  }
+  std::vector<double> us;
+  for (int rep = 0; rep < 9; ++rep) {
+    e.barrier("loop");
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < a.iters; ++i) {
+      call();
+    }
+    const std::chrono::duration<double, std::micro> dt = std::chrono::steady_clock::now() - t0;
+    us.push_back(dt.count() / a.iters);
+  }
+  std::sort(us.begin(), us.end());
+  if (r == 0) {
+    std::printf(
+        "%s %zu B x %d ranks: median %.2f us per call (%.2f-%.2f over 9 loops of %d)\n",
+        a.op.c_str(),
+        n,
+        a.ranks,
+        us[4],
+        us[0],
+        us[8],
+        a.iters);
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: engine_bench OP BYTES [RANKS] [ITERS] [key=value ...]\n");
+    return 2;
+  }
+  Args a;
+  a.op = argv[1];
+  a.bytes = std::stoul(argv[2]);
+  int positional = 0;
+  for (int i = 3; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const auto eq = arg.find('=');
+    if (eq != std::string::npos) {
+      a.keys[arg.substr(0, eq)] = std::stoul(arg.substr(eq + 1));
+    } else if (positional++ == 0) {
+      a.ranks = std::stoi(arg);
+    } else {
+      a.iters = std::stoi(arg);
+    }
+  }
+  const size_t slotBytes = key(a, "slot_bytes", 4 << 20);
+  const std::string name = Segment::randomName();
+  // Created (zeroed, laid out) by the parent, mapped by each rank; the
+  // parent unlinks the name once every rank has exited.
+  { Segment::create(name, a.ranks, slotBytes); }
+  std::vector<pid_t> ranks;
+  for (int r = 0; r < a.ranks; ++r) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      int rc = 0;
+      try {
+        runRank(a, name, slotBytes, r);
+      } catch (const std::exception& ex) {
+        std::fprintf(stderr, "rank %d: %s\n", r, ex.what());
+        rc = 1;
+      }
+      std::fflush(stdout);
+      std::fflush(stderr);
+      _exit(rc); // no atexit handlers of the parent's in a forked child
+    }
+    ranks.push_back(pid);
+  }
+  int failed = 0;
+  for (const pid_t pid : ranks) {
+    int status = 0;
+    waitpid(pid, &status, 0);
+    failed += !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  Segment::unlink(name);
+  return failed == 0 ? 0 : 1;
+}
