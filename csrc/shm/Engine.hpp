@@ -37,7 +37,7 @@
 // process_vm_readv, which cannot fault this process.
 //
 // Waiting spins briefly (when every rank has a core), then polls with
-// sched_yield for a while (a peer that shares this core gets it at once),
+// sched_yield for a while (a peer that needs this core gets it at once),
 // then sleeps on a futex in the segment (shared, not FUTEX_PRIVATE: the
 // waker is another process). Every wait has a deadline;
 // while waiting, peers that have not arrived are checked for liveness, so a
@@ -66,8 +66,9 @@ struct EngineConfig {
   // How long a wait spins before it sleeps on the futex.
   std::chrono::nanoseconds spin{0};
   // How long it then keeps polling with sched_yield in between, before the
-  // futex: with more ranks than cores, the peer it waits for may need this
-  // core, and a yield hands it over without a futex wake-up's latency.
+  // futex: when ranks share cores (more ranks than cores, or other processes
+  // on them), the peer it waits for may need this core, and a yield hands it
+  // over without a futex wake-up's latency.
   std::chrono::nanoseconds yield{0};
   // All-reduces up to this many bytes read every peer's whole buffer in one
   // round (one synchronisation instead of two).
