@@ -7,10 +7,11 @@
 // OP: all_gather, all_gather_inplace, reduce_scatter, all_reduce (fp32 SUM),
 // broadcast, barrier; BYTES per rank. Keys set EngineConfig fields:
 // spin_us, yield_us, one_shot_bytes, direct_read_bytes,
-// direct_all_reduce_bytes, slot_bytes (defaults: hsdp's for a group of RANKS
-// on this machine). Prints rank 0's median (and range) of 9 timed loops of
+// direct_all_reduce_bytes, slot_bytes (defaults: hsdp::Config's, the
+// package's only copy of them, for a group of RANKS on this machine). Prints rank 0's median (and range) of 9 timed loops of
 // ITERS back-to-back calls, each loop after a barrier.
 
+#include "common/Config.hpp"
 #include "shm/Engine.hpp"
 
 #include <sys/wait.h>
@@ -23,7 +24,6 @@
 #include <map>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 using namespace hsdp::shm;
@@ -44,14 +44,15 @@ size_t key(const Args& a, const std::string& name, size_t fallback) {
 }
 
 void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
-  const bool oversubscribed = a.ranks > static_cast<int>(std::thread::hardware_concurrency());
+  const hsdp::Config defaults;
+  const auto spinUs = std::chrono::duration_cast<std::chrono::microseconds>(defaults.spin(a.ranks));
   EngineConfig c;
   c.timeout = std::chrono::seconds(60);
-  c.spin = std::chrono::microseconds(key(a, "spin_us", oversubscribed ? 0 : 20));
-  c.yield = std::chrono::microseconds(key(a, "yield_us", 1000));
-  c.oneShotBytes = key(a, "one_shot_bytes", 32 << 10);
-  c.directReadBytes = key(a, "direct_read_bytes", 8 << 10);
-  c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", 256 << 10);
+  c.spin = std::chrono::microseconds(key(a, "spin_us", spinUs.count()));
+  c.yield = std::chrono::microseconds(key(a, "yield_us", defaults.yieldUs));
+  c.oneShotBytes = key(a, "one_shot_bytes", defaults.oneShotBytes);
+  c.directReadBytes = key(a, "direct_read_bytes", defaults.directReadBytes);
+  c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", defaults.directAllReduceBytes);
   Engine e(Segment::open(name, a.ranks, slotBytes), r, c);
   e.barrier("start");
   e.enableDirectReads(); // every rank of one machine may read every other (same user)
@@ -125,7 +126,7 @@ int main(int argc, char** argv) {
       a.iters = std::stoi(arg);
     }
   }
-  const size_t slotBytes = key(a, "slot_bytes", 4 << 20);
+  const size_t slotBytes = key(a, "slot_bytes", hsdp::Config().slotBytes);
   const std::string name = Segment::randomName();
   // Created (zeroed, laid out) by the parent, mapped by each rank; the
   // parent unlinks the name once every rank has exited.

@@ -5,8 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=build/engine_bench
-src=(benchmarks/engine_bench.cpp csrc/shm/Engine.cpp csrc/shm/Segment.cpp csrc/shm/Reduce.cpp)
-if [[ ! -x $out ]] || [[ -n $(find "${src[@]}" csrc/shm -newer "$out" -print -quit) ]]; then
+src=(benchmarks/engine_bench.cpp csrc/common/Config.cpp csrc/shm/Engine.cpp csrc/shm/Segment.cpp
+  csrc/shm/Reduce.cpp)
+if [[ ! -x $out ]] || [[ -n $(find "${src[@]}" csrc/shm csrc/common -newer "$out" -print -quit) ]]; then
   mkdir -p build
   g++ -O3 -std=c++20 -Icsrc "${src[@]}" -o "$out" -lpthread
 fi

@@ -302,7 +302,7 @@ std::unique_ptr<ShmRoute> connectShm(
         "] init: the inner CPU backend returned no inter-host group");
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
-  if ((options.engine.directReadBytes > 0 || options.engine.directAllReduceBytes > 0) &&
+  if (options.engine.wantsDirectReads() &&
       probeDirectReads(store, hostKey, layout.local, layout.perHost)) {
     engine->enableDirectReads();
   }

@@ -82,6 +82,10 @@ struct EngineConfig {
   // crossover differs: an all-gather gains from a few KiB, an all-reduce,
   // whose reduce half still goes through the slots, from hundreds.
   size_t directAllReduceBytes = 0;
+  // Whether any op may read directly (then rendezvous probes for it).
+  bool wantsDirectReads() const {
+    return directReadBytes > 0 || directAllReduceBytes > 0;
+  }
   // How messages name the ranks: engine rank q is rank groupRanks[q] of a
   // group of groupSize (a host's part of a group that spans hosts). Empty:
   // the engine's ranks are the group's.
@@ -142,7 +146,7 @@ class Engine {
   // Enables direct reads (see EngineConfig::directReadBytes); every rank of
   // the group must call it alike, after a successful rendezvous probe.
   void enableDirectReads() {
-    directReads_ = config_.directReadBytes > 0 || config_.directAllReduceBytes > 0;
+    directReads_ = config_.wantsDirectReads();
   }
   bool directReads() const {
     return directReads_;
