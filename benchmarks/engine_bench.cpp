@@ -8,8 +8,13 @@
 // broadcast, barrier; BYTES per rank. Keys set EngineConfig fields:
 // spin_us, yield_us, one_shot_bytes, direct_read_bytes,
 // direct_all_reduce_bytes, slot_bytes (defaults: hsdp::Config's, the
-// package's only copy of them, for a group of RANKS on this machine). Prints rank 0's median (and range) of 9 timed loops of
-// ITERS back-to-back calls, each loop after a barrier.
+// package's only copy of them, for a group of RANKS on this machine); two
+// keys shape the caller: page_offset (where every buffer starts in its page;
+// default 0: torch's tensors start at multiples of 64 bytes, and the direct
+// all-reduce is a third slower there than 16 bytes into a line) and gap_us
+// (the caller's own work between calls, busy; torch.distributed's path costs
+// about 4 us). Prints rank 0's median (and range) of 9 timed loops of ITERS
+// calls, each loop after a barrier.
 
 #include "common/Config.hpp"
 #include "shm/Engine.hpp"
@@ -57,20 +62,37 @@ void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
   e.barrier("start");
   e.enableDirectReads(); // every rank of one machine may read every other (same user)
   const size_t n = a.bytes;
-  std::vector<char> out(n * a.ranks, 1), in(n * a.ranks, 2);
-  std::vector<float> data(n / sizeof(float), 1.f);
+  // Every buffer starts `page_offset` bytes into a page: the cost of some
+  // paths depends on it, and torch's tensors start at multiples of 64.
+  const size_t pageOffset = key(a, "page_offset", 0);
+  auto buffer = [&](std::vector<char>& store, size_t bytes) {
+    store.assign(bytes + 2 * 4096, 0);
+    return reinterpret_cast<char*>(
+        (reinterpret_cast<uintptr_t>(store.data()) + 4095) / 4096 * 4096 + pageOffset % 4096);
+  };
+  std::vector<char> outStore, inStore, dataStore;
+  char* out = buffer(outStore, n * a.ranks);
+  char* in = buffer(inStore, n * a.ranks);
+  auto* data = reinterpret_cast<float*>(buffer(dataStore, n));
+  std::fill(out, out + n * a.ranks, 1);
+  std::fill(in, in + n * a.ranks, 2);
+  std::fill(data, data + n / sizeof(float), 1.f);
+  const auto gap = std::chrono::microseconds(key(a, "gap_us", 0));
   const auto call = [&] {
+    for (const auto until = std::chrono::steady_clock::now() + gap;
+         std::chrono::steady_clock::now() < until;) {
+    }
     if (a.op == "all_gather") {
-      e.allGather("all_gather", in.data(), out.data(), n);
+      e.allGather("all_gather", in, out, n);
     } else if (a.op == "all_gather_inplace") {
-      e.allGather("all_gather", out.data() + r * n, out.data(), n);
+      e.allGather("all_gather", out + r * n, out, n);
     } else if (a.op == "reduce_scatter") {
       e.reduceScatter(
-          "reduce_scatter", in.data(), out.data(), n / sizeof(float), DType::F32, RedOp::Sum, {});
+          "reduce_scatter", in, out, n / sizeof(float), DType::F32, RedOp::Sum, {});
     } else if (a.op == "all_reduce") {
-      e.allReduce("all_reduce", data.data(), data.size(), DType::F32, RedOp::Sum, {});
+      e.allReduce("all_reduce", data, n / sizeof(float), DType::F32, RedOp::Sum, {});
     } else if (a.op == "broadcast") {
-      e.broadcast("broadcast", out.data(), n, 0);
+      e.broadcast("broadcast", out, n, 0);
     } else if (a.op == "barrier") {
       e.barrier("barrier");
     } else {
