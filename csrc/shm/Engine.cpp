@@ -461,7 +461,11 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
     for (int q = 0; q < size_; ++q) {
       if (loadCounter(op, which, q) < target) {
         const int32_t pid = peerPid(q);
-        if (processGone(pid)) {
+        // Read the counter again once the peer is known gone: it may have
+        // reached the target and exited in between (it finished its part of
+        // the program's last collective and left), and a gone process can
+        // no longer move it. Only a peer gone short of the target is lost.
+        if (processGone(pid) && loadCounter(op, which, q) < target) {
           fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
         }
       }
