@@ -33,9 +33,10 @@ struct Config {
   int64_t oneShotBytes = 32 << 10;
   int64_t directReadBytes = 8 << 10;
   // Measured on cache-line-aligned buffers, as torch allocates them (the
-  // direct path is up to 35% slower on them than on buffers 16 bytes into a
-  // line, where an earlier 256 KiB was chosen): 2 ranks, slots / direct, 1
-  // MiB 140 / 156 us, 1.25 MiB 194 / 167 us (benchmarks/engine_bench.cpp).
+  // direct path is about a third slower on them than on buffers 16 bytes
+  // into a line, where an earlier 256 KiB was chosen): 2 ranks, slots /
+  // direct, 1 MiB 136-143 / 146-158 us, 1.25 MiB 194-197 / 166-169 us
+  // (benchmarks/engine_bench.cpp).
   int64_t directAllReduceBytes = 1152 << 10;
   // Deadline of every shared-memory wait; unset: the group's timeout.
   std::optional<int64_t> timeoutMs;
