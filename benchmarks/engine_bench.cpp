@@ -49,15 +49,17 @@ size_t key(const Args& a, const std::string& name, size_t fallback) {
 }
 
 void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
-  const hsdp::Config defaults;
-  const auto spinUs = std::chrono::duration_cast<std::chrono::microseconds>(defaults.spin(a.ranks));
-  EngineConfig c;
-  c.timeout = std::chrono::seconds(60);
-  c.spin = std::chrono::microseconds(key(a, "spin_us", spinUs.count()));
-  c.yield = std::chrono::microseconds(key(a, "yield_us", defaults.yieldUs));
-  c.oneShotBytes = key(a, "one_shot_bytes", defaults.oneShotBytes);
-  c.directReadBytes = key(a, "direct_read_bytes", defaults.directReadBytes);
-  c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", defaults.directAllReduceBytes);
+  EngineConfig c = hsdp::Config().engineConfig(a.ranks, std::chrono::seconds(60));
+  auto micros = [&](const char* name, std::chrono::nanoseconds& field) {
+    if (a.keys.count(name) != 0) {
+      field = std::chrono::microseconds(a.keys.at(name));
+    }
+  };
+  micros("spin_us", c.spin);
+  micros("yield_us", c.yield);
+  c.oneShotBytes = key(a, "one_shot_bytes", c.oneShotBytes);
+  c.directReadBytes = key(a, "direct_read_bytes", c.directReadBytes);
+  c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", c.directAllReduceBytes);
   Engine e(Segment::open(name, a.ranks, slotBytes), r, c);
   e.barrier("start");
   e.enableDirectReads(); // every rank of one machine may read every other (same user)

@@ -19,6 +19,17 @@ REPORTS = (
 )
 
 
+def engine_bench(*args):
+    """Builds (when its sources changed) and runs the engine-only benchmark."""
+    return subprocess.run(
+        ["bash", str(ROOT / "scripts" / "engine_bench.sh"), *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 @pytest.mark.timeout(1500)  # a sanitizer build of googletest and the engine, then the run
 @pytest.mark.parametrize("mode", ["plain", "tsan", "asan"])
 def test_engine_cpp_tests(mode):
@@ -49,13 +60,7 @@ def test_engine_bench_runs(op, nbytes, ranks):
     import re
 
     before = set(pathlib.Path("/dev/shm").glob("hsdp-*"))
-    proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "engine_bench.sh"), op, str(nbytes), str(ranks), "20"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = engine_bench(op, nbytes, ranks, 20)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     m = re.search(rf"^{op} {nbytes} B x {ranks} ranks: median ([0-9.]+) us", proc.stdout, re.M)
     assert m and float(m.group(1)) > 0, proc.stdout
@@ -70,14 +75,8 @@ def test_a_peer_that_finishes_and_exits_is_not_reported_dead():
     short of its target, the peer then reaches the target and exits before
     the waiter's exit check: that peer finished, and must not fail the
     waiter with "exited before finishing this collective". Without the fix,
-    1 run in 40 to 1 in 130 failed so; 800 runs of 4 ranks take about 25 s."""
-    build = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "engine_bench.sh"), "barrier", "8", "2", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    1 run in 40 to 1 in 130 failed so; 800 runs of 4 ranks take about 3 s."""
+    build = engine_bench("barrier", 8, 2, 1)
     assert build.returncode == 0, build.stdout + build.stderr
     failures = []
     for _ in range(800):

@@ -352,12 +352,7 @@ ShmOptions shmOptionsOf(
       break;
   }
   shm.slotBytes = static_cast<size_t>(config.slotBytes);
-  shm.engine.timeout = config.engineTimeout(groupTimeout);
-  shm.engine.spin = config.spin(size);
-  shm.engine.yield = std::chrono::microseconds(config.yieldUs);
-  shm.engine.oneShotBytes = static_cast<size_t>(config.oneShotBytes);
-  shm.engine.directReadBytes = static_cast<size_t>(config.directReadBytes);
-  shm.engine.directAllReduceBytes = static_cast<size_t>(config.directAllReduceBytes);
+  shm.engine = config.engineConfig(size, groupTimeout);
   shm.hostIdentity = hostIdentity;
   return shm;
 }

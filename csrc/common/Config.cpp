@@ -1,5 +1,7 @@
 #include "common/Config.hpp"
 
+#include "shm/Engine.hpp"
+
 #include <stdexcept>
 #include <thread>
 
@@ -46,6 +48,18 @@ std::chrono::nanoseconds Config::spin(int groupSize) const {
   }
   const unsigned cores = std::thread::hardware_concurrency();
   return std::chrono::microseconds(cores == 0 || groupSize <= static_cast<int>(cores) ? 20 : 0);
+}
+
+shm::EngineConfig
+Config::engineConfig(int groupSize, std::chrono::milliseconds groupTimeout) const {
+  shm::EngineConfig e;
+  e.timeout = engineTimeout(groupTimeout);
+  e.spin = spin(groupSize);
+  e.yield = std::chrono::microseconds(yieldUs);
+  e.oneShotBytes = static_cast<size_t>(oneShotBytes);
+  e.directReadBytes = static_cast<size_t>(directReadBytes);
+  e.directAllReduceBytes = static_cast<size_t>(directAllReduceBytes);
+  return e;
 }
 
 std::chrono::milliseconds Config::engineTimeout(std::chrono::milliseconds groupTimeout) const {

@@ -17,6 +17,10 @@
 
 namespace hsdp {
 
+namespace shm {
+struct EngineConfig;
+} // namespace shm
+
 struct Config {
   enum class Engine { Auto, Shm, Gloo, NcclContract };
 
@@ -54,6 +58,10 @@ struct Config {
 
   // Spinning only helps when every rank has a core to spin on.
   std::chrono::nanoseconds spin(int groupSize) const;
+  // The shared-memory engine's settings for a group of `groupSize` ranks
+  // whose c10d timeout is `groupTimeout`: the one mapping from this table
+  // to them.
+  shm::EngineConfig engineConfig(int groupSize, std::chrono::milliseconds groupTimeout) const;
   std::chrono::milliseconds engineTimeout(std::chrono::milliseconds groupTimeout) const;
 
   // Throws std::invalid_argument naming the first field out of range.
