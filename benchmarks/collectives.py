@@ -69,6 +69,32 @@ def _bind_all_reduce(bufs: dict, group) -> Callable[[], None]:
     return lambda: fn(t, op=op, group=group)
 
 
+def _bind_all_reduce_async(bufs: dict, group) -> Callable[[], None]:
+    """all_reduce issued async, then waited for: the hand-off to the group's
+    worker and back (DDP's bucket all-reduces take this path)."""
+    import torch.distributed as dist
+
+    fn, t, op = dist.all_reduce, bufs["t"], dist.ReduceOp.SUM
+    return lambda: fn(t, op=op, group=group, async_op=True).wait()
+
+
+def _bind_all_reduce_callback(bufs: dict, group) -> Callable[[], None]:
+    """all_reduce issued async, a callback chained on its future (as DDP
+    comm hooks do), the chained future waited for."""
+    import torch.distributed as dist
+
+    fn, t, op = dist.all_reduce, bufs["t"], dist.ReduceOp.SUM
+
+    def call():
+        fn(t, op=op, group=group, async_op=True).get_future().then(_first_value).wait()
+
+    return call
+
+
+def _first_value(fut):
+    return fut.value()[0]
+
+
 @dataclass(frozen=True)
 class CollectiveOp:
     """One benchmarked collective: how to call it and count its bytes."""
@@ -101,8 +127,22 @@ OPS: dict[str, CollectiveOp] = {
             bus_factor=lambda w: 2 * (w - 1) / w,
             total_bytes=lambda n, w: n,
         ),
+        CollectiveOp(
+            "all_reduce_async",
+            _bind_all_reduce_async,
+            bus_factor=lambda w: 2 * (w - 1) / w,
+            total_bytes=lambda n, w: n,
+        ),
+        CollectiveOp(
+            "all_reduce_callback",
+            _bind_all_reduce_callback,
+            bus_factor=lambda w: 2 * (w - 1) / w,
+            total_bytes=lambda n, w: n,
+        ),
     )
 }
+# What runs without --ops (the async forms on request: --ops ar,ar_async,ar_cb).
+DEFAULT_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 OP_ALIASES = {
     "all_gather": "all_gather_into_tensor",
     "allgather": "all_gather_into_tensor",
@@ -112,6 +152,8 @@ OP_ALIASES = {
     "rs": "reduce_scatter_tensor",
     "allreduce": "all_reduce",
     "ar": "all_reduce",
+    "ar_async": "all_reduce_async",
+    "ar_cb": "all_reduce_callback",
 }
 DEFAULT_SIZES = [4 * KIB * 4**i for i in range(8)]  # 4K .. 64M, powers of 4
 QUICK_MAX_SIZE = MIB
@@ -165,7 +207,7 @@ def _check_once(op: str, bufs: dict, call: Callable[[], None], rank: int, world:
         want = torch.full_like(got, tri)
     tol = 0.0 if got.dtype == torch.float32 else 1 / 128
     ok = torch.allclose(got.float(), want.float(), rtol=tol, atol=0.0)
-    if op == "all_reduce":
+    if op.startswith("all_reduce"):
         bufs["t"].zero_()
     if ok:
         return None
@@ -221,9 +263,10 @@ class CollectivesSuite(Suite):
         add_dtype_argument(parser)
         parser.add_argument(
             "--ops",
-            default=",".join(OPS),
+            default=",".join(DEFAULT_OPS),
             metavar="OP[,OP...]",
-            help="subset of %(default)s (aliases: all_gather, reduce_scatter, ag, rs, ar)",
+            help=f"default %(default)s; any of {', '.join(OPS)} "
+            "(aliases: all_gather, reduce_scatter, ag, rs, ar, ar_async, ar_cb)",
         )
         parser.add_argument(
             "--sizes",
@@ -256,7 +299,7 @@ class CollectivesSuite(Suite):
         points = []
         for op in ops:
             op_sizes = sizes
-            if op == "all_reduce" and LATENCY_BYTES not in sizes:
+            if op.startswith("all_reduce") and LATENCY_BYTES not in sizes:
                 op_sizes = [LATENCY_BYTES, *sizes]
             points += [(op, s) for s in op_sizes]
         return {
@@ -351,7 +394,7 @@ class CollectivesSuite(Suite):
                 mc = memcpy[p["bytes"]]
                 row["memcpy_gbps"] = mc["gbps"]
                 row["hsdp_memcpy_fraction"] = row["hsdp"]["busbw_gbps"] / mc["gbps"]
-                row["copy_floor_us"] = 3 * mc["us"] if p["op"] == "all_reduce" else None
+                row["copy_floor_us"] = 3 * mc["us"] if p["op"].startswith("all_reduce") else None
                 table.append(row)
             report.print_table(
                 TABLE_COLUMNS,

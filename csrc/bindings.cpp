@@ -133,7 +133,7 @@ PYBIND11_MODULE(_C, m) {
               rank);
         } else {
           cpu = std::make_unique<hsdp::InnerRoute>(
-              retain(cpuBackend), hsdp::InnerCaps{"gloo", false, false}, rank);
+              retain(cpuBackend), hsdp::InnerCaps{"gloo", false, false, true}, rank);
         }
         std::unique_ptr<hsdp::InnerRoute> cuda;
         if (cudaBackend) {

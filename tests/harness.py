@@ -97,13 +97,18 @@ class CaseLauncher:
     def __init__(self):
         self._cache: dict[tuple, dict[str, str | None]] = {}
 
-    def verdict(self, module: str, names: list[str], world: int, env=None) -> dict:
+    def verdict(
+        self, module: str, names: list[str], world: int, env=None, timeout_s=LAUNCH_TIMEOUT_S
+    ) -> dict:
         """{case: None or failure text} for ``module``'s cases on ``world``
-        ranks with ``env`` set in every rank, launching on first request."""
+        ranks with ``env`` set in every rank, launching on first request
+        (``timeout_s``: the launch's deadline)."""
         key = (module, world, tuple(sorted((env or {}).items())))
         if key not in self._cache:
             try:
-                per_rank = run_ranks(run_cases, world, env=env, module=module, names=names)
+                per_rank = run_ranks(
+                    run_cases, world, env=env, timeout_s=timeout_s, module=module, names=names
+                )
             except RankFailure as exc:
                 self._cache[key] = {n: f"launch failed:\n{exc}" for n in names}
             else:
@@ -116,10 +121,18 @@ class CaseLauncher:
                 self._cache[key] = merged
         return self._cache[key]
 
-    def check(self, module: str, names: list[str], name: str, world: int, env=None) -> None:
+    def check(
+        self,
+        module: str,
+        names: list[str],
+        name: str,
+        world: int,
+        env=None,
+        timeout_s=LAUNCH_TIMEOUT_S,
+    ) -> None:
         """Fails the calling test with case ``name``'s failure text, if any."""
         import pytest
 
-        verdict = self.verdict(module, names, world, env)[name]
+        verdict = self.verdict(module, names, world, env, timeout_s)[name]
         if verdict is not None:
             pytest.fail(verdict, pytrace=False)

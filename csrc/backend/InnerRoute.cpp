@@ -162,13 +162,18 @@ InnerRoute::WorkPtr InnerRoute::finish(
       return {};
     }
   }
-  if (!post && works.size() == 1) {
-    return works.front(); // the inner Work already is the whole op
-  }
   if (!post && works.empty()) {
     return asyncOp ? WorkHSDP::completed(rank_, type, std::move(outputs)) : WorkPtr();
   }
   const auto device = deviceOf(outputs, keepAlive);
+  // Point-to-point Works complete independently of each other: waiting for
+  // them one after another on a queue would make a receive's wait depend on
+  // an earlier send's, so they stay the inner backend's own.
+  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+      type == c10d::OpType::RECVANYSOURCE;
+  if (!post && works.size() == 1 && !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
+    return works.front(); // the inner Work already is the whole op
+  }
   if (!asyncOp) {
     // The caller waits for the result right after this returns, so ordering
     // the post-step here costs it nothing: on CPU wait() returns once the
@@ -183,6 +188,8 @@ InnerRoute::WorkPtr InnerRoute::finish(
     return {};
   }
   if (device.is_cpu()) {
+    // Also with nothing to run after the inner op when the inner backend
+    // completes futures on a fixed pool (caps_.fixedCompletionPool).
     return finishOnThread(type, std::move(works), std::move(outputs), std::move(post));
   }
   c10::impl::VirtualGuardImpl impl(device.type());

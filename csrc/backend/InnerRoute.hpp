@@ -18,7 +18,8 @@
 //   * synchronous: on the calling thread and the current stream, at once;
 //   * async, CUDA: on a side stream that waited for every inner Work, then an
 //     event; the returned Work's wait() makes the caller's stream wait on it;
-//   * async, CPU: on the route's completion thread, in issue order.
+//   * async, CPU: on the route's completion workers, in issue order (also
+//     with no post-step when the inner backend has a fixedCompletionPool).
 // Between startCoalescing and endCoalescing on a backend that coalesces
 // natively (NCCL launches nothing before endCoalescing) post-steps are held
 // back and run after endCoalescing's Work.
@@ -52,6 +53,11 @@ struct InnerCaps {
   // Groups the ops between startCoalescing and endCoalescing, and the
   // *_coalesced calls, into one launch: hsdp forwards them without packing.
   bool nativeCoalescing = false;
+  // Completes async Works' futures on a fixed pool of its own threads, as
+  // Gloo does (two by default): hsdp completes them on its own workers
+  // instead, so callbacks that wait for collectives they issue cannot
+  // exhaust that pool (see OpQueue.hpp).
+  bool fixedCompletionPool = false;
 };
 
 // One post-step that runs `steps` in order (empty when they are).

@@ -1,31 +1,106 @@
 #include "backend/OpQueue.hpp"
 
+#include <algorithm>
+#include <utility>
+
 namespace hsdp {
 
-OpQueue::OpQueue() : worker_([state = state_] { loop(state); }) {}
+namespace {
+
+// The completion step this thread is running, if any: a task it submits to
+// its own queue is one it may be about to wait for.
+struct Completing {
+  const void* queue = nullptr;
+  bool issued = false; // it submitted to its queue (counted in waitingSteps)
+};
+thread_local Completing completing;
+
+} // namespace
+
+OpQueue::OpQueue() {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  addWorkerLocked(state_);
+}
 
 OpQueue::~OpQueue() {
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->stop = true;
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mutex);
+  s.stop = true;
+  s.cv.notify_all();
+  const auto self = std::this_thread::get_id();
+  const bool onWorker = std::any_of(
+      s.workers.begin(), s.workers.end(), [&](const std::thread& t) { return t.get_id() == self; });
+  if (onWorker) {
+    // The last reference went away in a completion step on a worker, which
+    // cannot join itself, nor wait for the others (one may be in a callback
+    // that waits for this very one): they drain the queue and exit on their
+    // own, keeping the state alive through their shared_ptr.
+    for (auto& t : s.workers) {
+      t.detach();
+    }
+    s.workers.clear();
+    s.detached = true; // and so is any worker started from now on
+    return;
   }
-  state_->cv.notify_all();
-  if (worker_.get_id() == std::this_thread::get_id()) {
-    // The last reference went away in a completion callback on the worker
-    // itself, which cannot join itself: it drains the queue and exits on
-    // its own, keeping the state alive through its shared_ptr.
-    worker_.detach();
-  } else {
-    worker_.join();
+  // A completion step still running may start one more worker (to serve a
+  // task its callback waits for): join until none is left.
+  while (!s.workers.empty()) {
+    std::thread t = std::move(s.workers.back());
+    s.workers.pop_back();
+    lock.unlock();
+    t.join();
+    lock.lock();
   }
 }
 
-void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    state_->tasks.push_back({std::move(task), std::move(then)});
+void OpQueue::addWorkerLocked(const std::shared_ptr<State>& state) {
+  if (state->workers.size() >= kMaxWorkers && !state->detached) {
+    return; // the task waits for a worker to finish its completion step
   }
-  state_->cv.notify_all();
+  ++state->idle; // counted from its start: it looks for work before it sleeps
+  std::thread worker([state] { loop(state); });
+  if (state->detached) {
+    worker.detach();
+  } else {
+    state->workers.push_back(std::move(worker));
+  }
+}
+
+size_t OpQueue::workerCount() const {
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->workers.size();
+}
+
+void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
+  State& s = *state_;
+  enum { kNobody, kOne, kAll } wake = kNobody;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    s.tasks.push_back({std::move(task), std::move(then)});
+    if (completing.queue == &s) {
+      // A completion step of this queue issued it and may wait for it: from
+      // now until that step ends, idle workers take whatever is queued.
+      if (!completing.issued) {
+        completing.issued = true;
+        ++s.waitingSteps;
+      }
+      if (s.idle == 0) {
+        addWorkerLocked(state_);
+      }
+      wake = kAll;
+    } else if (!s.busy && s.inThen == 0) {
+      // With a task running, or a completion step whose worker takes the
+      // next task when it ends, nobody needs waking: that is every call of
+      // a stream of async calls, and it saves each a wake-up and a hand-off.
+      wake = kOne;
+    }
+  }
+  // Woken after the unlock, so the worker does not wake into a held mutex.
+  if (wake == kOne) {
+    s.cv.notify_one();
+  } else if (wake == kAll) {
+    s.cv.notify_all();
+  }
 }
 
 bool OpQueue::runInlineIfIdle(const std::function<void()>& task) {
@@ -40,17 +115,17 @@ bool OpQueue::runInlineIfIdle(const std::function<void()>& task) {
   struct Release {
     State& s;
     ~Release() {
-      bool workerWaits;
+      bool wake;
       {
         std::lock_guard<std::mutex> lock(s.mutex);
         s.busy = false;
-        // The worker waits for `busy` only with work queued or a stop
-        // pending. Waking it otherwise (every small synchronous call) costs
+        // A worker waits for `busy` only with work queued or a stop
+        // pending. Waking one otherwise (every small synchronous call) costs
         // two futex calls and a context switch onto a core a peer rank may
         // be spinning on.
-        workerWaits = !s.tasks.empty() || s.stop;
+        wake = s.runnable() || s.stop;
       }
-      if (workerWaits) {
+      if (wake) {
         s.cv.notify_all();
       }
     }
@@ -62,23 +137,52 @@ bool OpQueue::runInlineIfIdle(const std::function<void()>& task) {
 void OpQueue::loop(const std::shared_ptr<State>& state) {
   State& s = *state;
   std::unique_lock<std::mutex> lock(s.mutex);
+  bool hot = false; // this worker just ended a completion step
   while (true) {
-    s.cv.wait(lock, [&] {
-      return (!s.tasks.empty() && !s.busy) || (s.stop && s.tasks.empty() && !s.busy);
-    });
-    if (s.tasks.empty()) {
-      return; // stopped and drained
+    // The worker whose completion step just ended takes the next task (no
+    // hand-off: a stream of async calls runs on one thread); an idle one
+    // takes it when no completion step runs, or when one that issued work
+    // to this queue may be waiting for it.
+    if (s.runnable() && (hot || s.inThen == 0 || s.waitingSteps > 0)) {
+      auto entry = std::move(s.tasks.front());
+      s.tasks.pop_front();
+      s.busy = true;
+      --s.idle;
+      lock.unlock();
+      entry.task(); // tasks catch their own exceptions
+      lock.lock();
+      s.busy = false;
+      const bool handOver = s.runnable() && s.waitingSteps > 0;
+      if (handOver && s.idle == 0) {
+        addWorkerLocked(state);
+      }
+      ++s.inThen;
+      lock.unlock();
+      if (handOver) {
+        // A waiting completion step's task may be next: not behind this
+        // worker's completion step, which may wait for it too.
+        s.cv.notify_one();
+      }
+      const Completing outer = std::exchange(completing, Completing{&s, false});
+      entry.then(); // may run user callbacks, may even destroy the OpQueue
+      const bool issued = completing.issued;
+      completing = outer;
+      lock.lock();
+      --s.inThen;
+      if (issued) {
+        --s.waitingSteps;
+      }
+      ++s.idle;
+      hot = true;
+      continue;
     }
-    auto entry = std::move(s.tasks.front());
-    s.tasks.pop_front();
-    s.busy = true;
-    lock.unlock();
-    entry.task(); // tasks catch their own exceptions
-    lock.lock();
-    s.busy = false; // only this thread waits on cv: nobody to wake
-    lock.unlock();
-    entry.then(); // may run user callbacks, may even destroy the OpQueue
-    lock.lock();
+    hot = false;
+    if (s.stop && s.tasks.empty() && !s.busy && s.inThen == 0) {
+      --s.idle;
+      s.cv.notify_all(); // the other workers see the stop too
+      return;            // stopped and drained
+    }
+    s.cv.wait(lock);
   }
 }
 

@@ -1,15 +1,35 @@
 #pragma once
 
-// Runs a group's shared-memory collectives one at a time, in issue order.
+// Runs a group's collectives one at a time, in issue order, and completes
+// them off the caller's thread.
 //
-// Async calls are queued for the group's worker thread. A synchronous call
-// finds the queue idle almost always and then runs on the caller's thread:
-// no hand-off, which is what keeps a small collective in microseconds. It
-// waits its turn otherwise, so the issue order holds either way. Tasks
-// report their own failures (through their futures): nothing thrown by a
-// task crosses a thread. A task's completion step (completing its future,
-// which runs user callbacks) runs after the queue is free again, so a
-// callback may itself issue a collective on the same group.
+// Async calls are queued for the queue's workers. A synchronous call finds
+// the queue idle almost always and then runs on the caller's thread: no
+// hand-off, which is what keeps a small collective in microseconds. It waits
+// its turn otherwise, so the issue order holds either way. Tasks report their
+// own failures (through their futures): nothing thrown by a task crosses a
+// thread.
+//
+// A task's completion step (`then`: completing its future, which runs user
+// callbacks) runs on the worker that ran the task, after the queue is free
+// again. That worker then takes the next task itself: a stream of async
+// calls runs on one thread, with no hand-off and no wake-up. A callback may
+// also issue a collective on the same group and wait for it (torch's PowerSGD
+// and ZeRO DDP hooks do): from the moment a completion step submits a task
+// to its own queue until it ends, idle workers (made when none is) take
+// whatever is queued, so the callback's collective runs while it waits, at
+// any depth of nesting. This is what Gloo provides with its pool of worker
+// threads (ProcessGroupGloo completes a Work's future on the worker that ran
+// it, and another worker serves the next queued op), without Gloo's fixed
+// pool size: callbacks nested deeper than Gloo's pool deadlock there.
+//
+// Not served: a completion step that waits for a task it did not submit
+// (say a collective the main thread issues after attaching the callback)
+// waits for its own end, as on a single worker. Completion steps of
+// different tasks may run at once, as Gloo's do, so a program whose
+// callbacks issue collectives must not let two of them, or a callback and
+// another thread, issue on the same group at the same time: each rank would
+// issue them in its own order.
 
 #include <condition_variable>
 #include <deque>
@@ -17,42 +37,61 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 namespace hsdp {
 
 class OpQueue {
  public:
   OpQueue();
-  ~OpQueue(); // runs what is queued, then joins the worker
+  ~OpQueue(); // runs what is queued, then joins the workers
   OpQueue(const OpQueue&) = delete;
   OpQueue& operator=(const OpQueue&) = delete;
 
-  // Runs `task` on the worker in issue order, then `then` once the queue
-  // accepts work again.
+  // Runs `task` on a worker in issue order, then `then` on that worker once
+  // the queue accepts work again.
   void submit(std::function<void()> task, std::function<void()> then);
 
   // Runs `task` on the calling thread if nothing is queued or running and
   // returns true; returns false (without running it) otherwise.
   bool runInlineIfIdle(const std::function<void()>& task);
 
+  // At most this many workers: callbacks nested deeper than this (or this
+  // many slow completion steps at once) make later tasks wait for a worker.
+  static constexpr size_t kMaxWorkers = 64;
+
+  // Worker threads made so far (tests: nesting makes more, a plain stream
+  // of calls at most two).
+  size_t workerCount() const;
+
  private:
-  // Shared with the worker thread, so a worker that outlives the queue
-  // (see the destructor) still has it.
+  // Shared with the workers, so a worker that outlives the queue (see the
+  // destructor) still has it.
   struct State {
     struct Entry {
       std::function<void()> task;
       std::function<void()> then;
     };
-    std::mutex mutex;
+    mutable std::mutex mutex;
     std::condition_variable cv;
     std::deque<Entry> tasks;
-    bool busy = false; // a task runs, on the worker or inline
+    bool busy = false; // a task runs, on a worker or inline
     bool stop = false;
+    int idle = 0;         // workers waiting for a task (neither in a task nor a `then`)
+    int inThen = 0;       // workers in a completion step
+    int waitingSteps = 0; // completion steps that submitted to this queue
+    std::vector<std::thread> workers;
+    bool detached = false; // destroyed on a worker: nobody joins the workers
+
+    bool runnable() const {
+      return !tasks.empty() && !busy;
+    }
   };
+  // Starts one more worker; `state.mutex` held.
+  static void addWorkerLocked(const std::shared_ptr<State>& state);
   static void loop(const std::shared_ptr<State>& state);
 
   std::shared_ptr<State> state_ = std::make_shared<State>();
-  std::thread worker_;
 };
 
 } // namespace hsdp

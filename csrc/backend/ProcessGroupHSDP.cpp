@@ -296,6 +296,13 @@ struct FlatArg {
   bool staged() const {
     return !flat.is_alias_of(user);
   }
+  // For ops without a 1-D rule (all_reduce, broadcast): the caller's own
+  // tensor unless staged. An inner Work handed back as it is then completes
+  // with the caller's tensor, shape included, as its future's value (DDP
+  // hooks such as PowerSGD use that value as the tensor they reduced).
+  at::Tensor shaped() const {
+    return staged() ? flat : user;
+  }
   void copyBack() const {
     if (staged()) {
       user.copy_(flat.view(user.sizes()));
@@ -649,6 +656,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
 
 ProcessGroupHSDP::Traced
 ProcessGroupHSDP::recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes) {
+  checkUsable(c);
   stats_.record(c.op, collectives, bytes);
   const uint64_t seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
   trace_->started(seq, c.op, bytes);
@@ -680,7 +688,16 @@ uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {
   return sequence_.load(std::memory_order_relaxed);
 }
 
+void ProcessGroupHSDP::checkUsable(const OpContext& c) const {
+  if (const char* ended = ended_.load(std::memory_order_acquire)) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c.prefix() + "the process group was " + ended + "; create a new process group");
+  }
+}
+
 void ProcessGroupHSDP::abort() {
+  ended_.store("aborted", std::memory_order_release);
   if (engine_) {
     engine_->abort("aborted its process group");
   }
@@ -691,6 +708,7 @@ void ProcessGroupHSDP::abort() {
 }
 
 void ProcessGroupHSDP::shutdown() {
+  ended_.store("shut down", std::memory_order_release);
   leaveShm("shut down its process group");
   cpu_->backend().shutdown();
   if (cuda_) {
@@ -773,7 +791,7 @@ ProcessGroupHSDP::broadcast(std::vector<at::Tensor>& tensors, const c10d::Broadc
   }
   auto& r = route(c, tensors[0]);
   auto arg = FlatArg::of(tensors[0]);
-  std::vector<at::Tensor> io{arg.flat};
+  std::vector<at::Tensor> io{arg.shaped()};
   auto work = r.backend().broadcast(io, opts);
   return track(r.finish(
       OpType::BROADCAST,
@@ -839,7 +857,7 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   c10d::AllreduceOptions innerOpts = opts;
   innerOpts.reduceOp = plan.innerOp;
   auto arg = FlatArg::of(tensors[0]);
-  std::vector<at::Tensor> io{arg.flat};
+  std::vector<at::Tensor> io{arg.shaped()};
   auto work = r.backend().allreduce(io, innerOpts);
   return track(r.finish(
       OpType::ALLREDUCE,
@@ -1531,6 +1549,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
 // they leave the sequence number alone, as on gloo.
 WorkPtr ProcessGroupHSDP::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const auto c = ctx("send");
+  checkUsable(c);
   checkOne(c, tensors);
   checkRank(c, dstRank, "destination");
   auto& r = route(c, tensors[0]);
@@ -1540,6 +1559,7 @@ WorkPtr ProcessGroupHSDP::send(std::vector<at::Tensor>& tensors, int dstRank, in
 
 WorkPtr ProcessGroupHSDP::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const auto c = ctx("recv");
+  checkUsable(c);
   checkOne(c, tensors);
   checkRank(c, srcRank, "source");
   auto& r = route(c, tensors[0]);
@@ -1549,6 +1569,7 @@ WorkPtr ProcessGroupHSDP::recv(std::vector<at::Tensor>& tensors, int srcRank, in
 
 WorkPtr ProcessGroupHSDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const auto c = ctx("recv");
+  checkUsable(c);
   checkOne(c, tensors);
   auto& r = route(c, tensors[0]);
   stats_.record(c.op, 1, bytesOf(tensors));

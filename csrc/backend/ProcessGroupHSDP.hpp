@@ -258,6 +258,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // comm_stats' counters, the sequence number and the flight recorder's
   // entry, for one collective call; track() then follows the call's Work.
   [[nodiscard]] Traced recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes);
+  // Fails a call made after abort() or shutdown().
+  void checkUsable(const OpContext& c) const;
   // The failure of a collective on the shared-memory route, as c10d's
   // DistBackendError; the message names this rank's flight record.
   [[noreturn]] void failShm(const shm::CommError& e, uint64_t seq);
@@ -284,6 +286,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   CommStats stats_;
   std::atomic<uint64_t> sequence_{0};
+  // "aborted" or "shut down" once abort() or shutdown() ran: every later
+  // call fails with that (checkUsable), on every route.
+  std::atomic<const char*> ended_{nullptr};
   // Shared with the callbacks that record completions, which may run after
   // this group is gone.
   std::shared_ptr<FlightRecorder> trace_;

@@ -212,16 +212,18 @@ WorkPtr NcclContractBackend::run(
 
 void NcclContractBackend::landLater(const WorkPtr& work) {
   const auto at = std::chrono::steady_clock::now() + kLandingDelay;
+  // Landing completes the Work's future, which runs its callbacks: that is
+  // the queue's completion step, so a callback that issues an op and waits
+  // for it has a worker to land that op (see OpQueue.hpp).
   lander_.submit(
-      [work, at] {
-        std::this_thread::sleep_until(at);
+      [at] { std::this_thread::sleep_until(at); },
+      [work] {
         try {
           work->wait();
         } catch (...) {
           // The failure is the Work's to report, to whoever waits on it.
         }
-      },
-      [] {});
+      });
 }
 
 void NcclContractBackend::startCoalescing() {
