@@ -430,7 +430,12 @@ def train(
     as_json = getattr(args, "json", False)
     # With --json, stdout carries the step objects only.
     prose = sys.stderr if as_json else sys.stdout
+    device = (
+        torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else None
+    )
     model = build_model(args)
+    if device is not None:
+        model.to(device)  # the same weights as on CPU: built there from the seed
     if rank == 0:
         n_params = sum(p.numel() for p in model.parameters())
         print(
@@ -451,6 +456,9 @@ def train(
     metrics: list[dict[str, float]] = []
     for step in range(1, args.steps + 1):
         inputs, labels = data.next_batch()
+        if device is not None:
+            inputs, labels = inputs.to(device), labels.to(device)
+            torch.cuda.synchronize()  # a step's time starts with the GPU idle
         if track_comms:
             for group in stats_groups.values():
                 hsdp_backend.reset_comm_stats(group)
@@ -461,10 +469,14 @@ def train(
         # fp32 loss even when the model computes in bf16.
         loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1))
         loss.backward()
+        if device is not None:
+            torch.cuda.synchronize()
         # Every collective of an FSDP2 step happens in forward and backward;
         # the optimizer step is local (over this rank's shard).
         fwd_bwd = time.perf_counter() - start
         optimizer.step()
+        if device is not None:
+            torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
 
         # Read before the logging all-reduce below so the counts show only
@@ -541,6 +553,13 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
     parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model and the collectives run; cuda: one GPU per rank (LOCAL_RANK), "
+        "the mesh on cuda (hsdp serves it through its inner NCCL)",
+    )
+    parser.add_argument(
         "--json",
         action="store_true",
         help="print one JSON object per step on stdout (step, loss, step_ms, fwd_bwd_ms, "
@@ -560,6 +579,8 @@ def init_distributed(args: argparse.Namespace, timeout: datetime.timedelta | Non
     torchrun's env), with ``timeout`` or torch's default."""
     if args.flush_denormal:
         torch.set_flush_denormal(True)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.backend == "fake":
         # Every rank does all of FSDP2's own work and no communication.
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -575,7 +596,7 @@ def init_distributed(args: argparse.Namespace, timeout: datetime.timedelta | Non
 
 
 def run_fsdp(args: argparse.Namespace) -> None:
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    mesh = init_device_mesh(args.device, (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     train(args, mesh, {"fsdp": mesh.get_group("fsdp")})
 
 

@@ -49,7 +49,7 @@ def run_hsdp(args) -> None:
     # are adjacent, e.g. shard groups [0, 1], [2, 3] and replicate groups
     # [0, 2], [1, 3] on the default 2 x 2 mesh.
     mesh = init_device_mesh(
-        "cpu", (args.replicate, args.shard), mesh_dim_names=("replicate", "shard")
+        args.device, (args.replicate, args.shard), mesh_dim_names=("replicate", "shard")
     )
     train(
         args,

@@ -219,8 +219,8 @@ def callback_waits_on_a_collective_the_peer_never_issues(rank, world, ref):
 
 @case
 def callback_uses_an_aborted_group(rank, world, ref):
-    """A collective issued from a callback on a group that was aborted or
-    shut down fails with a clear error; nothing crashes."""
+    """A collective issued from a callback on a group that was aborted, shut
+    down or destroyed fails with a clear error; nothing crashes."""
     for end in ("abort", "shutdown"):
         g = dist.new_group(backend="hsdp")
         dist.barrier(group=ref)
@@ -235,6 +235,13 @@ def callback_uses_an_aborted_group(rank, world, ref):
         text = str(err)
         assert f"rank {rank}" in text and ("shut down" in text or "abort" in text), text
         dist.destroy_process_group(g)
+    # Destroyed: torch itself refuses the group before hsdp sees the call.
+    g = dist.new_group(backend="hsdp")
+    dist.barrier(group=ref)
+    dist.destroy_process_group(g)
+    fut = dist.all_reduce(torch.ones(4), async_op=True).get_future()
+    err = error_of(fut.then(lambda _: dist.all_reduce(torch.ones(4), group=g)).wait)
+    assert err is not None and "not initialized" in str(err), err
     t = torch.ones(8)
     dist.all_reduce(t)
     check(t, torch.full((8,), float(world)), "the default group afterwards")

@@ -1,6 +1,6 @@
 """The shared-memory engine's C++ tests (tests/cpp: ranks as threads, every
 dtype, op and size against a scalar reference, failures, corrupted segments
-and a seeded mutator),
+and a seeded mutator) and the backend's OpQueue (nested completion steps),
 built and run plain, under ThreadSanitizer and under ASan+UBSan by
 scripts/cpp_tests.sh. Any test failure or sanitizer report fails."""
 

@@ -107,11 +107,25 @@ def gpu_work_body(rank, world):
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    # is_completed() follows the device: false while a long kernel runs ahead.
-    t = torch.full((4,), 3, device=dev, dtype=torch.int64)
-    torch.cuda._sleep(2_000_000_000 // 1000)  # ~ a second of spinning on the current stream
+    # The first collective creates NCCL's communicator (the harness binds no
+    # device_id, so creation is lazy) and takes far longer than any sleep
+    # below: done first, outside what is asserted.
+    dist.all_reduce(torch.ones(1, device=dev))
+    torch.cuda.synchronize()
+    # is_completed() follows the device: false while a long kernel runs
+    # ahead. The op must be hsdp's own Work (WorkOnStream), which it is only
+    # with a post-step: a non-contiguous tensor is staged and copied back.
+    # (An op NCCL serves whole, e.g. an int64 AVG at world 1, which is a
+    # plain SUM, returns NCCL's own Work and would test NCCL, not hsdp.)
+    t = torch.full((4, 2), 3.0, device=dev).t()
+    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # kHz: ~ one second
+    torch.cuda._sleep(cycles)
     work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
     assert not work.is_completed(), "is_completed() must wait for the GPU"
+    # hsdp's WorkOnStream polls the device and raises "Work::wait timed out
+    # after 10 ms" (a WorkNCCL would instead abort the communicator and say
+    # "ran for N milliseconds before timing out", ending this body's use of
+    # the group); the op itself is untouched and completes below.
     try:
         work.wait(timeout=datetime.timedelta(milliseconds=10))
     except RuntimeError as exc:
@@ -121,6 +135,7 @@ def gpu_work_body(rank, world):
     work.wait()
     torch.cuda.synchronize()
     assert work.is_completed()
+    _check(t, torch.full((2, 4), 3.0), "AVG of a staged non-contiguous tensor")
     # Kernels land on the stream that was current: a side stream stays busy,
     # the default stream does not wait for it.
     side = torch.cuda.Stream()
@@ -226,7 +241,10 @@ def parity_body(rank, world):
     for t in ts:
         _check(t, torch.full((t.numel(),), sum(range(world)) / world), "bucketed AVG")
     assert torch.isfinite(y).all()
-    assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 1
+    # planBuckets (csrc/fusion/FlatPack.cpp) closes a bucket before the
+    # tensor that would take it past bucket_bytes: four 1 MiB tensors with
+    # 1 MiB buckets are four buckets, each one collective.
+    assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 4
 
 
 @two_gpus

@@ -117,8 +117,12 @@ def all_reduce(
     """``dist.all_reduce`` whose result is also divided by ``divide_by``.
 
     The division is folded into the reduction's own scaling step (AVG's
-    divide by the group size, PREMUL_SUM's factor): one step, and for
-    bf16/fp16 one rounding, done in fp32. This is the deferred division of a
+    divide by the group size, PREMUL_SUM's factor): one step. On CPU (the
+    shared-memory engine and the gloo route) bf16/fp16 are scaled in fp32
+    and rounded once. On CUDA the step is NCCL's PREMUL_SUM, which rounds
+    the factor to the data's dtype and multiplies each input in that dtype
+    before summing (ProcessGroupNCCL builds the factor as the data type,
+    ``T(double_factor)``). This is the deferred division of a
     chain of SUM collectives over several groups: e.g. for HSDP gradients,
     ``reduce_scatter_tensor(out, grads, op=SUM, group=shard)`` then
     ``all_reduce(out, op=SUM, group=replicate, divide_by=shard_size * replicate_size)``

@@ -30,8 +30,8 @@ What the shim changes, for HSDP when both groups run on hsdp:
    the bucket, cast to the gradient dtype, assigned or accumulated into
    ``.grad``. The division by shard x replicate size (or the factor from
    ``set_gradient_divide_factor``) happens once, as the all-reduce's
-   PREMUL_SUM factor (NCCL applies it inside the reduction; hsdp's engine in
-   fp32, one rounding). The all-reduces go through ``dist.all_reduce``, so
+   PREMUL_SUM factor (NCCL applies it inside the reduction, factor and
+   products in the reduce dtype; hsdp's engine in fp32, one rounding). The all-reduces go through ``dist.all_reduce``, so
    c10d's dispatcher (CommDebugMode, the profiler) sees them. On CPU
    gradients are complete when ``loss.backward()`` returns; on a GPU the
    current stream then waits on the last bucket's event, as FSDP2's own

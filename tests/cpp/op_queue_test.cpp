@@ -44,11 +44,13 @@ class Flag {
 TEST(OpQueue, CompletionStepWaitsForALaterTask) {
   OpQueue q;
   Flag outer, inner;
-  q.submit([] {}, [&] {
-    q.submit([] {}, [&] { inner.set(); });
-    ASSERT_TRUE(inner.waitFor(kDeadline)) << "a completion step's wait starved the queue";
-    outer.set();
-  });
+  q.submit(
+      [] {},
+      [&] {
+        q.submit([] {}, [&] { inner.set(); });
+        ASSERT_TRUE(inner.waitFor(kDeadline)) << "a completion step's wait starved the queue";
+        outer.set();
+      });
   ASSERT_TRUE(outer.waitFor(kDeadline));
 }
 
@@ -63,15 +65,17 @@ TEST(OpQueue, CompletionStepsWaitNestedEightDeep) {
   // Level k's completion step submits level k + 1 and waits for its
   // completion step to finish: every level blocks a worker.
   std::function<void(int)> level = [&](int k) {
-    q.submit([] {}, [&, k] {
-      if (k + 1 < kDepth) {
-        level(k + 1);
-        if (!flags[k + 1]->waitFor(kDeadline)) {
-          starved = true;
-        }
-      }
-      flags[k]->set();
-    });
+    q.submit(
+        [] {},
+        [&, k] {
+          if (k + 1 < kDepth) {
+            level(k + 1);
+            if (!flags[k + 1]->waitFor(kDeadline)) {
+              starved = true;
+            }
+          }
+          flags[k]->set();
+        });
   };
   level(0);
   ASSERT_TRUE(flags[0]->waitFor(kDeadline)) << "nested completion steps deadlocked";
@@ -153,10 +157,12 @@ TEST(OpQueue, LastReferenceDroppedInACompletionStep) {
   Flag done;
   std::weak_ptr<OpQueue> weak = q;
   OpQueue* raw = q.get();
-  raw->submit([] {}, [q = std::move(q), &done]() mutable {
-    q.reset(); // destroys the queue on its own worker
-    done.set();
-  });
+  raw->submit(
+      [] {},
+      [q = std::move(q), &done]() mutable {
+        q.reset(); // destroys the queue on its own worker
+        done.set();
+      });
   ASSERT_TRUE(done.waitFor(kDeadline));
   EXPECT_TRUE(weak.expired());
 }
