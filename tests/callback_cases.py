@@ -86,6 +86,22 @@ def callback_calls_blocking_collective_with_work_queued(rank, world, ref):
 
 
 @case
+def callback_waits_on_a_collective_issued_after_it(rank, world, ref):
+    """The callback of a long all_reduce waits for a second all_reduce the
+    main thread issued before attaching it: queued behind the callback's own
+    completion step, it is taken by another worker after a short wait."""
+    t = torch.full((8,), rank + 1.0)
+    first = dist.all_reduce(torch.ones(1 << 22), async_op=True)  # 16 MiB: still running below
+    second = dist.all_reduce(t, async_op=True)
+
+    def cb(_):
+        second.wait()
+        return t
+
+    check(first.get_future().then(cb).wait(), summed(world), "the second all_reduce")
+
+
+@case
 def nested_callbacks_three_deep(rank, world, ref):
     """Each level's callback issues an async collective, chains the next level
     on its future and waits for the whole chain."""

@@ -15,11 +15,72 @@ struct Completing {
 };
 thread_local Completing completing;
 
+// Every live queue, for the rescuer below. Leaked on purpose: the rescuer
+// thread runs until the process ends, past static destruction.
+struct Registry {
+  std::mutex mutex;
+  std::vector<std::weak_ptr<void>> queues;
+};
+Registry& registry() {
+  static auto* r = new Registry;
+  return *r;
+}
+
 } // namespace
 
 OpQueue::OpQueue() {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  addWorkerLocked(state_);
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    addWorkerLocked(state_);
+  }
+  auto& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::erase_if(r.queues, [](const std::weak_ptr<void>& q) { return q.expired(); });
+  r.queues.push_back(state_);
+  static std::once_flag started;
+  std::call_once(started, [] { std::thread(rescueLoop).detach(); });
+}
+
+void OpQueue::rescueLoop() {
+  // Once per kRescueAfter: a queue whose runnable task has not started
+  // since the last look while completion steps run may have a step waiting
+  // for that task (a callback waiting for a collective issued outside it):
+  // let idle workers take it. Costs the hot path nothing: one counter.
+  std::vector<std::pair<std::weak_ptr<void>, uint64_t>> seen;
+  while (true) {
+    std::this_thread::sleep_for(kRescueAfter);
+    std::vector<std::shared_ptr<State>> live;
+    {
+      auto& r = registry();
+      std::lock_guard<std::mutex> lock(r.mutex);
+      for (const auto& q : r.queues) {
+        if (auto p = q.lock()) {
+          live.push_back(std::static_pointer_cast<State>(p));
+        }
+      }
+    }
+    std::vector<std::pair<std::weak_ptr<void>, uint64_t>> next;
+    for (const auto& state : live) {
+      State& s = *state;
+      std::unique_lock<std::mutex> lock(s.mutex);
+      const bool stuck = s.runnable() && s.inThen > 0 && s.waitingSteps == 0 && !s.rescue;
+      if (stuck) {
+        const auto was = std::find_if(
+            seen.begin(), seen.end(), [&](const auto& e) { return e.first.lock() == state; });
+        if (was != seen.end() && was->second == s.started) {
+          s.rescue = true;
+          if (s.idle == 0) {
+            addWorkerLocked(state);
+          }
+          lock.unlock();
+          s.cv.notify_all();
+          continue;
+        }
+        next.emplace_back(state, s.started);
+      }
+    }
+    seen = std::move(next);
+  }
 }
 
 OpQueue::~OpQueue() {
@@ -143,16 +204,20 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
     // hand-off: a stream of async calls runs on one thread); an idle one
     // takes it when no completion step runs, or when one that issued work
     // to this queue may be waiting for it.
-    if (s.runnable() && (hot || s.inThen == 0 || s.waitingSteps > 0)) {
+    if (s.runnable() && (hot || s.inThen == 0 || s.waitingSteps > 0 || s.rescue)) {
       auto entry = std::move(s.tasks.front());
       s.tasks.pop_front();
+      if (s.tasks.empty()) {
+        s.rescue = false;
+      }
+      ++s.started;
       s.busy = true;
       --s.idle;
       lock.unlock();
       entry.task(); // tasks catch their own exceptions
       lock.lock();
       s.busy = false;
-      const bool handOver = s.runnable() && s.waitingSteps > 0;
+      const bool handOver = s.runnable() && (s.waitingSteps > 0 || s.rescue);
       if (handOver && s.idle == 0) {
         addWorkerLocked(state);
       }

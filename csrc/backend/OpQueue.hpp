@@ -23,15 +23,20 @@
 // it, and another worker serves the next queued op), without Gloo's fixed
 // pool size: callbacks nested deeper than Gloo's pool deadlock there.
 //
-// Not served: a completion step that waits for a task it did not submit
-// (say a collective the main thread issues after attaching the callback)
-// waits for its own end, as on a single worker. Completion steps of
-// different tasks may run at once, as Gloo's do, so a program whose
-// callbacks issue collectives must not let two of them, or a callback and
-// another thread, issue on the same group at the same time: each rank would
-// issue them in its own order.
+// A completion step that waits for a task it did not submit (a collective
+// the main thread issued after the callback's op) is served too, later: a
+// task that has not started for kRescueAfter while completion steps run is
+// then taken by an idle worker (one process-wide thread looks at every
+// queue that often; the hot path only counts started tasks).
+//
+// Completion steps of different tasks may run at once, as Gloo's do, so a
+// program whose callbacks issue collectives must not let two of them, or a
+// callback and another thread, issue on the same group at the same time:
+// each rank would issue them in its own order.
 
+#include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -56,6 +61,9 @@ class OpQueue {
   // returns true; returns false (without running it) otherwise.
   bool runInlineIfIdle(const std::function<void()>& task);
 
+  // How long a runnable task may wait, unstarted, behind running completion
+  // steps before idle workers take it (one of them may wait for it).
+  static constexpr std::chrono::milliseconds kRescueAfter{20};
   // At most this many workers: callbacks nested deeper than this (or this
   // many slow completion steps at once) make later tasks wait for a worker.
   static constexpr size_t kMaxWorkers = 64;
@@ -80,6 +88,8 @@ class OpQueue {
     int idle = 0;         // workers waiting for a task (neither in a task nor a `then`)
     int inThen = 0;       // workers in a completion step
     int waitingSteps = 0; // completion steps that submitted to this queue
+    bool rescue = false;  // the rescuer found the queue stuck: idle workers take tasks
+    uint64_t started = 0; // tasks started by workers (the rescuer's progress mark)
     std::vector<std::thread> workers;
     bool detached = false; // destroyed on a worker: nobody joins the workers
 
@@ -90,6 +100,7 @@ class OpQueue {
   // Starts one more worker; `state.mutex` held.
   static void addWorkerLocked(const std::shared_ptr<State>& state);
   static void loop(const std::shared_ptr<State>& state);
+  static void rescueLoop();
 
   std::shared_ptr<State> state_ = std::make_shared<State>();
 };

@@ -84,6 +84,26 @@ TEST(OpQueue, CompletionStepsWaitNestedEightDeep) {
   EXPECT_LE(q.workerCount(), static_cast<size_t>(kDepth + 1));
 }
 
+TEST(OpQueue, CompletionStepWaitsForATaskSubmittedElsewhere) {
+  // A callback waiting for a collective the main thread issued after the
+  // callback's step began: served once it has waited kRescueAfter or so.
+  OpQueue q;
+  Flag inStep, later, outer;
+  q.submit(
+      [] {},
+      [&] {
+        inStep.set();
+        if (later.waitFor(kDeadline)) {
+          outer.set();
+        }
+      });
+  ASSERT_TRUE(inStep.waitFor(kDeadline));
+  const auto start = std::chrono::steady_clock::now();
+  q.submit([] {}, [&] { later.set(); });
+  ASSERT_TRUE(outer.waitFor(kDeadline)) << "a step waiting for another's task starved the queue";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+}
+
 TEST(OpQueue, TasksRunOneAtATimeInIssueOrder) {
   OpQueue q;
   std::atomic<int> running{0};
