@@ -168,7 +168,8 @@ _TABLE = [
     Var("HSDP_TEST_SOAK_SEED", "tests", None, _int, str,
         "the seed that draws which rank the soak test kills, and when", "7"),
     Var("HSDP_TEST_CONFORMANCE_FULL", "tests", None, _flag, lambda on: str(int(on)),
-        "`1`: torch's DistributedTest conformance run adds world size 3 and re-checks gloo", "0"),
+        "`1`: torch's DistributedTest conformance run runs every test, adds world size 3 and "
+        "re-checks gloo", "0"),
     Var("HSDP_COMPAT_RUN", "tests", None, _text, str,
         "set by `tests/test_torch_versions.py` in its run on the second torch, so that run "
         "does not start itself again"),

@@ -2,7 +2,8 @@
 matches the installed torch) on one backend and world size, CPU only, and
 writes every test's outcome as JSON.
 
-    python tests/conformance/driver.py --backend hsdp --world 2 --out results.json [-k PATTERN]
+    python tests/conformance/driver.py --backend hsdp --world 2 --out results.json \
+        [-k PATTERN] [--only NAMES.txt ...]
 
 The suite is configured as PyTorch's test_distributed_spawn.py does (BACKEND
 and WORLD_SIZE before import, a TestDistBackend subclass that spawns the ranks
@@ -48,6 +49,13 @@ if __name__ == "__main__":
     _args.add_argument("--out", required=True)
     _args.add_argument(
         "-k", dest="pattern", default=None, help="only tests whose name contains this"
+    )
+    _args.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        help="a file of test names (the first word of each line, # comments ignored): "
+        "run only those; may repeat",
     )
     ARGS = _args.parse_args()
     _configure(ARGS.backend, ARGS.world)
@@ -120,12 +128,24 @@ class _Outcomes(unittest.TextTestResult):
         )
 
 
+def _named_in(paths: list[str]) -> set[str]:
+    names = set()
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    names.add(line.partition(":")[0].strip())
+    return names
+
+
 def main() -> int:
     loader = unittest.TestLoader()
+    only = _named_in(ARGS.only)
     names = [
         n
         for n in loader.getTestCaseNames(TestDistBackendWithSpawn)
-        if not ARGS.pattern or ARGS.pattern in n
+        if (not ARGS.pattern or ARGS.pattern in n) and (not only or n in only)
     ]
     suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
     runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=1, stream=sys.stderr)
