@@ -129,7 +129,7 @@ PYBIND11_MODULE(_C, m) {
           cpu = std::make_unique<hsdp::InnerRoute>(
               c10::make_intrusive<hsdp::testing::NcclContractBackend>(
                   retain(cpuBackend), rank, size),
-              hsdp::InnerCaps{"nccl_contract", true, true},
+              hsdp::InnerCaps{"nccl_contract", true, true, false, true},
               rank);
         } else {
           cpu = std::make_unique<hsdp::InnerRoute>(

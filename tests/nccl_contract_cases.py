@@ -5,6 +5,8 @@ errors reach the caller. Cases run on every rank: ``case(rank, world, ref)``."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from ops_cases import check, data, reduce_ref, rs_expected, rs_input
@@ -53,10 +55,36 @@ def scales_reach_nccl_as_avg_or_one_premul_sum(rank, world, ref):
         (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.5).bfloat16(),
         "PREMUL_SUM",
     )
-    # integers: SUM, then hsdp's truncating division
+    # integers: ncclAvg sums and divides with truncation, as hsdp does
     t = data(rank, 10, torch.int64)
-    assert sent_by(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG)) == ["all_reduce:SUM"]
+    assert sent_by(lambda: dist.all_reduce(t, op=dist.ReduceOp.AVG)) == ["all_reduce:AVG"]
     check(t, reduce_ref(dist.ReduceOp.AVG, world, 10, torch.int64), "integer AVG")
+    # ... but with divide_by: SUM, then one truncating division
+    t = data(rank, 10, torch.int64)
+    assert sent_by(lambda: hsdp_backend.all_reduce(t, op=dist.ReduceOp.AVG, divide_by=2)) == [
+        "all_reduce:SUM"
+    ]
+    expected = torch.stack([data(r, 10, torch.int64) for r in range(world)]).sum(0)
+    check(t, torch.div(expected, 2 * world, rounding_mode="trunc"), "integer AVG + divide_by")
+
+
+@case
+def a_tensor_factor_reaches_nccl_as_a_tensor_of_the_data_dtype(rank, world, ref):
+    """NCCL reads a tensor PREMUL_SUM factor on the device (no host sync, fine
+    under graph capture) and wants the data's dtype; the double refuses
+    another dtype, as ProcessGroupNCCL does."""
+    for dtype in (torch.float32, torch.bfloat16):
+        t = data(rank, 6, dtype)
+        premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))  # fp32, on purpose
+        assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:PREMUL_SUM[tensor]"]
+        check(t, (reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float64) * 0.5).to(dtype), "tensor")
+    # divide_by folds into the tensor factor, still a tensor
+    t = data(rank, 6, torch.float32)
+    premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))
+    assert sent_by(lambda: hsdp_backend.all_reduce(t, op=premul, divide_by=4.0)) == [
+        "all_reduce:PREMUL_SUM[tensor]"
+    ]
+    check(t, reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32) / 8, "tensor / divide_by")
 
 
 @case
@@ -108,7 +136,26 @@ def async_post_steps_wait_for_every_inner_work(rank, world, ref):
 @case
 def device_coalescing_holds_post_steps_until_the_end(rank, world, ref):
     """_coalescing_manager(device=...) brackets the calls with start/end
-    coalescing: NCCL launches nothing before the end, so post-steps wait."""
+    coalescing: NCCL launches nothing before the end, the Works of the ops
+    inside the block order after nothing and the end Work's future carries
+    no event, so post-steps wait for the end Work itself."""
+    # post-steps: a copy back (non-contiguous) and a divide (integer divide_by)
+    bases = [data(rank, 12, torch.float32).view(3, 4), data(rank, 6, torch.int64)]
+    with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+        dist.all_reduce(bases[0].t(), op=dist.ReduceOp.SUM)
+        hsdp_backend.all_reduce(bases[1], op=dist.ReduceOp.SUM, divide_by=2, async_op=True)
+    cm.wait()
+    check(
+        bases[0],
+        reduce_ref(dist.ReduceOp.SUM, world, 12, torch.float32).view(3, 4),
+        "coalesced non-contiguous",
+    )
+    check(
+        bases[1],
+        torch.div(reduce_ref(dist.ReduceOp.SUM, world, 6, torch.int64), 2, rounding_mode="trunc"),
+        "coalesced divide_by",
+    )
+    # no post-step: the end Work is the block's Work
     ts = [data(rank, n, torch.int64) for n in (4, 3)]
     with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
         for t in ts:
@@ -149,6 +196,17 @@ def inner_errors_reach_the_caller(rank, world, ref):
             assert f"injected NCCL error ({name})" in str(exc), exc
         else:
             raise AssertionError(f"{name}: the inner Work's error was lost")
+    # Not waited for: NCCL's watchdog finds the failure on a copy of the Work;
+    # the caller's Work shows it once is_completed() has asked.
+    _C._nccl_contract_fail_next(backend, "injected NCCL error (polled)")
+    base = torch.ones(4, 2)
+    work = dist.all_reduce(base.t(), async_op=True)  # a post-step: the copy back
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "the failed Work never completed"
+        time.sleep(0.005)
+    assert work.exception() is not None, "polled: the inner Work's error was lost"
+    assert "injected NCCL error (polled)" in str(work.exception())
     _C._nccl_contract_fail_next(backend, "injected NCCL error (sync)")
     try:
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG)
@@ -159,3 +217,33 @@ def inner_errors_reach_the_caller(rank, world, ref):
     t = torch.ones(3)  # the group still works
     dist.all_reduce(t)
     check(t, torch.full((3,), float(world)), "after errors")
+
+
+@case
+def a_bounded_wait_that_expires_aborts_as_nccl_does(rank, world, ref):
+    """WorkNCCL::wait(timeout): the host blocks until the op is done or the
+    time is up; then the communicator is aborted and NCCL's message raised.
+    hsdp's Work (an op with a post-step) behaves the same."""
+    import datetime
+
+    if world == 1:
+        return
+    g = dist.new_group(backend="hsdp", timeout=datetime.timedelta(seconds=5))
+    if rank == 0:
+        base = torch.ones(4, 2)
+        work = dist.all_reduce(base.t(), group=g, async_op=True)  # nobody else joins
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=300))
+        except dist.DistBackendError as exc:
+            assert "before timing out" in str(exc), exc
+        else:
+            raise AssertionError("wait(timeout) must raise")
+        assert work.exception() is not None
+        try:
+            dist.all_reduce(torch.ones(2), group=g)  # the communicator is gone
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the group must be unusable after the timeout")
+    dist.barrier(group=ref)
+    dist.destroy_process_group(g)

@@ -51,7 +51,7 @@ def chained_ops_body(rank, world):
         done(hsdp_backend.all_reduce(t, divide_by=4.0, async_op=async_op))
         _check(t, torch.full((8,), float(world)), "divide_by")
         t = torch.full((5,), 7, device=dev, dtype=torch.int64)
-        done(dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op))  # SUM + truncating divide
+        done(dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op))  # ncclAvg truncates
         _check(t, torch.full((5,), 7), "integer AVG")
         t = torch.arange(12.0, device=dev).view(3, 4).t()  # non-contiguous: staged
         done(dist.all_reduce(t, op=dist._make_nccl_premul_sum(2.0), async_op=async_op))
@@ -122,16 +122,6 @@ def gpu_work_body(rank, world):
     torch.cuda._sleep(cycles)
     work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
     assert not work.is_completed(), "is_completed() must wait for the GPU"
-    # hsdp's WorkOnStream polls the device and raises "Work::wait timed out
-    # after 10 ms" (a WorkNCCL would instead abort the communicator and say
-    # "ran for N milliseconds before timing out", ending this body's use of
-    # the group); the op itself is untouched and completes below.
-    try:
-        work.wait(timeout=datetime.timedelta(milliseconds=10))
-    except RuntimeError as exc:
-        assert "timed out" in str(exc), exc
-    else:
-        raise AssertionError("wait(timeout) must honour its timeout while the GPU is busy")
     work.wait()
     torch.cuda.synchronize()
     assert work.is_completed()
@@ -165,6 +155,24 @@ def gpu_work_body(rank, world):
     g.replay()
     torch.cuda.synchronize()
     _check(v, torch.full((32,), 5.0), "graph replay")
+    # Last, on a group of its own: a bounded wait that expires while the GPU
+    # is busy behaves as WorkNCCL::wait(timeout), because it is one: hsdp
+    # waits on the inner WorkNCCL with the timeout, which blocks the host,
+    # then aborts the communicator and raises "... ran for N milliseconds
+    # before timing out". The group is unusable after.
+    short = dist.new_group(backend="hsdp")
+    dist.all_reduce(torch.ones(1, device=dev), group=short)  # its communicator, made
+    torch.cuda.synchronize()
+    t = torch.full((4, 2), 3.0, device=dev).t()  # a post-step: hsdp's own Work
+    torch.cuda._sleep(cycles)
+    work = dist.all_reduce(t, group=short, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(milliseconds=10))
+    except RuntimeError as exc:
+        assert "before timing out" in str(exc), exc
+    else:
+        raise AssertionError("wait(timeout) must honour its timeout while the GPU is busy")
+    torch.cuda.synchronize()
 
 
 def fsdp_one_rank_body(rank, world):

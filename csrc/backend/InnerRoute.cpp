@@ -140,6 +140,15 @@ InnerRoute::InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps
   TORCH_CHECK(backend_, "hsdp: an inner route needs a backend");
 }
 
+std::vector<InnerRoute::WorkPtr> InnerRoute::Inner::all() const {
+  auto works = ops;
+  if (blockEnd) {
+    works.push_back(blockEnd);
+  }
+  works.insert(works.end(), companions.begin(), companions.end());
+  return works;
+}
+
 InnerRoute::WorkPtr InnerRoute::finish(
     c10d::OpType type,
     bool asyncOp,
@@ -162,7 +171,24 @@ InnerRoute::WorkPtr InnerRoute::finish(
       return {};
     }
   }
-  if (!post && works.empty()) {
+  return finishInner(
+      type,
+      asyncOp,
+      Inner{std::move(works), {}, {}},
+      std::move(outputs),
+      std::move(post),
+      std::move(keepAlive));
+}
+
+InnerRoute::WorkPtr InnerRoute::finishInner(
+    c10d::OpType type,
+    bool asyncOp,
+    Inner inner,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> post,
+    std::vector<at::Tensor> keepAlive) {
+  const size_t ordering = inner.ops.size() + (inner.blockEnd ? 1 : 0);
+  if (!post && ordering == 0) {
     return asyncOp ? WorkHSDP::completed(rank_, type, std::move(outputs)) : WorkPtr();
   }
   const auto device = deviceOf(outputs, keepAlive);
@@ -171,15 +197,17 @@ InnerRoute::WorkPtr InnerRoute::finish(
   // an earlier send's, so they stay the inner backend's own.
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
       type == c10d::OpType::RECVANYSOURCE;
-  if (!post && works.size() == 1 && !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
-    return works.front(); // the inner Work already is the whole op
+  if (!post && ordering == 1 && !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
+    // The inner Work already is the whole op (a block's end Work waits for
+    // every op of the block).
+    return inner.blockEnd ? inner.blockEnd : inner.ops.front();
   }
   if (!asyncOp) {
     // The caller waits for the result right after this returns, so ordering
     // the post-step here costs it nothing: on CPU wait() returns once the
     // data is in place, on CUDA it makes the current stream wait for NCCL's,
     // and the post-step is then enqueued behind it on that same stream.
-    for (const auto& w : works) {
+    for (const auto& w : inner.all()) {
       w->wait();
     }
     if (post) {
@@ -187,33 +215,21 @@ InnerRoute::WorkPtr InnerRoute::finish(
     }
     return {};
   }
-  if (device.is_cpu()) {
+  if (device.is_cpu() && !caps_.hostStreams) {
     // Also with nothing to run after the inner op when the inner backend
     // completes futures on a fixed pool (caps_.fixedCompletionPool).
-    return finishOnThread(type, std::move(works), std::move(outputs), std::move(post));
+    return finishOnThread(type, inner.all(), std::move(outputs), std::move(post));
   }
-  c10::impl::VirtualGuardImpl impl(device.type());
-  const c10::Stream current = impl.getStream(device);
-  const c10::Stream side = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
-  // The post-step reads what the caller enqueued before this call (a
-  // staged copy, the op's inputs): the side stream starts after it.
-  c10::Event issued(device.type());
-  issued.record(current);
-  issued.block(side);
-  c10::StreamGuard guard(side);
-  for (const auto& w : works) {
-    // The side stream (now current) waits for the collective through the
-    // Work's device-aware future, not wait(): WorkNCCL::wait() also hands
-    // back the tensors NCCL holds for the allocator, whose blocks the
-    // caller's stream (which has not waited) could then reuse while NCCL
-    // still runs. Failures surface through the returned Work's exception().
-    waitOnCurrentStream(*w);
+  return finishOnStream(
+      type, device, std::move(inner), std::move(outputs), std::move(post), std::move(keepAlive));
+}
+
+OpQueue& InnerRoute::completions() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!completions_) {
+    completions_ = std::make_unique<OpQueue>();
   }
-  if (post) {
-    post();
-  }
-  return c10::make_intrusive<WorkOnStream>(
-      rank_, type, side, std::move(works), std::move(outputs), std::move(keepAlive));
+  return *completions_;
 }
 
 InnerRoute::WorkPtr InnerRoute::finishOnThread(
@@ -221,14 +237,8 @@ InnerRoute::WorkPtr InnerRoute::finishOnThread(
     std::vector<WorkPtr> works,
     std::vector<at::Tensor> outputs,
     std::function<void()> post) {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (!completions_) {
-      completions_ = std::make_unique<OpQueue>();
-    }
-  }
   return WorkHSDP::onQueue(
-      *completions_,
+      completions(),
       rank_,
       type,
       std::move(outputs),
@@ -243,6 +253,71 @@ InnerRoute::WorkPtr InnerRoute::finishOnThread(
           post();
         }
       });
+}
+
+namespace {
+
+// Orders the current stream after the inner Works' results, without a host
+// wait on CUDA (on host streams the current stream is this thread).
+void orderAfter(const std::vector<c10::intrusive_ptr<c10d::Work>>& ops, c10d::Work* blockEnd) {
+  for (const auto& w : ops) {
+    // Through the Work's device-aware future, not wait(): WorkNCCL::wait()
+    // also hands back the tensors NCCL holds for the allocator, whose blocks
+    // the caller's stream (which has not waited) could then reuse while
+    // NCCL still runs. Failures surface through the returned Work.
+    waitOnCurrentStream(*w);
+  }
+  if (blockEnd) {
+    // Its future carries no event: synchronize() makes the current stream
+    // wait for NCCL's end-of-block event. The tensors it hands back to the
+    // allocator are kept alive by the returned Work, recorded on this stream.
+    blockEnd->synchronize();
+  }
+}
+
+} // namespace
+
+InnerRoute::WorkPtr InnerRoute::finishOnStream(
+    c10d::OpType type,
+    c10::Device device,
+    Inner inner,
+    std::vector<at::Tensor> outputs,
+    std::function<void()> post,
+    std::vector<at::Tensor> keepAlive) {
+  if (device.is_cpu()) {
+    // Host streams (caps_.hostStreams): the side stream is a completion
+    // worker, which has nothing to wait for from the caller (its tensors
+    // are written before this call returns).
+    auto done = WorkHSDP::onQueue(
+                    completions(),
+                    rank_,
+                    type,
+                    outputs,
+                    [ops = inner.ops, end = inner.blockEnd, post = std::move(post)] {
+                      orderAfter(ops, end.get());
+                      if (post) {
+                        post();
+                      }
+                    })
+                    ->getFuture();
+    return c10::make_intrusive<WorkOnStream>(
+        rank_, type, std::move(done), inner.all(), std::move(outputs));
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream current = impl.getStream(device);
+  const c10::Stream side = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  // The post-step reads what the caller enqueued before this call (a
+  // staged copy, the op's inputs): the side stream starts after it.
+  c10::Event issued(device.type());
+  issued.record(current);
+  issued.block(side);
+  c10::StreamGuard guard(side);
+  orderAfter(inner.ops, inner.blockEnd.get());
+  if (post) {
+    post();
+  }
+  return c10::make_intrusive<WorkOnStream>(
+      rank_, type, side, inner.all(), std::move(outputs), std::move(keepAlive));
 }
 
 void InnerRoute::startCoalescing() {
@@ -260,17 +335,15 @@ InnerRoute::WorkPtr InnerRoute::endCoalescing() {
     coalescing_ = false;
     std::swap(held, held_);
   }
-  if (auto end = backend_->endCoalescing()) {
-    held.works.push_back(end);
-  }
-  if (held.works.empty() && held.posts.empty()) {
+  Inner inner{{}, backend_->endCoalescing(), std::move(held.works)};
+  if (!inner.blockEnd && held.posts.empty()) {
     return {};
   }
   // Async: the caller of endCoalescing waits on the Work when it wants to.
-  return finish(
+  return finishInner(
       c10d::OpType::COALESCED,
       /*asyncOp=*/true,
-      std::move(held.works),
+      std::move(inner),
       std::move(held.outputs),
       inOrder(std::move(held.posts)),
       std::move(held.keepAlive));

@@ -22,7 +22,11 @@
 //     with no post-step when the inner backend has a fixedCompletionPool).
 // Between startCoalescing and endCoalescing on a backend that coalesces
 // natively (NCCL launches nothing before endCoalescing) post-steps are held
-// back and run after endCoalescing's Work.
+// back and run after endCoalescing's Work. The Works NCCL returns for async
+// ops inside the block order after nothing (their futures are complete at
+// enqueue, before ncclGroupEnd launches the block), and the end Work's
+// future is complete and empty, so carries no event: the block's result is
+// ordered by the end Work's synchronize() alone (orderAfter).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -58,6 +62,12 @@ struct InnerCaps {
   // instead, so callbacks that wait for collectives they issue cannot
   // exhaust that pool (see OpQueue.hpp).
   bool fixedCompletionPool = false;
+  // Tests only (the NCCL-contract double): CPU tensors take the CUDA
+  // branch, on a device whose streams are hsdp's completion workers: the
+  // side stream's waits and post-step run there, and the returned Work is
+  // a WorkOnStream. Everything the CUDA branch decides (which Works order
+  // the result, through what, how errors and timeouts surface) runs.
+  bool hostStreams = false;
 };
 
 // One post-step that runs `steps` in order (empty when they are).
@@ -114,11 +124,39 @@ class InnerRoute {
   WorkPtr endCoalescing();
 
  private:
+  // The inner Works an op's result depends on.
+  struct Inner {
+    // Ordered through each Work's device-aware future (on CPU: wait()).
+    std::vector<WorkPtr> ops;
+    // A native coalescing block's end Work: ordered by its synchronize().
+    WorkPtr blockEnd;
+    // The Works of async ops inside that block: they order after nothing,
+    // and are kept for their errors only.
+    std::vector<WorkPtr> companions;
+
+    std::vector<WorkPtr> all() const;
+  };
+
+  WorkPtr finishInner(
+      c10d::OpType type,
+      bool asyncOp,
+      Inner inner,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> post,
+      std::vector<at::Tensor> keepAlive);
   WorkPtr finishOnThread(
       c10d::OpType type,
       std::vector<WorkPtr> works,
       std::vector<at::Tensor> outputs,
       std::function<void()> post);
+  WorkPtr finishOnStream(
+      c10d::OpType type,
+      c10::Device device,
+      Inner inner,
+      std::vector<at::Tensor> outputs,
+      std::function<void()> post,
+      std::vector<at::Tensor> keepAlive);
+  OpQueue& completions();
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   InnerCaps caps_;
@@ -128,7 +166,7 @@ class InnerRoute {
   std::unique_ptr<OpQueue> completions_; // CPU async post-steps, made on first use
   bool coalescing_ = false;
   struct Held {
-    std::vector<WorkPtr> works;
+    std::vector<WorkPtr> works; // of the calls inside the block
     std::vector<at::Tensor> outputs;
     std::vector<std::function<void()>> posts;
     std::vector<at::Tensor> keepAlive;

@@ -68,6 +68,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
   void setTimeout(std::chrono::milliseconds timeout) override;
   // c10d names the group after creation; the flight recorder's files carry the name.
   void setGroupUid(const std::string& pgUid) override;
+  // startCoalescing/endCoalescing group every op between them, point-to-point
+  // included, on every route: batch_isend_irecv then issues its ops as one
+  // batch (on NCCL one ncclGroupStart/End, without which a symmetric
+  // exchange of large messages deadlocks) and returns one Work.
+  bool supportsCoalescing() const override {
+    return true;
+  }
   // Splitting (what DeviceMesh and dist.split_group do for a group bound to
   // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
   // context) and the child gets its own shared-memory rendezvous.

@@ -19,49 +19,68 @@ WorkOnStream::WorkOnStream(
     std::vector<at::Tensor> keepAlive)
     : Work(rank, opType),
       stream_(stream),
-      done_(stream.device_type()),
+      done_(std::in_place, stream.device_type()),
       inners_(std::move(inners)),
       outputs_(std::move(outputs)),
       keepAlive_(std::move(keepAlive)) {
-  c10::impl::VirtualGuardImpl impl(stream_.device_type());
-  captured_ = impl.isStreamCapturing(stream_);
+  c10::impl::VirtualGuardImpl impl(stream.device_type());
+  captured_ = impl.isStreamCapturing(stream);
   // The caching allocator must not hand these blocks to another stream
   // before the side stream is done with them, even if the caller drops
   // every reference first (as it may once it has waited).
   for (const auto* list : {&outputs_, &keepAlive_}) {
     for (const auto& t : *list) {
       if (t.defined() && t.has_storage()) {
-        impl.recordDataPtrOnStream(t.storage().data_ptr(), stream_);
+        impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
       }
     }
   }
-  done_.record(stream_);
-  std::vector<c10::Device> devices{stream_.device()};
+  done_->record(stream);
+  std::vector<c10::Device> devices{stream.device()};
   future_ = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
   // markCompleted records the future's events on the current streams: with
   // the side stream current they follow the post-step.
-  c10::StreamGuard guard(stream_);
+  c10::StreamGuard guard(stream);
   future_->markCompleted(c10::IValue(outputs_));
 }
 
+WorkOnStream::WorkOnStream(
+    int rank,
+    c10d::OpType opType,
+    c10::intrusive_ptr<c10::ivalue::Future> done,
+    std::vector<c10::intrusive_ptr<c10d::Work>> inners,
+    std::vector<at::Tensor> outputs)
+    : Work(rank, opType),
+      inners_(std::move(inners)),
+      outputs_(std::move(outputs)),
+      future_(std::move(done)) {}
+
 std::exception_ptr WorkOnStream::exception() const {
   for (const auto& w : inners_) {
+    w->isCompleted(); // asks the communicator, as WorkNCCL::isCompleted does
     if (auto e = w->exception()) {
       return e;
     }
+  }
+  if (!stream_ && future_->completed() && future_->hasError()) {
+    return future_->exception_ptr(); // the post-step failed
   }
   return nullptr;
 }
 
 // Querying an event recorded during graph capture is an error: a captured
 // op has not run (it runs at each replay), so it is not complete.
+bool WorkOnStream::postStepDone() const {
+  return stream_ ? !captured_ && done_->query() : future_->completed();
+}
+
 bool WorkOnStream::isCompleted() {
-  return exception() != nullptr || (!captured_ && done_.query());
+  return exception() != nullptr || postStepDone();
 }
 
 bool WorkOnStream::isSuccess() const {
-  return exception() == nullptr && !captured_ && done_.query();
+  return exception() == nullptr && postStepDone();
 }
 
 std::vector<at::Tensor> WorkOnStream::result() {
@@ -69,31 +88,47 @@ std::vector<at::Tensor> WorkOnStream::result() {
 }
 
 void WorkOnStream::synchronize() {
-  c10::impl::VirtualGuardImpl impl(stream_.device_type());
-  done_.block(impl.getStream(stream_.device()));
+  if (stream_) {
+    c10::impl::VirtualGuardImpl impl(stream_->device_type());
+    done_->block(impl.getStream(stream_->device()));
+  } else {
+    future_->wait();
+  }
   unregisterInflight(*this);
 }
 
 bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (const auto& w : inners_) {
+    // NCCL's own bound (abort and its message on expiry); unbounded, on
+    // CUDA a stream wait. The caller's stream, now current, waiting for
+    // NCCL's makes the tensors NCCL hands back to the allocator safe.
+    w->wait(
+        timeout == kNoTimeout ? kNoTimeout
+                              : std::max(
+                                    std::chrono::milliseconds(0),
+                                    std::chrono::duration_cast<std::chrono::milliseconds>(
+                                        deadline - std::chrono::steady_clock::now())));
+  }
   if (timeout != kNoTimeout && !captured_) {
-    // A bounded wait is a host wait by definition: poll the device. (Under
-    // graph capture there is nothing to poll: the wait is a stream wait.)
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (!isCompleted()) {
+    // A bounded wait is a host wait by definition: poll the post-step.
+    // (Under graph capture there is nothing to poll: a stream wait.)
+    while (!postStepDone()) {
       if (std::chrono::steady_clock::now() >= deadline) {
         C10_THROW_ERROR(
             DistBackendError,
             "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
-                std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) + " on " +
-                stream_.device().str() + ")");
+                std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) +
+                ", the step after the collective, on " +
+                (stream_ ? stream_->device().str() : std::string("host streams")) + ")");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
-  if (auto e = exception()) {
+  synchronize();
+  if (auto e = exception()) { // a post-step that failed (host streams)
     std::rethrow_exception(e);
   }
-  synchronize();
   return true;
 }
 

@@ -5,15 +5,28 @@
 //
 // GPU-aware, as WorkNCCL is: isCompleted() is true only once the device has
 // run the post-step (an event recorded after it); wait() makes the caller's
-// current stream wait for that event and does not block the host, except
-// that wait(timeout) polls the event until the timeout and then throws;
+// current stream wait for that event and does not block the host;
 // getFuture() carries the event through the future's own device events.
-// Failures of the inner Works (NCCL's watchdog sets them) surface through
-// wait(), isSuccess() and exception().
+//
+// Failures and bounded waits behave as the inner WorkNCCL's do, because they
+// are its: NCCL's watchdog finds a failure on a copy of each Work, and a
+// Work learns of it only when its isCompleted() or wait() asks the
+// communicator (WorkNCCL::checkAndSetException), so exception() and
+// isCompleted() ask every inner Work's isCompleted() first. wait(timeout)
+// waits on the inner Works with the timeout, which on NCCL blocks the host
+// and, on expiry, aborts the communicator and throws NCCL's "... ran for N
+// milliseconds before timing out"; then the post-step gets what is left of
+// the timeout.
+//
+// On host streams (the NCCL-contract double, InnerCaps::hostStreams) the
+// side stream is a completion worker and `done`, its future, stands for the
+// event.
 
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <optional>
 
 namespace hsdp {
 
@@ -28,6 +41,13 @@ class WorkOnStream : public c10d::Work {
       std::vector<c10::intrusive_ptr<c10d::Work>> inners,
       std::vector<at::Tensor> outputs,
       std::vector<at::Tensor> keepAlive);
+  // Host streams: `done` completes (or fails) once the post-step has run.
+  WorkOnStream(
+      int rank,
+      c10d::OpType opType,
+      c10::intrusive_ptr<c10::ivalue::Future> done,
+      std::vector<c10::intrusive_ptr<c10d::Work>> inners,
+      std::vector<at::Tensor> outputs);
 
   WorkOnStream(const WorkOnStream&) = delete;
   WorkOnStream& operator=(const WorkOnStream&) = delete;
@@ -41,8 +61,10 @@ class WorkOnStream : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
  private:
-  c10::Stream stream_;
-  c10::Event done_;
+  bool postStepDone() const;
+
+  std::optional<c10::Stream> stream_; // none on host streams
+  std::optional<c10::Event> done_;
   bool captured_ = false; // issued while `stream_` was capturing a CUDA graph
   std::vector<c10::intrusive_ptr<c10d::Work>> inners_;
   std::vector<at::Tensor> outputs_;

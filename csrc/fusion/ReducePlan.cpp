@@ -58,17 +58,20 @@ DeferredScale DeferredScale::dividedBy(double divisor) const {
   return *this;
 }
 
-c10d::ReduceOp DeferredScale::asPreMulSum() const {
+c10d::ReduceOp DeferredScale::asPreMulSum(at::ScalarType dtype) const {
   switch (kind_) {
     case Kind::Divide:
       return c10d::makePreMulSum(1.0 / value_);
     case Kind::Multiply:
       return c10d::makePreMulSum(value_);
     case Kind::MultiplyTensor:
-      // NCCL reads a tensor factor in place on the device, in a dtype of its
-      // choosing: a double (read once here) is what any caller's factor
-      // becomes safely, and it lives in the ReduceOp as long as NCCL needs.
-      return c10d::makePreMulSum(value());
+      // NCCL reads a tensor factor on the device itself (ncclScalarDevice),
+      // so it stays a tensor: reading it here would be a device-to-host sync
+      // in the hot path, and an error under CUDA-graph capture. Its dtype
+      // must be the data's ("PreMulSum factor type must match input data
+      // type", ProcessGroupNCCL 2.14.1): converted on the device, in stream
+      // order, and kept alive by the ReduceOp as long as NCCL needs it.
+      return c10d::makePreMulSum(tensor_.scalar_type() == dtype ? tensor_ : tensor_.to(dtype));
     case Kind::None:
       break;
   }
@@ -181,11 +184,16 @@ ReducePlan planReduce(
         "divide_by needs a SUM, AVG or PREMUL_SUM reduction");
     plan.post = plan.post.dividedBy(divideBy);
   }
-  if (nativeScale && isFloat && !plan.post.isNone()) {
+  if (nativeScale && !plan.post.isNone()) {
     if (op.op_ == c10d::ReduceOp::AVG && divideBy == 1.0) {
+      // ncclAvg on integers sums, then divides with truncation toward zero
+      // (NCCL 2.30's ncclDevSumPostDiv, the version torch 2.14.1 ships), as
+      // hsdp's own integer AVG does.
       return {op, DeferredScale::none()};
     }
-    return {plan.post.asPreMulSum(), DeferredScale::none()};
+    if (isFloat) {
+      return {plan.post.asPreMulSum(dtype), DeferredScale::none()};
+    }
   }
   return plan;
 }

@@ -11,9 +11,10 @@
 //  * rounds low-precision results once (the scale is applied in fp32), and
 //  * lets a caller chain SUM collectives on several groups and scale once.
 // A transport that scales inside the reduction (NCCL: `nativeScale`) gets
-// floating-point AVG unchanged and every other scale (PREMUL_SUM, AVG or SUM
-// with a `divideBy`) as one PREMUL_SUM factor: no extra kernel. Integer AVG
-// stays SUM plus a truncating divide everywhere.
+// AVG unchanged (integers too: ncclAvg truncates, as hsdp does) and every
+// other floating-point scale (PREMUL_SUM, AVG or SUM with a `divideBy`) as
+// one PREMUL_SUM factor: no extra kernel. Integer AVG with a `divideBy`
+// stays SUM plus one truncating divide.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -52,8 +53,9 @@ class DeferredScale {
   // that chain SUM collectives over several groups divide once, at the end.
   DeferredScale dividedBy(double divisor) const;
 
-  // The PREMUL_SUM reduction that applies this scale inside a sum.
-  c10d::ReduceOp asPreMulSum() const;
+  // The PREMUL_SUM reduction that applies this scale inside a sum of
+  // `dtype` data (a tensor factor stays a tensor, of that dtype).
+  c10d::ReduceOp asPreMulSum(at::ScalarType dtype) const;
 
   // Scales `t` in place. bf16/fp16 are widened to fp32, scaled and rounded
   // once; integers divide with truncation toward zero (C semantics, as NCCL).

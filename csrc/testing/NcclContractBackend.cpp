@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <thread>
+#include <utility>
 
 #include "backend/WorkHSDP.hpp"
 #include "fusion/ReducePlan.hpp"
@@ -23,11 +24,22 @@ std::exception_ptr distError(const std::string& message) {
   }
 }
 
-// NCCL's Work as the double models it: the data lands in the caller's
-// tensors on wait(), or on its own a while after the op completes (the GPU
-// finishing in the background). Its future completes when the data lands:
-// NCCL's future is device-aware (consuming it orders the consumer after the
-// data), and on CPU landing is the only way to say that.
+// NCCL's Work as the double models it (ProcessGroupNCCL.hpp/.cpp, torch
+// 2.14.1, WorkNCCL):
+//   * the data lands in the caller's tensors on wait()/synchronize(), or on
+//     its own a while after the op completes (the GPU finishing in the
+//     background);
+//   * its future is device-aware: NCCL marks it completed at enqueue with
+//     events recorded on NCCL's stream, so a consumer that waits on it is
+//     ordered after the data. On CPU the only way to say that is to complete
+//     it when the data lands. It never carries the op's failure: NCCL
+//     completed it before the op ran;
+//   * a failure is found by the communicator (the watchdog works on a copy of
+//     the Work): this Work shows it only once isCompleted() or wait() has
+//     looked (WorkNCCL::checkAndSetException), exception() alone does not;
+//   * wait(timeout) that expires aborts the communicator and throws NCCL's
+//     message ("... ran for N milliseconds before timing out"); the Work
+//     has failed for good.
 class DeferredWork final : public c10d::Work {
  public:
   DeferredWork(
@@ -36,17 +48,31 @@ class DeferredWork final : public c10d::Work {
       std::vector<WorkPtr> inners,
       std::function<void()> land,
       std::vector<at::Tensor> outputs,
-      std::string failure)
+      std::string failure,
+      std::function<void()> abortComm)
       : Work(rank, type),
         inners_(std::move(inners)),
         land_(std::move(land)),
         outputs_(std::move(outputs)),
         failure_(std::move(failure)),
+        abortComm_(std::move(abortComm)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()))) {}
 
+  // A Work whose future is complete at issue and whose wait() orders after
+  // nothing: what NCCL returns for an async op inside a coalescing block.
+  static c10::intrusive_ptr<DeferredWork>
+  orderedAfterNothing(int rank, c10d::OpType type, std::vector<at::Tensor> value) {
+    auto w = c10::make_intrusive<DeferredWork>(
+        rank, type, std::vector<WorkPtr>{}, nullptr, value, "", nullptr);
+    w->landed_ = w->checked_ = true;
+    w->future_->markCompleted(c10::IValue(std::move(value)));
+    return w;
+  }
+
   bool isCompleted() override {
     std::lock_guard<std::mutex> lock(mutex_);
+    checked_ = landed_;
     return landed_;
   }
   bool isSuccess() const override {
@@ -55,7 +81,7 @@ class DeferredWork final : public c10d::Work {
   }
   std::exception_ptr exception() const override {
     std::lock_guard<std::mutex> lock(mutex_);
-    return error_;
+    return checked_ ? error_ : nullptr;
   }
   std::vector<at::Tensor> result() override {
     return outputs_;
@@ -65,14 +91,33 @@ class DeferredWork final : public c10d::Work {
   }
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
     std::unique_lock<std::mutex> lock(mutex_);
+    landOrAwait(lock, timeout);
+    checked_ = true;
+    if (error_) {
+      std::rethrow_exception(error_);
+    }
+    lock.unlock();
+    unregisterInflight(*this); // as WorkNCCL::synchronize does
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+  // The GPU finishing on its own: the data lands, nobody looks for errors.
+  void landInBackground() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    landOrAwait(lock, kNoTimeout);
+  }
+
+ private:
+  void landOrAwait(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout) {
     if (!landed_ && !landing_) {
       // This thread lands the data; others wait for it (the lock is not held
-      // meanwhile, so isCompleted() and exception() keep answering). A
-      // failure, a timeout included, is final, as it is for a WorkNCCL (whose
-      // communicator is then aborted).
+      // meanwhile, so isCompleted() and exception() keep answering).
       landing_ = true;
       lock.unlock();
       std::exception_ptr error;
+      const auto start = std::chrono::steady_clock::now();
       try {
         for (const auto& w : inners_) {
           w->wait(timeout);
@@ -84,47 +129,100 @@ class DeferredWork final : public c10d::Work {
           error = distError(failure_);
         }
       } catch (...) {
-        error = std::current_exception();
+        error = timeout == kNoTimeout ? std::current_exception() : timedOut(start);
       }
       lock.lock();
-      error_ = error;
+      landed(error);
+      lock.unlock();
+      future_->markCompleted(c10::IValue(outputs_)); // outside the lock: callbacks
+      lock.lock();
+    } else if (timeout == kNoTimeout) {
+      landed_cv_.wait(lock, [&] { return landed_; });
+    } else if (!landed_cv_.wait_for(lock, timeout, [&] { return landed_; })) {
+      landed(timedOut(std::chrono::steady_clock::now() - timeout));
+    }
+  }
+
+  // Under the lock. The first outcome is final.
+  void landed(std::exception_ptr error) {
+    if (!landed_) {
+      error_ = std::move(error);
       landed_ = true;
       landed_cv_.notify_all();
-      lock.unlock();
-      if (error) { // completing the future runs callbacks: outside the lock
-        future_->setError(error);
-      } else {
-        future_->markCompleted(c10::IValue(outputs_));
-      }
-      lock.lock();
-    } else {
-      landed_cv_.wait(lock, [&] { return landed_; });
     }
-    if (error_) {
-      std::rethrow_exception(error_);
+  }
+
+  // WorkNCCL::wait(timeout) past its deadline: the communicator is aborted
+  // and the error names how long the op ran (ProcessGroupNCCL.cpp,
+  // WorkNCCL::checkTimeout).
+  std::exception_ptr timedOut(std::chrono::steady_clock::time_point start) {
+    if (abortComm_) {
+      abortComm_();
     }
-    lock.unlock();
-    unregisterInflight(*this); // as WorkNCCL::synchronize does
-    return true;
+    const auto ran = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - start);
+    return distError(
+        "[Rank " + std::to_string(rank_) + "] Watchdog caught collective operation timeout: " +
+        "WorkNCCL(OpType=" + c10d::opTypeToString(opType_) + ") ran for " +
+        std::to_string(ran.count()) + " milliseconds before timing out.");
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable landed_cv_;
+  bool landing_ = false; // a thread is landing the data, without the lock
+  bool landed_ = false;
+  bool checked_ = false; // isCompleted() or wait() has looked for a failure
+  std::vector<WorkPtr> inners_;
+  std::function<void()> land_;
+  std::vector<at::Tensor> outputs_;
+  std::string failure_;
+  std::function<void()> abortComm_;
+  std::exception_ptr error_; // set once landed_, never changed after
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// endCoalescing's Work: waits as the block does (WorkNCCL::synchronizeStream
+// on the end event recorded after ncclGroupEnd); its future is complete.
+class EndOfBlockWork final : public c10d::Work {
+ public:
+  EndOfBlockWork(int rank, c10::intrusive_ptr<DeferredWork> block)
+      : Work(rank, c10d::OpType::COALESCED),
+        block_(std::move(block)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
+  }
+  bool isCompleted() override {
+    return block_->isCompleted();
+  }
+  bool isSuccess() const override {
+    return block_->isSuccess();
+  }
+  std::exception_ptr exception() const override {
+    return block_->exception();
+  }
+  void synchronize() override {
+    block_->synchronize();
+  }
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    return block_->wait(timeout);
   }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     return future_;
   }
 
  private:
-  mutable std::mutex mutex_;
-  std::condition_variable landed_cv_;
-  bool landing_ = false; // a thread is landing the data, without the lock
-  bool landed_ = false;
-  std::vector<WorkPtr> inners_;
-  std::function<void()> land_;
-  std::vector<at::Tensor> outputs_;
-  std::string failure_;
-  std::exception_ptr error_; // set once landed_, never changed after
+  c10::intrusive_ptr<DeferredWork> block_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
 } // namespace
+
+std::function<void()> NcclContractBackend::abortComm() {
+  // The Works may outlive this backend; the inner Gloo group they abort
+  // lives as long as they do.
+  return [gloo = gloo_] { gloo->abort(); };
+}
 
 NcclContractBackend::NcclContractBackend(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size)
     : Backend(rank, size), gloo_(std::move(gloo)) {}
@@ -139,34 +237,62 @@ std::vector<std::string> NcclContractBackend::receivedReductions() {
   return received_;
 }
 
+namespace {
+// A host factor as NCCL applies it: rounded to the data's dtype (torch
+// 2.14.1 converts the double to the data type before
+// ncclRedOpCreatePreMulSum), each input multiplied by it.
+at::Tensor inDataType(double factor, const at::Tensor& data) {
+  return at::scalar_tensor(factor, at::TensorOptions().dtype(data.scalar_type()));
+}
+
+// Set by sumFor while an op is issued on this thread: the op was an integer
+// AVG, whose division the data's landing does.
+thread_local bool integerAverage = false;
+} // namespace
+
 c10d::ReduceOp
 NcclContractBackend::sumFor(const char* what, const c10d::ReduceOp& op, const at::Tensor& t) {
+  auto* premul = op.op_ == c10d::ReduceOp::PREMUL_SUM
+      ? dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get())
+      : nullptr;
+  const bool tensorFactor = premul && premul->tensor_factor.defined();
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    received_.push_back(std::string(what) + ":" + reduceOpName(op.op_));
+    received_.push_back(
+        std::string(what) + ":" + reduceOpName(op.op_) + (tensorFactor ? "[tensor]" : ""));
   }
-  if (op.op_ != c10d::ReduceOp::AVG && op.op_ != c10d::ReduceOp::PREMUL_SUM) {
+  if (op.op_ == c10d::ReduceOp::AVG) {
+    // ProcessGroupNCCL maps AVG to ncclAvg for every dtype but bool
+    // (getNcclReduceOp); NCCL sums integers, then divides with truncation
+    // toward zero (ncclDevSumPostDiv), floating point is pre-multiplied by
+    // 1/nRanks.
+    TORCH_CHECK(t.scalar_type() != at::kBool, "Cannot use ReduceOp.AVG with boolean inputs");
+    if (at::isFloatingType(t.scalar_type())) {
+      t.mul_(inDataType(1.0 / size_, t));
+    } else {
+      integerAverage = true;
+    }
+    return c10d::ReduceOp(c10d::ReduceOp::SUM);
+  }
+  if (op.op_ != c10d::ReduceOp::PREMUL_SUM) {
     return op;
   }
   TORCH_CHECK(
       at::isFloatingType(t.scalar_type()),
       "nccl_contract: ",
       what,
-      " got ReduceOp.",
-      reduceOpName(op.op_),
-      " on ",
+      " got ReduceOp.PREMUL_SUM on ",
       t.scalar_type(),
-      "; hsdp sends integer AVG as SUM plus a division");
-  if (op.op_ == c10d::ReduceOp::AVG) {
-    t.mul_(1.0 / size_);
+      ": PreMulSum Data type must be half, float, bfloat16 or double");
+  TORCH_CHECK(premul, "nccl_contract: PREMUL_SUM without a factor");
+  if (tensorFactor) {
+    // NCCL reads the factor on the device, as the data's dtype.
+    TORCH_CHECK(
+        premul->tensor_factor.scalar_type() == t.scalar_type(),
+        "PreMulSum factor type must match input data type");
+    t.mul_(premul->tensor_factor);
   } else {
-    auto* premul = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
-    TORCH_CHECK(premul, "nccl_contract: PREMUL_SUM without a factor");
-    if (premul->tensor_factor.defined()) {
-      t.mul_(premul->tensor_factor.to(t.device(), t.scalar_type()));
-    } else {
-      t.mul_(premul->double_factor);
-    }
+    t.mul_(inDataType(premul->double_factor, t));
   }
   return c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
@@ -180,50 +306,57 @@ WorkPtr NcclContractBackend::run(
   for (const auto& t : outputs) {
     privates.push_back(t.clone(at::MemoryFormat::Contiguous));
   }
+  integerAverage = false;
   auto works = issue(privates);
+  const bool divide = std::exchange(integerAverage, false);
   std::string failure;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     failure.swap(failNext_);
   }
-  auto land = [outputs, privates] {
+  auto land = [outputs, privates, divide, size = size_] {
     for (size_t i = 0; i < outputs.size(); ++i) {
+      if (divide) {
+        privates[i].div_(size, "trunc");
+      }
       outputs[i].copy_(privates[i]);
     }
   };
   auto work = c10::make_intrusive<DeferredWork>(
-      rank_, type, std::move(works), std::move(land), outputs, std::move(failure));
+      rank_, type, std::move(works), std::move(land), outputs, std::move(failure), abortComm());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (coalescing_) {
-      // As NCCL: the last call's asyncOp decides endCoalescing's Work.
+      // As NCCL (ProcessGroupNCCL::collective/pointToPoint inside a
+      // block): the last call's asyncOp decides endCoalescing's Work; an
+      // async collective gets a Work that orders after nothing (its future
+      // is marked completed at enqueue, its events are recorded only
+      // outside a block, and the block launches at ncclGroupEnd, in
+      // endCoalescing); point-to-point calls get none.
       heldAsync_ = asyncOp;
       held_.push_back(work);
-      return {};
+      const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+          type == c10d::OpType::RECVANYSOURCE;
+      if (!asyncOp || p2p) {
+        return {};
+      }
+      return DeferredWork::orderedAfterNothing(rank_, type, outputs);
     }
   }
   if (!asyncOp) {
     work->wait();
     return {};
   }
-  landLater(work);
+  landLater([work] { work->landInBackground(); });
   return work;
 }
 
-void NcclContractBackend::landLater(const WorkPtr& work) {
+void NcclContractBackend::landLater(std::function<void()> land) {
   const auto at = std::chrono::steady_clock::now() + kLandingDelay;
   // Landing completes the Work's future, which runs its callbacks: that is
   // the queue's completion step, so a callback that issues an op and waits
   // for it has a worker to land that op (see OpQueue.hpp).
-  lander_.submit(
-      [at] { std::this_thread::sleep_until(at); },
-      [work] {
-        try {
-          work->wait();
-        } catch (...) {
-          // The failure is the Work's to report, to whoever waits on it.
-        }
-      });
+  lander_.submit([at] { std::this_thread::sleep_until(at); }, std::move(land));
 }
 
 void NcclContractBackend::startCoalescing() {
@@ -246,14 +379,24 @@ WorkPtr NcclContractBackend::endCoalescing() {
   if (held.empty()) {
     return {};
   }
-  auto work = c10::make_intrusive<DeferredWork>(
-      rank_, c10d::OpType::COALESCED, std::move(held), nullptr, std::vector<at::Tensor>{}, "");
+  // Its wait()/synchronize() orders after the whole block; its future
+  // completes at once with an empty list, so it carries no event
+  // (ProcessGroupNCCL::endCoalescing; ivalue::Future::markCompleted records
+  // events only on the devices of the value's storages).
+  auto block = c10::make_intrusive<DeferredWork>(
+      rank_,
+      c10d::OpType::COALESCED,
+      std::move(held),
+      nullptr,
+      std::vector<at::Tensor>{},
+      "",
+      abortComm());
   if (!asyncOp) {
-    work->wait();
+    block->wait();
     return {};
   }
-  landLater(work);
-  return work;
+  landLater([block] { block->landInBackground(); });
+  return c10::make_intrusive<EndOfBlockWork>(rank_, block);
 }
 
 WorkPtr NcclContractBackend::broadcast(
@@ -413,13 +556,36 @@ WorkPtr NcclContractBackend::alltoall_base(
 }
 
 // Point-to-point calls are always async (NCCL takes no asyncOp for them).
+//
+// NCCL runs a pair's point-to-point ops in order on one stream, and a send
+// larger than what NCCL buffers completes only once the peer's receive runs.
+// So an unbatched symmetric exchange of large messages deadlocks: each
+// rank's send waits for a receive queued behind the peer's own send. Inside
+// a coalescing block (batch_isend_irecv on a backend that reports
+// supportsCoalescing) ncclGroupStart/End runs them together and they
+// complete. Modelled on the host: outside a block, a send over
+// kP2PBufferBytes first waits for the peer's receive to announce itself,
+// which that receive does only when it is issued.
+bool NcclContractBackend::pairedWithReceive(const at::Tensor& t) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !coalescing_ && t.nbytes() > kP2PBufferBytes;
+}
+
 WorkPtr NcclContractBackend::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  if (pairedWithReceive(tensors.at(0))) {
+    std::vector<at::Tensor> token{at::empty({1}, at::kByte)};
+    gloo_->recv(token, dstRank, tag + kReceivePostedTag)->wait();
+  }
   return run(c10d::OpType::SEND, true, {}, [&](auto&) {
     return std::vector<WorkPtr>{gloo_->send(tensors, dstRank, tag)};
   });
 }
 
 WorkPtr NcclContractBackend::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  if (pairedWithReceive(tensors.at(0))) {
+    std::vector<at::Tensor> token{at::zeros({1}, at::kByte)};
+    gloo_->send(token, srcRank, tag + kReceivePostedTag)->wait();
+  }
   return run(c10d::OpType::RECV, true, tensors, [&](auto& p) {
     return std::vector<WorkPtr>{gloo_->recv(p, srcRank, tag)};
   });

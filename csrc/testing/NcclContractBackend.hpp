@@ -4,26 +4,35 @@
 // group, so that CI proves hsdp's CUDA route logic on machines without a GPU.
 // Used only when HSDP_ENGINE=nccl_contract; never in a user's group.
 //
-// It behaves as ProcessGroupNCCL (torch 2.14) does where hsdp can observe it:
+// It behaves as ProcessGroupNCCL (torch 2.14.1) does where hsdp can observe
+// it; each point is stated beside the code that models it:
 //   * a synchronous call (asyncOp false) returns no Work: the result is in
 //     place when the call returns (on CUDA: ordered on the current stream);
 //   * an async call returns a Work whose result lands in the caller's
-//     tensors when wait() is called, or kLandingDelay after the op finished
-//     (on CUDA: the result is ordered only for streams that waited on the
-//     Work or its device-aware future). isCompleted() and the future follow
-//     the landing. A post-step that runs without waiting reads stale data;
-//   * AVG and PREMUL_SUM are done inside the reduction (the input is
-//     pre-multiplied; floating point only, as hsdp sends them), every other
-//     op unchanged;
-//   * between startCoalescing and endCoalescing every call returns no Work
-//     and nothing lands before endCoalescing's Work is waited for;
-//   * failures surface through the Work (failNext injects one).
+//     tensors when wait() is called, or kLandingDelay after the op finished;
+//     its future completes when the data lands (a device-aware future orders
+//     its consumers after the data) and never carries a failure. A post-step
+//     that does not order itself after the Work reads stale data;
+//   * failures reach a Work only through isCompleted() or wait(); a bounded
+//     wait() that expires aborts the communicator and throws NCCL's message;
+//   * between startCoalescing and endCoalescing an async call returns a Work
+//     that orders after nothing (complete future, wait() returns at once);
+//     nothing lands before endCoalescing's Work is waited for, and that
+//     Work's future is complete at once, empty (no event);
+//   * point-to-point ops of a pair are ordered, with bounded buffering: an
+//     unbatched symmetric exchange over the bound deadlocks (until the
+//     group's timeout), a batched one (inside a coalescing block) completes;
+//   * AVG and PREMUL_SUM are done inside the reduction: floating-point
+//     inputs are pre-multiplied by the factor rounded to their dtype, a
+//     tensor factor must have the data's dtype, integer AVG sums and then
+//     divides with truncation; every other op unchanged.
 // Every reduction it receives is logged, so tests see what hsdp sent.
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/OpQueue.hpp"
 
+#include <functional>
 #include <mutex>
 
 namespace hsdp::testing {
@@ -135,8 +144,21 @@ class NcclContractBackend final : public c10d::Backend {
   // The reduction Gloo runs for `op`, pre-multiplying `t` (a private copy
   // of the input) for AVG and PREMUL_SUM.
   c10d::ReduceOp sumFor(const char* what, const c10d::ReduceOp& op, const at::Tensor& t);
-  // Lands an async Work's data on its own, kLandingDelay after it was issued.
-  void landLater(const WorkPtr& work);
+  // Lands an async Work's data on its own (`land`), kLandingDelay after it
+  // was issued.
+  void landLater(std::function<void()> land);
+  // What a Work runs when a bounded wait expires: NCCL aborts the
+  // communicator.
+  std::function<void()> abortComm();
+
+  // Whether `t`'s send must wait for its receive (see send()).
+  bool pairedWithReceive(const at::Tensor& t);
+
+  // What NCCL buffers of a send before the receive runs: of the order of
+  // NCCL_BUFFSIZE (4 MiB by default); smaller here to keep tests light.
+  static constexpr size_t kP2PBufferBytes = 256 * 1024;
+  // The tag offset of a receive's "posted" announcement.
+  static constexpr int kReceivePostedTag = 1 << 28;
 
   // Long against the microseconds a post-step takes to start, short against
   // a test: code that reads before waiting sees stale data every time.
