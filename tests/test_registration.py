@@ -163,3 +163,53 @@ def test_unknown_group_backend_is_rejected_by_comm_stats(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "TypeError" in proc.stdout and "not hsdp" in proc.stdout
+
+
+def _creator_opts(**over):
+    import datetime
+    import types
+
+    fields = dict(
+        timeout=datetime.timedelta(seconds=7),
+        global_ranks_in_group=[0, 2],
+        group_id="g7",
+        split_from=None,
+        enable_reconfigure=False,
+    )
+    fields.update(over)
+    return types.SimpleNamespace(**fields)
+
+
+def test_inner_nccl_takes_the_users_nccl_options_and_the_groups_fields():
+    """A user's ProcessGroupNCCL.Options (pg_options) are the inner NCCL's own,
+    with the group's timeout, ranks and name filled in, as torch's NCCL creator
+    does; without them, torch's defaults. (Built here without a GPU: only the
+    options; the inner NCCL is created when torch sees one.)"""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hsdp_backend import _registration
+
+    if not dist.is_nccl_available():
+        pytest.skip("this torch has no NCCL")
+    user = dist.ProcessGroupNCCL.Options()
+    user.is_high_priority_stream = True
+    user.config.max_ctas = 4
+    got = _registration._inner_nccl_options(_creator_opts(enable_reconfigure=True), user)
+    assert got is user
+    assert got.is_high_priority_stream and got.config.max_ctas == 4
+    assert got._timeout == datetime.timedelta(seconds=7)
+    assert list(got.global_ranks_in_group) == [0, 2] and got.group_name == "g7"
+    assert got.enable_reconfigure
+    default = _registration._inner_nccl_options(_creator_opts(), None)
+    assert not default.is_high_priority_stream and not default.enable_reconfigure
+    # options of another kind are not NCCL's: left alone, defaults used
+    other = _registration._inner_nccl_options(_creator_opts(), object())
+    assert isinstance(other, dist.ProcessGroupNCCL.Options)
+    # a split source that is not a ProcessGroupNCCL (an hsdp or gloo parent)
+    # is not NCCL's to split: the inner NCCL is built from scratch
+    assert (
+        _registration._inner_nccl_options(_creator_opts(split_from=object()), None).split_from
+        is None
+    )

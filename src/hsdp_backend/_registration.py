@@ -69,11 +69,12 @@ def _create_backend(opts, backend_options):
     cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
-        nccl_opts = dist.ProcessGroupNCCL.Options()
-        nccl_opts._timeout = timeout
-        nccl_opts.global_ranks_in_group = list(opts.global_ranks_in_group)
-        nccl_opts.group_name = str(opts.group_id)
-        cuda = dist.ProcessGroupNCCL(dist.PrefixStore("hsdp/nccl/", store), rank, size, nccl_opts)
+        cuda = dist.ProcessGroupNCCL(
+            dist.PrefixStore("hsdp/nccl/", store),
+            rank,
+            size,
+            _inner_nccl_options(opts, backend_options),
+        )
     settings = config.resolve()
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
@@ -91,6 +92,41 @@ def _create_backend(opts, backend_options):
             why_not,
         )
     return backend
+
+
+def _inner_nccl_options(opts, backend_options):
+    """The options of the group's inner ProcessGroupNCCL, as torch's own NCCL
+    creator fills them in (distributed_c10d._create_nccl_process_group):
+
+    * a user's ``ProcessGroupNCCL.Options`` given as ``pg_options`` (high
+      priority streams, ``config``: CTAs, blocking, ...) are the inner NCCL's
+      own; options of another kind are not NCCL's and are left alone;
+    * the group's timeout, ranks and name, and ``enable_reconfigure``;
+    * when torch hands the creator a ProcessGroupNCCL to split from (a
+      device-bound default group on ``nccl``), it and the color of this
+      group's ranks: the members then take part in the ``ncclCommSplit``
+      that the non-members join through ``perform_nocolor_split``; built
+      from scratch instead, everyone would block.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    nccl_opts = backend_options
+    if not isinstance(nccl_opts, dist.ProcessGroupNCCL.Options):
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts.is_high_priority_stream = False
+    nccl_opts._timeout = opts.timeout
+    ranks = list(opts.global_ranks_in_group)
+    nccl_opts.global_ranks_in_group = ranks
+    nccl_opts.group_name = str(opts.group_id)
+    if getattr(opts, "enable_reconfigure", False):
+        nccl_opts.enable_reconfigure = True
+    split_from = getattr(opts, "split_from", None)
+    color = getattr(distributed_c10d, "_process_group_color", None)
+    if isinstance(split_from, dist.ProcessGroupNCCL) and color is not None:
+        nccl_opts.split_from = split_from
+        nccl_opts.split_color = color(ranks)
+    return nccl_opts
 
 
 _exit_hook_registered = False
