@@ -220,6 +220,27 @@ def inner_errors_reach_the_caller(rank, world, ref):
 
 
 @case
+def async_ops_on_one_tensor_are_ordered_without_a_wait(rank, world, ref):
+    """NCCL runs a group's ops in order on one stream: a second async op on a
+    tensor may follow the first with no wait() between (c10d allows it) and
+    sees its result. hsdp's post-steps run on a side stream, which the second
+    op must not overtake."""
+    base = data(rank, 8, torch.float32).view(2, 4)
+    t = base.t()  # non-contiguous: each op stages it and copies back after
+    first = dist.all_reduce(t, async_op=True)
+    second = dist.all_reduce(t, async_op=True)
+    second.wait()
+    first.wait()
+    once = reduce_ref(dist.ReduceOp.SUM, world, 8, torch.float32).view(2, 4).t()
+    check(t, once * world, "the second op saw the first one's result")
+    # a synchronous op after an async one with a post-step, likewise
+    u = torch.ones(3, dtype=torch.int64)
+    hsdp_backend.all_reduce(u, divide_by=1, async_op=True)  # integer: a divide post-step
+    hsdp_backend.all_reduce(u, op=dist.ReduceOp.SUM, divide_by=world)
+    check(u, torch.ones(3, dtype=torch.int64), "sync after async")
+
+
+@case
 def a_bounded_wait_that_expires_aborts_as_nccl_does(rank, world, ref):
     """WorkNCCL::wait(timeout): the host blocks until the op is done or the
     time is up; then the communicator is aborted and NCCL's message raised.

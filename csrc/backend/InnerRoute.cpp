@@ -284,6 +284,7 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
     std::vector<at::Tensor> outputs,
     std::function<void()> post,
     std::vector<at::Tensor> keepAlive) {
+  const bool hasPost = post != nullptr;
   if (device.is_cpu()) {
     // Host streams (caps_.hostStreams): the side stream is a completion
     // worker, which has nothing to wait for from the caller (its tensors
@@ -300,8 +301,10 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
                       }
                     })
                     ->getFuture();
-    return c10::make_intrusive<WorkOnStream>(
-        rank_, type, std::move(done), inner.all(), std::move(outputs));
+    return pending(
+        hasPost,
+        c10::make_intrusive<WorkOnStream>(
+            rank_, type, std::move(done), inner.all(), std::move(outputs)));
   }
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream current = impl.getStream(device);
@@ -313,11 +316,41 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
   issued.block(side);
   c10::StreamGuard guard(side);
   orderAfter(inner.ops, inner.blockEnd.get());
-  if (post) {
+  if (hasPost) {
     post();
   }
-  return c10::make_intrusive<WorkOnStream>(
-      rank_, type, side, inner.all(), std::move(outputs), std::move(keepAlive));
+  return pending(
+      hasPost,
+      c10::make_intrusive<WorkOnStream>(
+          rank_, type, side, inner.all(), std::move(outputs), std::move(keepAlive)));
+}
+
+c10::intrusive_ptr<WorkOnStream>
+InnerRoute::pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work) {
+  if (hasPost) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    lastPostStep_ = work;
+  }
+  return work;
+}
+
+void InnerRoute::beforeIssue() {
+  c10::intrusive_ptr<WorkOnStream> last;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    last = lastPostStep_;
+  }
+  if (!last) {
+    return;
+  }
+  if (last->postStepDone()) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (lastPostStep_ == last) {
+      lastPostStep_.reset();
+    }
+    return;
+  }
+  last->orderCurrentStreamAfter();
 }
 
 void InnerRoute::startCoalescing() {

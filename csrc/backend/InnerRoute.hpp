@@ -33,6 +33,7 @@
 #include <torch/headeronly/version.h>
 
 #include "backend/OpQueue.hpp"
+#include "backend/WorkOnStream.hpp"
 
 #include <chrono>
 #include <functional>
@@ -117,6 +118,16 @@ class InnerRoute {
       std::function<void()> post = {},
       std::vector<at::Tensor> keepAlive = {});
 
+  // Call before an op reads or writes its tensors on this route: orders the
+  // current stream after the last async post-step still pending. NCCL runs
+  // a group's ops in order on one stream, so two async ops on one tensor
+  // need no wait() between them (c10d allows it); a post-step runs on a side
+  // stream, which the next op's NCCL kernel (ordered after the caller's
+  // stream only) would otherwise overtake. Post-steps are rare on CUDA (a
+  // staged argument, an integer divide_by), so this is one event query, and
+  // one stream wait when one is pending.
+  void beforeIssue();
+
   // Native coalescing only (caps().nativeCoalescing).
   void startCoalescing();
   // The Work of everything issued since startCoalescing, post-steps
@@ -157,13 +168,16 @@ class InnerRoute {
       std::function<void()> post,
       std::vector<at::Tensor> keepAlive);
   OpQueue& completions();
+  // Remembers `work` as the route's last pending post-step when it has one.
+  c10::intrusive_ptr<WorkOnStream> pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   InnerCaps caps_;
   int rank_;
 
   std::mutex mutex_;
-  std::unique_ptr<OpQueue> completions_; // CPU async post-steps, made on first use
+  std::unique_ptr<OpQueue> completions_;          // CPU async post-steps, made on first use
+  c10::intrusive_ptr<WorkOnStream> lastPostStep_; // see beforeIssue()
   bool coalescing_ = false;
   struct Held {
     std::vector<WorkPtr> works; // of the calls inside the block

@@ -506,6 +506,7 @@ WorkPtr ProcessGroupHSDP::runShm(
 
 InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
   if (t.device().is_cpu()) {
+    cpu_->beforeIssue();
     return *cpu_;
   }
   if (t.device().is_cuda()) {
@@ -516,6 +517,7 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
         t.device(),
         " but this process group was created without CUDA (no GPU was "
         "visible to torch when it was created)");
+    cuda_->beforeIssue();
     return *cuda_;
   }
   HSDP_CHECK(

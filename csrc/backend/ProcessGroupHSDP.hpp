@@ -213,7 +213,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   OpContext ctx(const char* op) const {
     return OpContext{rank_, size_, op};
   }
-  // The inner route that serves tensors on `t`'s device.
+  // The inner route that serves tensors on `t`'s device, ready for an op to
+  // issue on it (InnerRoute::beforeIssue: after the route's pending
+  // post-step). Called before the op stages or reads its tensors.
   InnerRoute& route(const OpContext& ctx, const at::Tensor& t);
   // allreduceBucketed on a route that coalesces natively.
   c10::intrusive_ptr<c10d::Work> allreduceNative(

@@ -87,13 +87,17 @@ std::vector<at::Tensor> WorkOnStream::result() {
   return outputs_;
 }
 
-void WorkOnStream::synchronize() {
+void WorkOnStream::orderCurrentStreamAfter() {
   if (stream_) {
     c10::impl::VirtualGuardImpl impl(stream_->device_type());
     done_->block(impl.getStream(stream_->device()));
   } else {
     future_->wait();
   }
+}
+
+void WorkOnStream::synchronize() {
+  orderCurrentStreamAfter();
   unregisterInflight(*this);
 }
 

@@ -60,9 +60,13 @@ class WorkOnStream : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
- private:
+  // Whether the post-step has run (never blocks).
   bool postStepDone() const;
+  // Orders the current stream after the post-step (on host streams: waits
+  // for it), as synchronize() does, leaving the Work in flight.
+  void orderCurrentStreamAfter();
 
+ private:
   std::optional<c10::Stream> stream_; // none on host streams
   std::optional<c10::Event> done_;
   bool captured_ = false; // issued while `stream_` was capturing a CUDA graph
