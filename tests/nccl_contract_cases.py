@@ -69,6 +69,27 @@ def scales_reach_nccl_as_avg_or_one_premul_sum(rank, world, ref):
 
 
 @case
+def an_fp16_divide_by_is_split_around_the_reduction(rank, world, ref):
+    """NCCL rounds a PREMUL_SUM factor to fp16 and multiplies each fp16 input
+    by it: folding a large divisor into one factor pushes every input down by
+    all of it before the sum (here the factor 2**-25 itself rounds to zero in
+    fp16). hsdp splits it as FSDP2 does for fp16: a power-of-two part in the
+    reduction, the rest after it in fp32, rounded once."""
+    divide_by = 2.0**25
+
+    def inputs(r):
+        return (torch.rand(4096, generator=torch.Generator().manual_seed(r)) * 1500 + 500).half()
+
+    t = inputs(rank)
+    assert sent_by(lambda: hsdp_backend.all_reduce(t, divide_by=divide_by)) == [
+        "all_reduce:PREMUL_SUM"
+    ]
+    exact = torch.stack([inputs(r) for r in range(world)]).double().sum(0) / divide_by
+    # within an fp16 rounding of the exact quotient (one ulp, subnormals included)
+    torch.testing.assert_close(t.double(), exact, rtol=2.0**-10, atol=2.0**-24)
+
+
+@case
 def a_tensor_factor_reaches_nccl_as_a_tensor_of_the_data_dtype(rank, world, ref):
     """NCCL reads a tensor PREMUL_SUM factor on the device (no host sync, fine
     under graph capture) and wants the data's dtype; the double refuses

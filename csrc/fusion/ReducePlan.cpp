@@ -191,6 +191,21 @@ ReducePlan planReduce(
       // hsdp's own integer AVG does.
       return {op, DeferredScale::none()};
     }
+    if (dtype == at::kHalf && plan.post.kind() == DeferredScale::Kind::Divide &&
+        plan.post.value() > 2.0) {
+      // One fp16 factor of 1/divisor pushes every input down by the whole
+      // divisor before the sum: small gradients become subnormal and lose
+      // their digits, or vanish. As FSDP2 does for fp16: a power-of-two part
+      // of the divisor (about its square root) goes into the reduction, the
+      // rest runs after it, widened to fp32 and rounded once.
+      double pre = 1.0;
+      while (pre * pre * 4.0 <= plan.post.value()) {
+        pre *= 2.0;
+      }
+      return {
+          DeferredScale::divideBy(pre).asPreMulSum(dtype),
+          DeferredScale::divideBy(plan.post.value() / pre)};
+    }
     if (isFloat) {
       return {plan.post.asPreMulSum(dtype), DeferredScale::none()};
     }

@@ -122,7 +122,11 @@ def all_reduce(
     and rounded once. On CUDA the step is NCCL's PREMUL_SUM, which rounds
     the factor to the data's dtype and multiplies each input in that dtype
     before summing (ProcessGroupNCCL builds the factor as the data type,
-    ``T(double_factor)``). This is the deferred division of a
+    ``T(double_factor)``); for fp16, where one small factor would make small
+    inputs subnormal or zero before the sum, a power-of-two part of the
+    divisor (about its square root) goes into the reduction and the rest
+    runs after it in fp32, rounded once, as FSDP2 splits its fp16 divisor.
+    This is the deferred division of a
     chain of SUM collectives over several groups: e.g. for HSDP gradients,
     ``reduce_scatter_tensor(out, grads, op=SUM, group=shard)`` then
     ``all_reduce(out, op=SUM, group=replicate, divide_by=shard_size * replicate_size)``
