@@ -109,6 +109,12 @@ SCENARIOS: dict[str, Scenario] = {
         stream_ordered=True,
     ),
     "hsdp_2x2_two_groups_per_bucket": Scenario(mesh=(2, 2), bucket_bytes=40 << 10),
+    # bf16 parameters, fp32 reduction, nine param groups of one bucket each:
+    # the shim must finish (cast, .grad) each bucket once its all-reduce is
+    # done, holding a few buckets of fp32 gradients, not the model's.
+    "hsdp_2x2_bf16_deep_small_buckets": Scenario(
+        mesh=(2, 2), mp="bf16", layers=8, steps=4, bucket_bytes=8 << 10
+    ),
     "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
     "hsdp_2x2_shim_incompatible": Scenario(mesh=(2, 2), shim="incompatible"),
@@ -354,7 +360,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             )
         dp_rank = rank  # every rank is its own data-parallel rank
         data = batches(s, dp_rank, s.steps * s.micro_batches)
-        losses, comms = [], []
+        losses, comms, peak_held = [], [], []
         for step in range(s.steps):
             if s.checkpoint_at is not None and step == s.checkpoint_at:
                 model, optimizer = _reload(s, mesh, model, optimizer, checkpoint_dir)
@@ -372,6 +378,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             # before clipping, whose norm all-reduces are not gradient traffic.)
             if on_hsdp:
                 comms.append(_comm_counts(groups))
+                peak_held.append(shim._shim.buckets.peak_held_bytes)
             if s.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), s.clip)
             optimizer.step()
@@ -393,6 +400,8 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             "warnings": caught,
             "params": params if rank == 0 else None,
             "grad_bytes_per_rank": grad_bytes,
+            # the most reduce-dtype gradient bytes the shim held at once, per step
+            "peak_held_bytes": peak_held,
             "shim_enabled": shim.is_enabled() if on_hsdp else None,
             "dispatched_all_reduces": dispatched_all_reduces if on_hsdp else None,
         }

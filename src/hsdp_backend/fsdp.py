@@ -544,6 +544,18 @@ class _Bucket:
     pending: list[_PendingGrads] = field(default_factory=list)
     done: Any = None  # stream-ordered: the event recorded after the all-reduce
 
+    def held_bytes(self) -> int:
+        """Reduce-dtype bytes the shim holds for this bucket (0 once its
+        gradients are finished: what is left is the gradients' own)."""
+        return self.buffer.numel() * self.buffer.itemsize if self.pending else 0
+
+
+# Buckets whose all-reduce may be in flight before the oldest is waited for
+# and its gradients finished (CPU, where buckets wait for hsdp's Work): the
+# shim then holds at most this many buckets beside the open one, not the
+# whole model's reduce-dtype gradients until the end of backward.
+_MAX_IN_FLIGHT = 2
+
 
 class _ReplicateBuckets:
     """Buckets of one backward pass, keyed by (replicate group, divisor, dtype).
@@ -551,9 +563,15 @@ class _ReplicateBuckets:
     ``reserve`` hands out the next slice of the open bucket; ``add`` records
     the param group that filled it and flushes the bucket once it holds at
     least ``bucket_bytes`` (so a backward issues at most
-    ``floor(gradient bytes / bucket_bytes) + 1`` all-reduces per key);
-    ``finish`` (the autograd final callback) flushes the rest, waits for every
-    all-reduce and finishes the gradients.
+    ``floor(gradient bytes / bucket_bytes) + 1`` all-reduces per key). A
+    flushed bucket's gradients are finished (cast, ``.grad``) as soon as its
+    all-reduce is done, as FSDP2 finishes each group right after its own
+    all-reduce: on GPUs on the all-reduce stream right behind it, on CPU
+    when its Work completes (at the latest once more than ``_MAX_IN_FLIGHT``
+    buckets are in flight). ``finish`` (the autograd final callback) flushes
+    the rest, waits for every all-reduce and finishes what is left.
+    ``peak_held_bytes``: the most reduce-dtype bytes held at once in the
+    last backward.
     """
 
     def __init__(self) -> None:
@@ -569,6 +587,13 @@ class _ReplicateBuckets:
         # previous sizes tell a new bucket exactly how large it will get.
         self.sizes_now: dict[tuple, list[int]] = {}
         self.sizes_before: dict[tuple, list[int]] = {}
+        self.peak_held_bytes = 0
+        self._peak_now = 0
+
+    def _note_held(self) -> None:
+        held = sum(b.held_bytes() for b in self.open.values())
+        held += sum(b.held_bytes() for _, b in self.in_flight)
+        self._peak_now = max(self._peak_now, held)
 
     def begin_add(self) -> bool:
         """Makes sure a final callback of the current backward will finish
@@ -634,6 +659,7 @@ class _ReplicateBuckets:
         """Records the param group that filled its reserved slice."""
         bucket = self.open[key]
         bucket.pending.append(pending)
+        self._note_held()
         if bucket.used * bucket.buffer.itemsize >= _shim.bucket_bytes:
             self.flush(key)
         if not in_backward:  # no final callback would finish it
@@ -658,16 +684,44 @@ class _ReplicateBuckets:
             self.in_flight.append(
                 (dist.all_reduce(data, op=op, group=bucket.group, async_op=True), bucket)
             )
+            self._finish_completed()
             return
         # As FSDP2's own HSDP all-reduce: on its all-reduce stream, after the
         # reduce-scatters that wrote the bucket; ordered, so no Work to keep.
+        # The gradients are finished right behind it on that stream (the
+        # reduce-dtype buffer is then free once the casts have run); the
+        # final callback makes the consumers' stream wait for the event.
         streams.all_reduce.wait_stream(streams.reduce_scatter)
         with streams.module.stream(streams.all_reduce):
             dist.all_reduce(data, op=op, group=bucket.group)
+            self._finish_bucket(bucket)
             bucket.done = streams.all_reduce.record_event()
         if bucket.buffer.is_cuda:  # read and written there too, not only where allocated
             bucket.buffer.record_stream(streams.all_reduce)
         self.in_flight.append((None, bucket))
+
+    @staticmethod
+    def _finish_bucket(bucket: _Bucket) -> None:
+        pending, bucket.pending = bucket.pending, []
+        for p in pending:
+            p.finish()
+
+    def _finish_completed(self) -> None:
+        """CPU: finishes the gradients of buckets whose all-reduce is done,
+        oldest first, waiting for the oldest while too many are in flight."""
+        while self.in_flight:
+            work, bucket = self.in_flight[0]
+            if work is None or not bucket.pending:
+                break
+            if len(self.in_flight) <= _MAX_IN_FLIGHT and not work.is_completed():
+                break
+            try:
+                _wait(work, bucket)
+            except Exception:
+                self.abandon()
+                raise
+            self._finish_bucket(bucket)
+            self.in_flight.pop(0)
 
     def finish(self, task: int | None = None) -> None:
         """Flushes every open bucket, waits for all and finishes every param
@@ -688,12 +742,12 @@ class _ReplicateBuckets:
             if failure is not None:
                 raise failure
             for _, bucket in in_flight:
-                for pending in bucket.pending:
-                    pending.finish()
+                self._finish_bucket(bucket)
         finally:
             self.open.clear()
             self.in_flight.clear()
             self.sizes_before, self.sizes_now = self.sizes_now, {}
+            self.peak_held_bytes, self._peak_now = self._peak_now, 0
 
     def abandon(self) -> None:
         in_flight, self.in_flight = self.in_flight, []
