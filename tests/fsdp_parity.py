@@ -109,11 +109,15 @@ SCENARIOS: dict[str, Scenario] = {
         stream_ordered=True,
     ),
     "hsdp_2x2_two_groups_per_bucket": Scenario(mesh=(2, 2), bucket_bytes=40 << 10),
-    # bf16 parameters, fp32 reduction, nine param groups of one bucket each:
-    # the shim must finish (cast, .grad) each bucket once its all-reduce is
-    # done, holding a few buckets of fp32 gradients, not the model's.
-    "hsdp_2x2_bf16_deep_small_buckets": Scenario(
-        mesh=(2, 2), mp="bf16", layers=8, steps=4, bucket_bytes=8 << 10
+    # Reduction in another dtype than the gradients' (a cast to finish them),
+    # nine param groups of one bucket each: the shim must finish each bucket
+    # once its all-reduce is done and let its buffer go, holding a few buckets
+    # of reduce-dtype gradients, not the model's (GPU code too).
+    "hsdp_2x2_fp64_reduce_deep_buckets": Scenario(
+        mesh=(2, 2), mp="fp64-reduce", layers=8, steps=4, bucket_bytes=8 << 10
+    ),
+    "hsdp_2x2_fp64_reduce_deep_stream_ordered": Scenario(
+        mesh=(2, 2), mp="fp64-reduce", layers=8, steps=4, bucket_bytes=8 << 10, stream_ordered=True
     ),
     "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),

@@ -126,6 +126,12 @@ def gpu_work_body(rank, world):
     torch.cuda.synchronize()
     assert work.is_completed()
     _check(t, torch.full((2, 4), 3.0), "AVG of a staged non-contiguous tensor")
+    # A barrier that names the device waits for its current stream first, as
+    # NCCL's (an all-reduce there, then a stream synchronize): when it
+    # returns, the GPU work issued before it has run.
+    torch.cuda._sleep(cycles // 10)
+    dist.barrier(device_ids=[rank])
+    assert torch.cuda.current_stream().query(), "the barrier did not wait for the device"
     # Kernels land on the stream that was current: a side stream stays busy,
     # the default stream does not wait for it.
     side = torch.cuda.Stream()

@@ -15,7 +15,8 @@ from hsdp_backend import config
 # Scenarios that exercise the shim itself; gloo has nothing to compare there.
 HSDP_ONLY = {
     "hsdp_2x2_small_buckets",
-    "hsdp_2x2_bf16_deep_small_buckets",
+    "hsdp_2x2_fp64_reduce_deep_buckets",
+    "hsdp_2x2_fp64_reduce_deep_stream_ordered",
     "hsdp_2x2_two_groups_per_bucket",
     "hsdp_2x2_shim_off",
     "hsdp_2x2_shim_incompatible",

@@ -1,5 +1,7 @@
 #include "backend/ProcessGroupHSDP.hpp"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
@@ -1581,13 +1583,35 @@ WorkPtr ProcessGroupHSDP::recvAnysource(std::vector<at::Tensor>& tensors, int ta
 
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   const auto traced = recordCollective(ctx("barrier"), 1, 0);
-  // Barriers synchronise processes, not devices: the CPU engines serve them
-  // whatever devices the group also handles.
+  // NCCL's barrier is an all-reduce on the device followed by a host wait
+  // for the current stream (ProcessGroupNCCL::barrier): when it returns,
+  // every rank's GPU work issued before it has run. On a group that serves
+  // CUDA the same holds here: this rank's current stream is waited for,
+  // then the processes meet on the CPU engine, which serves every barrier.
+  if (auto device = barrierDevice(opts); device && cuda_) {
+    c10::impl::VirtualGuardImpl impl(device->type());
+    impl.getStream(*device).synchronize();
+  }
   if (engine_) {
     return track(
         runShm(OpType::BARRIER, opts.asyncOp, {}, [this] { engine_->barrier("barrier"); }));
   }
   return track(cpu_->finish(OpType::BARRIER, opts.asyncOp, {cpu_->backend().barrier(opts)}, {}));
+}
+
+std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOptions& opts) const {
+  // The device NCCL would pick (dist.barrier's order): the one named by
+  // device_ids, else the group's bound device, else the call's.
+  if (!opts.device_ids.empty()) {
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(opts.device_ids.front()));
+  }
+  if (auto bound = getBoundDeviceId(); bound && bound->is_cuda()) {
+    return bound;
+  }
+  if (opts.device && opts.device->is_cuda()) {
+    return opts.device;
+  }
+  return std::nullopt;
 }
 
 void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {

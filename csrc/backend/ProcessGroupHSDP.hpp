@@ -213,6 +213,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   OpContext ctx(const char* op) const {
     return OpContext{rank_, size_, op};
   }
+  // The CUDA device a barrier orders (as NCCL's would), if any.
+  std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts) const;
   // The inner route that serves tensors on `t`'s device, ready for an op to
   // issue on it (InnerRoute::beforeIssue: after the route's pending
   // post-step). Called before the op stages or reads its tensors.

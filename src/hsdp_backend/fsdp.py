@@ -543,11 +543,14 @@ class _Bucket:
     used: int = 0
     pending: list[_PendingGrads] = field(default_factory=list)
     done: Any = None  # stream-ordered: the event recorded after the all-reduce
+    grads_alias: bool = False  # finished gradients are views of the buffer (no cast)
 
     def held_bytes(self) -> int:
-        """Reduce-dtype bytes the shim holds for this bucket (0 once its
-        gradients are finished: what is left is the gradients' own)."""
-        return self.buffer.numel() * self.buffer.itemsize if self.pending else 0
+        """Reduce-dtype bytes the shim holds for this bucket beyond the
+        gradients' own (0 once finished: dropped, or the gradients' memory)."""
+        if self.buffer is None or self.grads_alias:
+            return 0
+        return self.buffer.numel() * self.buffer.itemsize
 
 
 # Buckets whose all-reduce may be in flight before the oldest is waited for
@@ -698,6 +701,8 @@ class _ReplicateBuckets:
             bucket.done = streams.all_reduce.record_event()
         if bucket.buffer.is_cuda:  # read and written there too, not only where allocated
             bucket.buffer.record_stream(streams.all_reduce)
+        if not bucket.grads_alias:
+            bucket.buffer = None  # cast: free once the all-reduce stream is past the casts
         self.in_flight.append((None, bucket))
 
     @staticmethod
@@ -705,6 +710,8 @@ class _ReplicateBuckets:
         pending, bucket.pending = bucket.pending, []
         for p in pending:
             p.finish()
+            if p.orig_dtype is None or p.orig_dtype == bucket.buffer.dtype:
+                bucket.grads_alias = True
 
     def _finish_completed(self) -> None:
         """CPU: finishes the gradients of buckets whose all-reduce is done,
@@ -771,7 +778,7 @@ def _wait(work, bucket: _Bucket) -> None:
     current = streams.module.current_stream()
     if bucket.done is not None:
         current.wait_event(bucket.done)
-    if bucket.buffer.is_cuda:  # `.grad` views of it are used there from now on
+    if bucket.buffer is not None and bucket.buffer.is_cuda:  # `.grad` views of it are used there
         bucket.buffer.record_stream(current)
 
 
