@@ -92,18 +92,23 @@ def an_fp16_divide_by_is_split_around_the_reduction(rank, world, ref):
 @case
 def a_tensor_factor_reaches_nccl_as_a_tensor_of_the_data_dtype(rank, world, ref):
     """NCCL reads a tensor PREMUL_SUM factor on the device (no host sync, fine
-    under graph capture) and wants the data's dtype; the double refuses
-    another dtype, as ProcessGroupNCCL does."""
-    for dtype in (torch.float32, torch.bfloat16):
-        t = data(rank, 6, dtype)
-        premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))  # fp32, on purpose
-        assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:PREMUL_SUM[tensor]"]
-        check(t, (reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float64) * 0.5).to(dtype), "tensor")
-    # divide_by folds into the tensor factor, still a tensor
+    under graph capture) and wants the data's dtype (the double refuses
+    another, as ProcessGroupNCCL does). The caller's factor of the data's
+    dtype goes as it is; one that would need a copy (another dtype, or a
+    divide_by folded in) is read on the host, since a copy made inside the
+    call would be freed before NCCL's stream reads it."""
+    t = data(rank, 6, torch.float32)
+    premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))
+    assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:PREMUL_SUM[tensor]"]
+    check(t, reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32) * 0.5, "tensor factor")
+    t = data(rank, 6, torch.bfloat16)
+    premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))  # fp32 factor, bf16 data
+    assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:PREMUL_SUM"]
+    check(t, (reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float64) * 0.5).bfloat16(), "bf16")
     t = data(rank, 6, torch.float32)
     premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))
     assert sent_by(lambda: hsdp_backend.all_reduce(t, op=premul, divide_by=4.0)) == [
-        "all_reduce:PREMUL_SUM[tensor]"
+        "all_reduce:PREMUL_SUM"
     ]
     check(t, reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32) / 8, "tensor / divide_by")
 

@@ -53,7 +53,7 @@ DeferredScale DeferredScale::dividedBy(double divisor) const {
     case Kind::Multiply:
       return multiplyBy(value_ / divisor);
     case Kind::MultiplyTensor:
-      return multiplyBy(tensor_ / divisor);
+      return DeferredScale(Kind::MultiplyTensor, 1.0, tensor_ / divisor, /*callersTensor=*/false);
   }
   return *this;
 }
@@ -65,13 +65,18 @@ c10d::ReduceOp DeferredScale::asPreMulSum(at::ScalarType dtype) const {
     case Kind::Multiply:
       return c10d::makePreMulSum(value_);
     case Kind::MultiplyTensor:
-      // NCCL reads a tensor factor on the device itself (ncclScalarDevice),
-      // so it stays a tensor: reading it here would be a device-to-host sync
-      // in the hot path, and an error under CUDA-graph capture. Its dtype
-      // must be the data's ("PreMulSum factor type must match input data
-      // type", ProcessGroupNCCL 2.14.1): converted on the device, in stream
-      // order, and kept alive by the ReduceOp as long as NCCL needs it.
-      return c10d::makePreMulSum(tensor_.scalar_type() == dtype ? tensor_ : tensor_.to(dtype));
+      // NCCL reads a tensor factor on the device itself (ncclScalarDevice)
+      // when the op runs, in the data's dtype ("PreMulSum factor type must
+      // match input data type", ProcessGroupNCCL 2.14.1). The caller's own
+      // factor of that dtype goes as it is: no device-to-host sync in the hot
+      // path, capturable; the caller keeps it alive, as with NCCL itself. A
+      // converted or divided copy made here would be freed when this call
+      // returns, before NCCL's stream reads it: such a factor is read on the
+      // host instead (one sync).
+      if (callersTensor_ && tensor_.scalar_type() == dtype) {
+        return c10d::makePreMulSum(tensor_);
+      }
+      return c10d::makePreMulSum(value());
     case Kind::None:
       break;
   }

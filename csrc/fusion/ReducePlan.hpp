@@ -62,12 +62,13 @@ class DeferredScale {
   void apply(const at::Tensor& t) const;
 
  private:
-  DeferredScale(Kind kind, double value, at::Tensor tensor)
-      : kind_(kind), value_(value), tensor_(std::move(tensor)) {}
+  DeferredScale(Kind kind, double value, at::Tensor tensor, bool callersTensor = true)
+      : kind_(kind), value_(value), tensor_(std::move(tensor)), callersTensor_(callersTensor) {}
 
   Kind kind_;
   double value_;
   at::Tensor tensor_;
+  bool callersTensor_; // tensor_ is the caller's factor, not a copy made here
 };
 
 // "SUM", "AVG", ...: the name torch.distributed.ReduceOp gives `op`.
