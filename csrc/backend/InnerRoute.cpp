@@ -327,7 +327,9 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
 
 c10::intrusive_ptr<WorkOnStream>
 InnerRoute::pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work) {
-  if (hasPost) {
+  // A post-step captured in a CUDA graph runs at each replay, in the graph's
+  // own order: later eager ops have nothing of it to wait for.
+  if (hasPost && !work->captured()) {
     std::lock_guard<std::mutex> lock(mutex_);
     lastPostStep_ = work;
   }

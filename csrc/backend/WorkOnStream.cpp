@@ -58,7 +58,11 @@ WorkOnStream::WorkOnStream(
 
 std::exception_ptr WorkOnStream::exception() const {
   for (const auto& w : inners_) {
-    w->isCompleted(); // asks the communicator, as WorkNCCL::isCompleted does
+    if (!captured_) {
+      // Asks the communicator, as WorkNCCL::isCompleted does (which queries
+      // an event: not allowed on one recorded during graph capture).
+      w->isCompleted();
+    }
     if (auto e = w->exception()) {
       return e;
     }
@@ -104,15 +108,12 @@ void WorkOnStream::synchronize() {
 bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   for (const auto& w : inners_) {
-    // NCCL's own bound (abort and its message on expiry); unbounded, on
-    // CUDA a stream wait. The caller's stream, now current, waiting for
-    // NCCL's makes the tensors NCCL hands back to the allocator safe.
-    w->wait(
-        timeout == kNoTimeout ? kNoTimeout
-                              : std::max(
-                                    std::chrono::milliseconds(0),
-                                    std::chrono::duration_cast<std::chrono::milliseconds>(
-                                        deadline - std::chrono::steady_clock::now())));
+    // NCCL's own bound, counted by NCCL from the op's start (abort and its
+    // message on expiry), so each inner Work gets the caller's timeout as it
+    // is; unbounded, on CUDA a stream wait. The caller's stream, now current,
+    // waiting for NCCL's makes the tensors NCCL hands back to the allocator
+    // safe. Under graph capture a bounded wait is a stream wait too.
+    w->wait(captured_ ? kNoTimeout : timeout);
   }
   if (timeout != kNoTimeout && !captured_) {
     // A bounded wait is a host wait by definition: poll the post-step.

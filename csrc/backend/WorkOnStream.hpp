@@ -62,6 +62,10 @@ class WorkOnStream : public c10d::Work {
 
   // Whether the post-step has run (never blocks).
   bool postStepDone() const;
+  // Issued while its stream was capturing a CUDA graph.
+  bool captured() const {
+    return captured_;
+  }
   // Orders the current stream after the post-step (on host streams: waits
   // for it), as synchronize() does, leaving the Work in flight.
   void orderCurrentStreamAfter();
