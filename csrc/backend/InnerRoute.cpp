@@ -332,11 +332,15 @@ InnerRoute::pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work) {
   if (hasPost && !work->captured()) {
     std::lock_guard<std::mutex> lock(mutex_);
     lastPostStep_ = work;
+    hasPostStep_.store(true, std::memory_order_release);
   }
   return work;
 }
 
 void InnerRoute::beforeIssue() {
+  if (!hasPostStep_.load(std::memory_order_acquire)) {
+    return;
+  }
   c10::intrusive_ptr<WorkOnStream> last;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -349,6 +353,7 @@ void InnerRoute::beforeIssue() {
     std::lock_guard<std::mutex> lock(mutex_);
     if (lastPostStep_ == last) {
       lastPostStep_.reset();
+      hasPostStep_.store(false, std::memory_order_release);
     }
     return;
   }

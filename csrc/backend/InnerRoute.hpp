@@ -35,6 +35,7 @@
 #include "backend/OpQueue.hpp"
 #include "backend/WorkOnStream.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -178,6 +179,10 @@ class InnerRoute {
   std::mutex mutex_;
   std::unique_ptr<OpQueue> completions_;          // CPU async post-steps, made on first use
   c10::intrusive_ptr<WorkOnStream> lastPostStep_; // see beforeIssue()
+  // Whether lastPostStep_ is set: every op asks, and on routes that never
+  // run post-steps on a stream (Gloo, and the shared-memory ops that pick a
+  // route first) the answer needs no lock.
+  std::atomic<bool> hasPostStep_{false};
   bool coalescing_ = false;
   struct Held {
     std::vector<WorkPtr> works; // of the calls inside the block
