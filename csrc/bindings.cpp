@@ -242,6 +242,35 @@ PYBIND11_MODULE(_C, m) {
       py::arg("divide_by") = 1.0,
       py::call_guard<py::gil_scoped_release>());
 
+  // The NCCL-contract double as a group's own backend (tests register it
+  // under a name of their own to model a default group on NCCL). torch calls
+  // perform_nocolor_split on a ProcessGroupNCCL it splits from when this
+  // rank is not in the new group; the double's binding has it as NCCL's has.
+  using NcclContract = hsdp::testing::NcclContractBackend;
+  py::class_<NcclContract, c10d::Backend, c10::intrusive_ptr<NcclContract>> ncclContract(
+      m, "_NcclContractBackend");
+  // Set, not def'd: c10d's Backend may already carry hsdp's Python no-op of
+  // that name (_registration.py), which .def would refuse to overload.
+  ncclContract.attr("perform_nocolor_split") = py::cpp_function(
+      [](NcclContract& self, const at::Device&) { self.joinSplit(NcclContract::kNoColor, 0); },
+      py::name("perform_nocolor_split"),
+      py::is_method(ncclContract),
+      py::call_guard<py::gil_scoped_release>());
+  m.def("_nccl_contract_create", [](c10d::Backend* gloo, int rank, int size) {
+    return c10::make_intrusive<NcclContract>(retain(gloo), rank, size);
+  });
+  m.def(
+      "_nccl_contract_join_split",
+      [](c10d::Backend* parent, int64_t color, int size) {
+        auto* double_ = dynamic_cast<NcclContract*>(parent);
+        TORCH_CHECK_TYPE(double_ != nullptr, "split_from is not the NCCL-contract double");
+        double_->joinSplit(color, size);
+      },
+      py::call_guard<py::gil_scoped_release>());
+  m.def("_is_nccl_contract", [](c10d::Backend* backend) {
+    return dynamic_cast<NcclContract*>(backend) != nullptr;
+  });
+
   // Test hooks of the NCCL-contract double (HSDP_ENGINE=nccl_contract).
   m.def("_nccl_contract_fail_next", [](c10d::Backend* backend, const std::string& message) {
     asNcclContract(backend).failNext(message);

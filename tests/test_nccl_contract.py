@@ -6,6 +6,7 @@ contains ``nccl_contract``: ``pytest tests -k nccl_contract`` selects them."""
 import nccl_contract_cases
 import pytest
 from conftest import NCCL_CONTRACT_WORLDS
+from harness import run_ranks
 
 NAMES = list(nccl_contract_cases.CASES)
 
@@ -14,3 +15,20 @@ NAMES = list(nccl_contract_cases.CASES)
 @pytest.mark.parametrize("name", NAMES)
 def test_nccl_contract(launcher, name, world):
     launcher.check("nccl_contract_cases", NAMES, name, world, env={"HSDP_ENGINE": "nccl_contract"})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "hsdp_under_a_bound_nccl_default",
+        "nccl_under_a_bound_hsdp_default",
+        "a_split_is_collective_over_the_parent",
+    ],
+)
+def test_nccl_contract_splits(body):
+    """Groups created under a device-bound default group (nccl_contract_splits.py)."""
+    import nccl_contract_splits
+
+    run_ranks(
+        getattr(nccl_contract_splits, body), 3, backend=None, env={"HSDP_ENGINE": "nccl_contract"}
+    )

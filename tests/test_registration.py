@@ -196,20 +196,20 @@ def test_inner_nccl_takes_the_users_nccl_options_and_the_groups_fields():
     user = dist.ProcessGroupNCCL.Options()
     user.is_high_priority_stream = True
     user.config.max_ctas = 4
-    got = _registration._inner_nccl_options(_creator_opts(enable_reconfigure=True), user)
+    got = _registration._inner_nccl_options(_creator_opts(enable_reconfigure=True), user, None)
     assert got is user
     assert got.is_high_priority_stream and got.config.max_ctas == 4
     assert got._timeout == datetime.timedelta(seconds=7)
     assert list(got.global_ranks_in_group) == [0, 2] and got.group_name == "g7"
     assert got.enable_reconfigure
-    default = _registration._inner_nccl_options(_creator_opts(), None)
+    default = _registration._inner_nccl_options(_creator_opts(), None, None)
     assert not default.is_high_priority_stream and not default.enable_reconfigure
     # options of another kind are not NCCL's: left alone, defaults used
-    other = _registration._inner_nccl_options(_creator_opts(), object())
+    other = _registration._inner_nccl_options(_creator_opts(), object(), None)
     assert isinstance(other, dist.ProcessGroupNCCL.Options)
     # a split source that is not a ProcessGroupNCCL (an hsdp or gloo parent)
     # is not NCCL's to split: the inner NCCL is built from scratch
-    assert (
-        _registration._inner_nccl_options(_creator_opts(split_from=object()), None).split_from
-        is None
-    )
+    import types
+
+    settings = types.SimpleNamespace(engine="auto")
+    assert _registration._split_parent(_creator_opts(split_from=object()), settings) is None

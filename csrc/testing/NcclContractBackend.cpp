@@ -603,4 +603,47 @@ WorkPtr NcclContractBackend::barrier(const c10d::BarrierOptions& opts) {
   });
 }
 
+void NcclContractBackend::joinSplit(int64_t color, int newSize) {
+  std::vector<at::Tensor> mine{at::full({1}, color, at::kLong)};
+  std::vector<std::vector<at::Tensor>> all(1);
+  for (int r = 0; r < getSize(); ++r) {
+    all[0].push_back(at::empty({1}, at::kLong));
+  }
+  // Gloo's wait is bounded by the group's timeout: a rank that never joins
+  // makes its peers fail here, as NCCL's blocking split would hang them.
+  try {
+    gloo_->allgather(all, mine, c10d::AllgatherOptions())->wait();
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c10::str(
+            "[Rank ",
+            getRank(),
+            "] split: not every rank of the parent joined (color ",
+            color,
+            "): ",
+            e.what()));
+  }
+  if (color == kNoColor) {
+    return;
+  }
+  int joined = 0;
+  for (const auto& t : all[0]) {
+    joined += t.item<int64_t>() == color ? 1 : 0;
+  }
+  if (joined != newSize) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c10::str(
+            "[Rank ",
+            getRank(),
+            "] split: ",
+            joined,
+            " ranks of the parent gave color ",
+            color,
+            ", the new communicator has ",
+            newSize));
+  }
+}
+
 } // namespace hsdp::testing

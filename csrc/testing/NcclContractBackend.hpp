@@ -22,6 +22,9 @@
 //   * point-to-point ops of a pair are ordered, with bounded buffering: an
 //     unbatched symmetric exchange over the bound deadlocks (until the
 //     group's timeout), a batched one (inside a coalescing block) completes;
+//   * a split (a group created with ``split_from``, and a non-member's
+//     perform_nocolor_split) is collective over every rank of the parent:
+//     a rank that does not join blocks its peers until the timeout;
 //   * AVG and PREMUL_SUM are done inside the reduction: floating-point
 //     inputs are pre-multiplied by the factor rounded to their dtype, a
 //     tensor factor must have the data's dtype, integer AVG sums and then
@@ -126,6 +129,17 @@ class NcclContractBackend final : public c10d::Backend {
   WorkPtr recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) override;
   WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   WorkPtr barrier(const c10d::BarrierOptions& opts) override;
+
+  // ncclCommSplit's color for a rank that takes no part in the new group.
+  static constexpr int64_t kNoColor = -1;
+  // This rank's part in a split of this communicator (torch's split_from
+  // with the color of the new group's ranks, or perform_nocolor_split with
+  // kNoColor). ncclCommSplit (NCCL 2.30.7, the one torch 2.14.1 ships) is a
+  // collective over every rank of the parent: each rank blocks until all
+  // have called it, and the ranks that gave one color form one new
+  // communicator. Here: an all-gather of the colors on the parent, then a
+  // check that `color` was given by exactly `newSize` ranks.
+  void joinSplit(int64_t color, int newSize);
 
   // The next op's Work fails with `message` (the op still runs, so the
   // ranks stay in step).

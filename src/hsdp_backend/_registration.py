@@ -20,6 +20,11 @@ def register() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES)
     _allow_new_group_beside_splitting()
+    for name in ("NCCL", "NCCL-LEGACY"):
+        plugin = dist.Backend._plugins.get(name)
+        if plugin is not None:
+            creator = not_split_from_hsdp(plugin.creator_fn)
+            dist.Backend._plugins[name] = plugin._replace(creator_fn=creator)
 
 
 def _allow_new_group_beside_splitting() -> None:
@@ -42,6 +47,33 @@ def _allow_new_group_beside_splitting() -> None:
 
 def _no_color_split_not_needed(backend, device) -> None:
     return None
+
+
+def not_split_from_hsdp(creator):
+    """Wraps a backend creator that can split only from its own kind.
+
+    With a device-bound hsdp default group, torch hands every new group's
+    creator hsdp as the communicator to split from, and NCCL's creator
+    refuses it (``AssertionError("Expected split_from to be
+    ProcessGroupNCCL")``), so ``new_group(backend="nccl")`` and
+    ``init_device_mesh(..., backend_override=...)`` failed. hsdp's
+    non-members take no part in a split (the no-op above), so the new
+    group's members build their communicator from scratch among themselves,
+    as they do under a default group that is not device-bound: correct, at
+    the cost of a communicator set up anew rather than split.
+    """
+
+    def create(opts, backend_options):
+        parent = opts.split_from
+        if parent is not None:
+            from hsdp_backend import _C
+
+            if _C.is_hsdp(parent):
+                opts.split_from = None
+        return creator(opts, backend_options)
+
+    create.__wrapped__ = creator
+    return create
 
 
 def _create_backend(opts, backend_options):
@@ -67,15 +99,18 @@ def _create_backend(opts, backend_options):
     # As torch does for its own Gloo groups: splitting (what builds the
     # inter-host groups) maps the new group's ranks through this list.
     cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
+    settings = config.resolve()
+    parent = _split_parent(opts, settings)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda = dist.ProcessGroupNCCL(
             dist.PrefixStore("hsdp/nccl/", store),
             rank,
             size,
-            _inner_nccl_options(opts, backend_options),
+            _inner_nccl_options(opts, backend_options, parent),
         )
-    settings = config.resolve()
+    elif parent is not None and settings.engine == "nccl_contract":
+        _C._nccl_contract_join_split(parent, _group_color(opts), size)
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
     backend = _C.create_backend(
@@ -94,7 +129,40 @@ def _create_backend(opts, backend_options):
     return backend
 
 
-def _inner_nccl_options(opts, backend_options):
+def _split_parent(opts, settings):
+    """The communicator this group's NCCL is to be split from, or None.
+
+    torch hands the creator one (``opts.split_from``) when the default
+    group is device-bound; its non-members then join the split through
+    ``perform_nocolor_split``, collective over every rank of the parent, so
+    the members must join it too or everyone blocks. A ProcessGroupNCCL (or,
+    in the tests, the NCCL-contract double that stands for one) can be split
+    from; anything else (an hsdp default group: its non-members do nothing)
+    means a communicator of our own.
+    """
+    import torch.distributed as dist
+
+    parent = getattr(opts, "split_from", None)
+    if parent is None:
+        return None
+    if dist.is_nccl_available() and isinstance(parent, dist.ProcessGroupNCCL):
+        return parent
+    if settings.engine == "nccl_contract":
+        from hsdp_backend import _C
+
+        if _C._is_nccl_contract(parent):
+            return parent
+    return None
+
+
+def _group_color(opts) -> int:
+    """The split color torch's own NCCL creator gives this group's ranks."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._process_group_color(list(opts.global_ranks_in_group))
+
+
+def _inner_nccl_options(opts, backend_options, parent):
     """The options of the group's inner ProcessGroupNCCL, as torch's own NCCL
     creator fills them in (distributed_c10d._create_nccl_process_group):
 
@@ -102,30 +170,23 @@ def _inner_nccl_options(opts, backend_options):
       priority streams, ``config``: CTAs, blocking, ...) are the inner NCCL's
       own; options of another kind are not NCCL's and are left alone;
     * the group's timeout, ranks and name, and ``enable_reconfigure``;
-    * when torch hands the creator a ProcessGroupNCCL to split from (a
-      device-bound default group on ``nccl``), it and the color of this
-      group's ranks: the members then take part in the ``ncclCommSplit``
-      that the non-members join through ``perform_nocolor_split``; built
-      from scratch instead, everyone would block.
+    * the ProcessGroupNCCL to split from (``_split_parent``) and the color
+      of this group's ranks.
     """
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
     nccl_opts = backend_options
     if not isinstance(nccl_opts, dist.ProcessGroupNCCL.Options):
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts.is_high_priority_stream = False
     nccl_opts._timeout = opts.timeout
-    ranks = list(opts.global_ranks_in_group)
-    nccl_opts.global_ranks_in_group = ranks
+    nccl_opts.global_ranks_in_group = list(opts.global_ranks_in_group)
     nccl_opts.group_name = str(opts.group_id)
     if getattr(opts, "enable_reconfigure", False):
         nccl_opts.enable_reconfigure = True
-    split_from = getattr(opts, "split_from", None)
-    color = getattr(distributed_c10d, "_process_group_color", None)
-    if isinstance(split_from, dist.ProcessGroupNCCL) and color is not None:
-        nccl_opts.split_from = split_from
-        nccl_opts.split_color = color(ranks)
+    if isinstance(parent, dist.ProcessGroupNCCL):
+        nccl_opts.split_from = parent
+        nccl_opts.split_color = _group_color(opts)
     return nccl_opts
 
 
