@@ -1,6 +1,7 @@
 """The shared-memory engine's C++ tests (tests/cpp: ranks as threads, every
 dtype, op and size against a scalar reference, failures, corrupted segments
-and a seeded mutator) and the backend's OpQueue (nested completion steps),
+and a seeded mutator), the backend's OpQueue (nested completion steps) and
+its flight recorder (ops a device finishes later),
 built and run plain, under ThreadSanitizer and under ASan+UBSan by
 scripts/cpp_tests.sh. Any test failure or sanitizer report fails."""
 

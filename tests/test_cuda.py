@@ -181,6 +181,48 @@ def gpu_work_body(rank, world):
     torch.cuda.synchronize()
 
 
+def trace_body(rank, world):
+    """The flight recorder follows the GPU: NCCL completes a Work's future
+    when the op is enqueued (and a synchronous call returns then), so an op
+    queued behind a long kernel must read "started" in a dump until the GPU
+    has run it; that is what lets ``python -m hsdp_backend.trace`` name the
+    op a GPU hang is stuck in. Both forms: synchronous (no Work) and async
+    with hsdp's own Work (a post-step)."""
+    import json
+    import pathlib
+
+    import torch.distributed as dist
+
+    import hsdp_backend
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.all_reduce(torch.ones(1, device=dev))  # the communicator, made
+    torch.cuda.synchronize()
+    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # ~ one second
+
+    def last_state():
+        [path] = hsdp_backend.dump_trace("asked")
+        return json.loads(pathlib.Path(path).read_text())["entries"][-1]["state"]
+
+    torch.cuda._sleep(cycles)
+    dist.all_reduce(torch.ones(8, device=dev))
+    assert last_state() == "started", "a synchronous op read done before the GPU ran it"
+    torch.cuda.synchronize()
+    assert last_state() == "completed"
+    torch.cuda._sleep(cycles)
+    work = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)
+    assert last_state() == "started", "an async op read done before the GPU ran it"
+    work.wait()
+    torch.cuda.synchronize()
+    assert last_state() == "completed"
+
+
+@one_gpu
+def test_one_gpu_flight_record_follows_the_device(tmp_path):
+    run_ranks(trace_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
+
+
 def fsdp_one_rank_body(rank, world):
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh

@@ -142,6 +142,7 @@ void FlightRecorder::started(uint64_t seq, const char* op, uint64_t bytes) {
   e.endUs = 0;
   e.state = State::Started;
   e.error.clear();
+  e.done = nullptr;
 }
 
 void FlightRecorder::setRoute(uint64_t seq, const char* route) {
@@ -164,6 +165,17 @@ void FlightRecorder::finished(uint64_t seq, const std::string& error) {
     e->endUs = now;
     e->state = error.empty() ? State::Completed : State::Failed;
     e->error = error;
+    e->done = nullptr;
+  }
+}
+
+void FlightRecorder::completesWhen(uint64_t seq, std::function<bool()> done) {
+  if (!enabled()) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (Entry* e = find(seq); e != nullptr && e->state == State::Started) {
+    e->done = std::move(done);
   }
 }
 
@@ -188,8 +200,14 @@ std::string FlightRecorder::dump(const std::string& reason) {
         << ", \"host\": " << jsonString(host) << ", \"reason\": " << jsonString(reason)
         << ", \"dumped_us\": " << nowUs()
         << ", \"where\": " << jsonString(snapshot_ ? snapshot_() : "") << ",\n \"entries\": [";
+    const int64_t now = nowUs();
     std::vector<const Entry*> entries;
-    for (const Entry& e : ring_) {
+    for (Entry& e : ring_) {
+      if (e.done && e.done()) {
+        e.endUs = now;
+        e.state = State::Completed;
+        e.done = nullptr;
+      }
       if (e.seq != 0) {
         entries.push_back(&e);
       }

@@ -51,6 +51,12 @@ class FlightRecorder {
   void setRoute(uint64_t seq, const char* route);
   // `error` empty: completed.
   void finished(uint64_t seq, const std::string& error);
+  // The op was handed to a device that runs it later (NCCL: a Work's future
+  // completes when the op is enqueued): the entry stays "started" until a
+  // dump finds `done()` true (a device event queried then, never polled),
+  // and is "completed" from that dump on. Its end time is when a dump first
+  // saw it done. `done` is dropped when the slot is reused.
+  void completesWhen(uint64_t seq, std::function<bool()> done);
 
   // Writes the ring; returns the file's path, or why it could not be written.
   std::string dump(const std::string& reason);
@@ -72,6 +78,7 @@ class FlightRecorder {
     int64_t endUs = 0;
     State state = State::Started;
     std::string error;
+    std::function<bool()> done; // set: completesWhen(), not yet seen done
   };
   Entry* find(uint64_t seq);      // under mutex_
   std::string pathLocked() const; // under mutex_

@@ -1,5 +1,6 @@
 #include "backend/ProcessGroupHSDP.hpp"
 
+#include <c10/core/Event.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <ATen/ATen.h>
@@ -338,9 +339,28 @@ at::Tensor realView(const at::Tensor& flat) {
 struct PendingEntry {
   const void* group = nullptr;
   uint64_t seq = 0;
-  bool onShm = false; // runShm records its end itself: no future to follow
+  bool onShm = false;                // runShm records its end itself: no future to follow
+  std::optional<c10::Device> device; // a CUDA op's, set by route(): it ends on the device
 };
 thread_local PendingEntry pending;
+
+// "Done" for a flight-recorder entry of an op NCCL runs on `device`: an
+// event recorded on the device's current stream, queried only when a dump
+// is written. Called right after a synchronous call (NCCL orders the
+// caller's stream after the op) or in the Work's future callback, where
+// c10's Future makes the current stream wait for the op's events. None
+// under graph capture, where an event may not be queried: such an entry
+// completes at enqueue.
+std::function<bool()> doneOnDevice(c10::Device device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream stream = impl.getStream(device);
+  if (impl.isStreamCapturing(stream)) {
+    return nullptr;
+  }
+  auto event = std::make_shared<c10::Event>(device.type());
+  event->record(stream);
+  return [event] { return event->query(); };
+}
 
 ShmOptions shmOptionsOf(
     const Config& config,
@@ -509,6 +529,7 @@ WorkPtr ProcessGroupHSDP::runShm(
 InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
   if (t.device().is_cpu()) {
     cpu_->beforeIssue();
+    pending.device.reset();
     return *cpu_;
   }
   if (t.device().is_cuda()) {
@@ -520,6 +541,7 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
         " but this process group was created without CUDA (no GPU was "
         "visible to torch when it was created)");
     cuda_->beforeIssue();
+    pending.device = t.device();
     return *cuda_;
   }
   HSDP_CHECK(
@@ -531,17 +553,29 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
 }
 
 WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
+  auto done = [trace = trace_.get(), device = pending.device](uint64_t seq) {
+    auto onDevice = device ? doneOnDevice(*device) : nullptr;
+    if (onDevice) {
+      trace->completesWhen(seq, std::move(onDevice));
+    } else {
+      trace->finished(seq, "");
+    }
+  };
   if (pending.group == this && !pending.onShm && !work) {
-    // A synchronous call that returns no Work has completed (InnerRoute).
-    trace_->finished(pending.seq, "");
+    // A synchronous call that returns no Work has completed (InnerRoute),
+    // or, on CUDA, is ordered on the caller's stream.
+    if (trace_->enabled()) {
+      done(pending.seq);
+    }
   } else if (pending.group == this && !pending.onShm && trace_->enabled()) {
     // The entry completes with the Work's future, on whatever thread
-    // completes it (at once if it already has).
+    // completes it (at once if it already has; on CUDA, at enqueue: then
+    // on the device, see doneOnDevice).
     try {
       work->getFuture()->addCallback(
-          [trace = trace_, seq = pending.seq](c10::ivalue::Future& f) {
+          [trace = trace_, seq = pending.seq, done](c10::ivalue::Future& f) {
             if (!f.hasError()) {
-              trace->finished(seq, "");
+              done(seq);
               return;
             }
             const std::string error = f.tryRetrieveErrorMessage();
@@ -664,7 +698,7 @@ ProcessGroupHSDP::recordCollective(const OpContext& c, uint64_t collectives, uin
   stats_.record(c.op, collectives, bytes);
   const uint64_t seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
   trace_->started(seq, c.op, bytes);
-  pending = {this, seq};
+  pending = {this, seq, false, pending.device}; // route() may have come first
   return Traced(*this, seq);
 }
 
