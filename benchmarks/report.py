@@ -68,7 +68,7 @@ def print_table(
     columns: Sequence[Column], rows: Sequence[Any], title: str | None = None, markdown: bool = False
 ) -> None:
     """Prints ``rows`` under ``title``: fixed-width columns for the terminal,
-    or, with ``markdown``, a table to paste into the README."""
+    or, with ``markdown``, a table to paste into docs/benchmarks.md."""
     if title is not None:
         print(f"\n{title}")
     if markdown:

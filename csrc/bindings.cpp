@@ -6,7 +6,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/ProcessGroupHSDP.hpp"
+#ifdef HSDP_BUILD_TESTING
 #include "testing/NcclContractBackend.hpp"
+#endif
 
 namespace py = pybind11;
 
@@ -28,12 +30,14 @@ c10::intrusive_ptr<c10d::Backend> retain(c10d::Backend* backend) {
   return c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(backend);
 }
 
+#ifdef HSDP_BUILD_TESTING
 hsdp::testing::NcclContractBackend& asNcclContract(c10d::Backend* backend) {
   auto* double_ = dynamic_cast<hsdp::testing::NcclContractBackend*>(&asHSDP(backend).cpuInner());
   TORCH_CHECK_TYPE(
       double_ != nullptr, "this hsdp group was not created with HSDP_ENGINE=nccl_contract");
   return *double_;
 }
+#endif
 
 // A read-write property of Config whose new value is checked with the rest
 // of the object before it is kept.
@@ -49,6 +53,10 @@ void checkedField(py::class_<hsdp::Config>& cls, const char* name, T hsdp::Confi
         c = std::move(next);
       });
 }
+
+constexpr const char* kNoTestDouble =
+    "HSDP_ENGINE=nccl_contract selects the tests' NCCL-contract double, which this build does not "
+    "have: it is built with -C cmake.define.HSDP_BUILD_TESTING=ON (scripts/setup.sh does)";
 
 } // namespace
 
@@ -125,12 +133,16 @@ PYBIND11_MODULE(_C, m) {
         config.validate();
         std::unique_ptr<hsdp::InnerRoute> cpu;
         if (config.engine == hsdp::Config::Engine::NcclContract) {
+#ifdef HSDP_BUILD_TESTING
           // Tests only: the CPU route runs the code CUDA tensors take.
           cpu = std::make_unique<hsdp::InnerRoute>(
               c10::make_intrusive<hsdp::testing::NcclContractBackend>(
                   retain(cpuBackend), rank, size),
               hsdp::InnerCaps{"nccl_contract", true, true, false, true},
               rank);
+#else
+          TORCH_CHECK_VALUE(false, kNoTestDouble);
+#endif
         } else {
           cpu = std::make_unique<hsdp::InnerRoute>(
               retain(cpuBackend), hsdp::InnerCaps{"gloo", false, false, true}, rank);
@@ -242,6 +254,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("divide_by") = 1.0,
       py::call_guard<py::gil_scoped_release>());
 
+#ifdef HSDP_BUILD_TESTING
   // The NCCL-contract double as a group's own backend (tests register it
   // under a name of their own to model a default group on NCCL). torch calls
   // perform_nocolor_split on a ProcessGroupNCCL it splits from when this
@@ -278,4 +291,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("_nccl_contract_reductions", [](c10d::Backend* backend) {
     return asNcclContract(backend).receivedReductions();
   });
+#endif
 }

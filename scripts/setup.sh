@@ -39,5 +39,5 @@ if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null 
   fi
 fi
 
-build_package "$PY" build/.setup-stamp
+build_package "$PY" build/.setup-stamp -C cmake.define.HSDP_BUILD_TESTING=ON
 echo "[setup] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -25,5 +25,5 @@ ensure_torch "$PY" "$TORCH_REQ"
 ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,expecttest \
   "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy expecttest
 # Its own build tree: never the main venv's build/{wheel_tag}.
-build_package "$PY" "$BUILD_DIR/.setup-stamp" -C "build-dir=$BUILD_DIR"
+build_package "$PY" "$BUILD_DIR/.setup-stamp" -C "build-dir=$BUILD_DIR" -C cmake.define.HSDP_BUILD_TESTING=ON
 echo "[setup-compat] ready: $VENV, $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -23,6 +23,32 @@ def engine_worlds(worlds=(1, 2, 3, 4)):
     ]
 
 
+# The quick tier (`pytest tests -m quick`): every route once (shared memory,
+# hierarchical across pretended hosts, the inner Gloo, the NCCL-contract
+# double), FSDP2 1-D and HSDP with the shim, the launcher, registration and
+# the generated docs. Prefixes of test ids.
+QUICK = (
+    "tests/test_ops.py::test_op[all_reduce_every_op-shm-2]",
+    "tests/test_ops.py::test_op[all_reduce_every_op-gloo-2]",
+    "tests/test_ops.py::test_op[all_reduce_every_op-nccl_contract-2]",
+    "tests/test_ops.py::test_op_across_pretended_hosts[all_reduce_every_op-a,a,b,b]",
+    "tests/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
+    "tests/test_fsdp.py::test_fsdp_parity[hsdp_2x2]",
+    "tests/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
+    "tests/test_nccl_contract.py::test_nccl_contract_splits[nccl_under_a_bound_hsdp_default]",
+    "tests/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
+    "tests/test_registration.py::test_import_torch_registers_hsdp_lazily",
+    "tests/test_config.py",
+    "tests/test_docs.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def flight_records_in_a_temporary_directory():
     # Failing collectives (the fault tests make many) write flight records;

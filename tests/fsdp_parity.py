@@ -318,6 +318,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     import hsdp_backend
     from hsdp_backend import config
     from hsdp_backend import fsdp as shim
+    from hsdp_backend.fsdp import _buckets
 
     s = SCENARIOS[name]
     assert world == s.world, (world, s.world)
@@ -330,9 +331,9 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group_module
 
     original_foreach_reduce = None
-    original_ordering = shim._ordered_by_streams
+    original_ordering = _buckets.ordered_by_streams
     if on_hsdp and s.stream_ordered:
-        shim._ordered_by_streams = lambda device: True
+        _buckets.ordered_by_streams = lambda device: True
     if on_hsdp:
         assert shim.is_enabled(), "the shim should be installed automatically on hsdp"
         if s.bucket_bytes is not None:
@@ -410,7 +411,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             "dispatched_all_reduces": dispatched_all_reduces if on_hsdp else None,
         }
     finally:
-        shim._ordered_by_streams = original_ordering
+        _buckets.ordered_by_streams = original_ordering
         if original_foreach_reduce is not None:
             param_group_module.foreach_reduce = original_foreach_reduce
         if on_hsdp:

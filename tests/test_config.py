@@ -1,5 +1,5 @@
 """The configuration table (src/hsdp_backend/config.py), the settings object
-(hsdp_backend._C.Config, csrc/common/Config.hpp) and README.md agree: every
+(hsdp_backend._C.Config, csrc/common/Config.hpp) and the docs' tables agree: every
 setting has one name, one default (the object's) and one description, every
 ``HSDP_*`` name the tree reads is in the table, and bad values are refused by
 name wherever they enter."""
@@ -16,13 +16,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 FIELD_VARS = [v for v in config.VARS.values() if v.field is not None]
 
 
-def test_readme_table_is_the_generated_one():
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Environment variables") :]
-    section = section[: section.index("\n## ", 1)]
-    table = "\n".join(line for line in section.splitlines() if line.startswith("|")) + "\n"
-    assert table == config.markdown(), (
-        "README.md's table of variables is stale: paste `python -m hsdp_backend.config`'s output"
+def _table(path, heading):
+    text = (ROOT / path).read_text()
+    section = text[text.index(heading) :]
+    end = section.find("\n#", 1)
+    section = section if end < 0 else section[:end]
+    return "\n".join(line for line in section.splitlines() if line.startswith("|")) + "\n"
+
+
+def test_the_docs_tables_are_the_generated_ones():
+    assert _table("docs/configuration.md", "## Variables") == config.markdown(), (
+        "docs/configuration.md's table is stale: paste `python -m hsdp_backend.config`'s output"
+    )
+    assert _table("docs/testing.md", "## Settings of the tests") == config.markdown(("tests",)), (
+        "docs/testing.md's table is stale: paste `python -m hsdp_backend.config --tests`'s output"
     )
 
 

@@ -21,7 +21,7 @@ HSDP_ONLY = {
     "hsdp_2x2_shim_off",
     "hsdp_2x2_shim_incompatible",
 }
-# fp32: the bar. bf16 compute (params and activations in bf16) drifts
+# fp32: the bar set for parity. bf16 compute (params and activations in bf16) drifts
 # from the fp32 reference by rounding, but hsdp and gloo run the same bf16
 # arithmetic and must stay close to each other.
 FP32 = dict(rtol=1e-5, atol=1e-6)

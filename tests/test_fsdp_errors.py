@@ -82,18 +82,18 @@ def test_mesh_mixing_backends_warns_and_stays_correct():
 
 
 def test_torch_outside_the_supported_range_warns():
-    from hsdp_backend import fsdp
+    from hsdp_backend.fsdp import _compat
 
-    assert fsdp._check_torch_version("2.14.1+cu130")
-    assert fsdp._check_torch_version("2.13.0+cpu")
-    fsdp._shim.warned.discard("torch-version")
+    assert _compat._check_torch_version("2.14.1+cu130")
+    assert _compat._check_torch_version("2.13.0+cpu")
+    _compat._shim.warned.discard("torch-version")
     with pytest.warns(
         UserWarning, match=r"torch 2\.12\.0 is outside the supported range 2\.13-2\.14"
     ):
-        assert not fsdp._check_torch_version("2.12.0")
-    fsdp._shim.warned.discard("torch-version")
+        assert not _compat._check_torch_version("2.12.0")
+    _compat._shim.warned.discard("torch-version")
     with pytest.warns(UserWarning, match="HSDP_FSDP=off"):
-        assert not fsdp._check_torch_version("3.0.0")
+        assert not _compat._check_torch_version("3.0.0")
 
 
 def backward_fails_midway(rank, world):
@@ -182,9 +182,9 @@ def nested_backward_body(rank, world):
     import torch
     import torch.distributed as dist
 
-    from hsdp_backend import fsdp as shim
+    from hsdp_backend.fsdp import _buckets, _compat
 
-    buckets = shim._ReplicateBuckets()
+    buckets = _buckets.ReplicateBuckets(bucket_bytes=4 << 20)
     params, seen_after_nested = [], []
 
     def add_group(value: float):
@@ -199,10 +199,10 @@ def nested_backward_body(rank, world):
         in_backward = buckets.begin_add()
         cpu = torch.device("cpu")
         key, out = buckets.reserve(
-            dist.group.WORLD, 1.0, torch.float32, 4, cpu, shim._Streams.of(cpu, None, None)
+            dist.group.WORLD, 1.0, torch.float32, 4, cpu, _buckets.Streams.of(cpu, None, None)
         )
         out.fill_(value)
-        buckets.add(key, shim._PendingGrads([fsdp_param], [4], torch.float32, out), in_backward)
+        buckets.add(key, _compat.PendingGrads([fsdp_param], [4], torch.float32, out), in_backward)
         params.append(param)
 
     class OuterThenNested(torch.autograd.Function):

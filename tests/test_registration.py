@@ -105,7 +105,7 @@ def test_init_process_group_finds_hsdp_without_import_or_autoload(tmp_path):
     reason="covered by test_init_process_group_finds_hsdp_without_import_or_autoload",
 )
 def test_autoload_off_needs_the_import_before_torch_2_14(tmp_path):
-    # What the README says: on torch 2.13 with TORCH_DEVICE_BACKEND_AUTOLOAD=0
+    # What docs/versions.md says: on torch 2.13 with TORCH_DEVICE_BACKEND_AUTOLOAD=0
     # nothing registers "hsdp" until `import hsdp_backend`.
     env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     proc = init_process_group(tmp_path, env=env)

@@ -4,7 +4,7 @@ tree), then a representative subset of this suite runs there with that
 venv's pytest: registration (with and without an import), the ops and fusion
 cases on each engine at one world size each, FSDP2 parity, the launcher.
 About 2 minutes of setup on a fresh clone (seconds on a second run) and a few
-minutes of tests, inside CI's budget (see README, "Supported versions")."""
+minutes of tests, inside CI's budget (see docs/versions.md)."""
 
 import os
 import re

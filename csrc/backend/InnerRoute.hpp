@@ -44,7 +44,7 @@
 #include <vector>
 
 // torch 2.14 added Backend::Options::clone() and made Backend::setBoundDeviceId
-// virtual; torch 2.13 has neither (the oldest torch supported, see README).
+// virtual; torch 2.13 has neither (the oldest torch supported, see docs/versions.md).
 #define HSDP_TORCH_AT_LEAST_2_14                                                                   \
   (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14))
 

@@ -3,7 +3,7 @@
 // Every setting of hsdp, as one object: src/hsdp_backend/config.py resolves
 // the HSDP_* environment variables into it (bound as hsdp_backend._C.Config)
 // and hands it to each new process group. The defaults below are the only
-// copy of them: config.py's table and the README show these.
+// copy of them: config.py's table and docs/configuration.md show these.
 //
 // Setting a field through `set` (what the Python binding does) checks it and
 // throws std::invalid_argument naming the field and what it expects; a

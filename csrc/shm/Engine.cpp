@@ -1,82 +1,21 @@
 #include "shm/Engine.hpp"
 
+#include "shm/Detail.hpp"
 #include "shm/Reduce.hpp"
 
-#include <immintrin.h>
-#include <linux/futex.h>
-#include <sched.h>
-#include <signal.h>
-#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <climits>
 #include <cstring>
-#include <fstream>
 #include <thread>
 
 namespace hsdp::shm {
 
+using namespace detail;
+
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-void futexWait(std::atomic<uint32_t>* word, uint32_t expected, std::chrono::nanoseconds timeout) {
-  struct timespec ts;
-  ts.tv_sec = static_cast<time_t>(timeout.count() / 1000000000);
-  ts.tv_nsec = static_cast<long>(timeout.count() % 1000000000);
-  // Not FUTEX_PRIVATE_FLAG: the waker is another process mapping the same
-  // page. (std::atomic::wait uses private futexes and would never wake.)
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-
-void futexWakeAll(std::atomic<uint32_t>* word) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-// A pid that no longer runs: gone (ESRCH) or a zombie nobody reaped yet.
-bool processGone(int32_t pid) {
-  if (pid <= 0) {
-    return false; // not yet published: the peer is still starting
-  }
-  if (kill(pid, 0) != 0 && errno == ESRCH) {
-    return true;
-  }
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string content;
-  std::getline(stat, content);
-  const auto close = content.rfind(')');
-  if (close == std::string::npos || close + 2 >= content.size()) {
-    return false;
-  }
-  const char state = content[close + 2];
-  return state == 'Z' || state == 'X';
-}
-
-std::string peerExited(const std::string& rank, int32_t pid) {
-  return rank + " (pid " + std::to_string(pid) + ") exited before finishing this collective";
-}
-
-const char* kindName(uint32_t kind) {
-  switch (kind) {
-    case 1:
-      return "all_gather";
-    case 2:
-      return "reduce_scatter";
-    case 3:
-      return "all_reduce";
-    case 4:
-      return "broadcast";
-    case 5:
-      return "barrier";
-    case 6:
-      return "all_gather_coalesced";
-    default:
-      return "an unknown collective";
-  }
-}
 
 std::string describe(const Signature& s) {
   std::string out = std::string(kindName(s.kind)) + "(count=" + std::to_string(s.count);
@@ -93,35 +32,6 @@ std::string describe(const Signature& s) {
   return out + ") as its engine op #" + std::to_string(s.opSeq);
 }
 
-// memcpy for buffers that may be empty: an empty tensor's data pointer may be
-// null, and memcpy from or to null is undefined even for 0 bytes.
-inline void copyBytes(void* dst, const void* src, size_t n) {
-  if (n > 0) {
-    std::memcpy(dst, src, n);
-  }
-}
-
-// The tail of every error about a value in the segment that hsdp never
-// writes: a stray writer (a bug elsewhere, or a process that mapped the
-// segment) rather than a peer that called something else.
-constexpr const char* kCorrupted =
-    ": the shared-memory segment holds a value hsdp never writes (was it overwritten?); create "
-    "a new process group";
-
-// Makes bytes another process wrote safe to print: messages and flight
-// records are text.
-void makePrintable(char* text) {
-  for (char* c = text; *c != '\0'; ++c) {
-    if (*c < 32 || *c > 126) {
-      *c = '?';
-    }
-  }
-}
-
-size_t ceilDiv(size_t a, size_t b) {
-  return (a + b - 1) / b;
-}
-
 } // namespace
 
 bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
@@ -136,6 +46,7 @@ bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
 
 Engine::Engine(Segment segment, int rank, EngineConfig config)
     : segment_(std::move(segment)), rank_(rank), size_(segment_.nranks()), config_(config) {
+  static_assert(std::size(kKindNames) == static_cast<size_t>(Kind::AllGatherPieces) + 1);
   reinterpret_cast<std::atomic<int32_t>*>(&segment_.control(rank_).pid)
       ->store(static_cast<int32_t>(getpid()), std::memory_order_release);
 }
@@ -255,14 +166,6 @@ Engine::begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop,
       seq);
 }
 
-void Engine::wake() {
-  Header& h = segment_.header();
-  h.wakeSeq.fetch_add(1, std::memory_order_seq_cst);
-  if (h.sleepers.load(std::memory_order_seq_cst) > 0) {
-    futexWakeAll(&h.wakeSeq);
-  }
-}
-
 std::atomic<uint64_t>& Engine::counter(int q, Counter which) const {
   RankControl& c = segment_.control(q);
   return which == Counter::Posted ? c.posted : which == Counter::Reduced ? c.reduced : c.done;
@@ -320,157 +223,6 @@ void Engine::abort(const std::string& why) {
 void Engine::fail(const OpState& op, const std::string& what) {
   markBroken(prefix(op.name) + what);
   throw CommError(prefix(op.name) + what);
-}
-
-int32_t Engine::peerPid(int q) const {
-  if (!pids_.empty()) {
-    return pids_[q];
-  }
-  return reinterpret_cast<const std::atomic<int32_t>*>(&segment_.control(q).pid)
-      ->load(std::memory_order_acquire);
-}
-
-uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
-  const uint64_t v = counter(q, which).load(std::memory_order_acquire);
-  // A peer posts step t only after every rank, this one included, posted
-  // t - 1, and its other counters never pass its own posted: no counter can
-  // exceed this rank's posted step + 1. Anything larger was not written by
-  // hsdp, and would let this rank read a slot before its data is there.
-  if (v > posted_ + 1) {
-    fail(
-        op,
-        rankName(q) + "'s " + counterName(which) + " counter reads " + std::to_string(v) +
-            ", but no rank can be past step " + std::to_string(posted_ + 1) +
-            " while this rank has posted step " + std::to_string(posted_) + kCorrupted);
-  }
-  return v;
-}
-
-void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
-  int laggard = 0;
-  auto ready = [&]() {
-    for (int i = 0; i < size_; ++i) {
-      if (loadCounter(op, which, laggard) < target) {
-        return false;
-      }
-      laggard = (laggard + 1) % size_;
-    }
-    return true;
-  };
-  Header& h = segment_.header();
-  // A failure of this rank's own op has already thrown; anything else that
-  // broke the group (a peer's failure, or this rank's abort from another
-  // thread) ends this wait too.
-  auto checkBroken = [&]() {
-    const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
-    if (by != 0) {
-      throw CommError(prefix(op.name) + "this collective cannot complete: " + brokenBy());
-    }
-  };
-  if (ready()) {
-    return;
-  }
-  // Not ready at once: published for peers' messages until the wait ends
-  // (a wait that passes at once publishes nothing).
-  op.at(
-      which == Counter::Posted        ? Activity::WaitingPosted
-          : which == Counter::Reduced ? Activity::WaitingReduced
-                                      : Activity::WaitingDone);
-  struct Working {
-    const OpState& op;
-    ~Working() {
-      op.at(Activity::Working);
-    }
-  } working{op};
-  // Spin first: a peer a few microseconds behind is cheaper to wait for
-  // than a futex round trip.
-  const auto spinUntil = Clock::now() + config_.spin;
-  while (Clock::now() < spinUntil) {
-    for (int i = 0; i < 64; ++i) {
-      _mm_pause();
-    }
-    if (ready()) {
-      return;
-    }
-  }
-  if (yieldPause_ > 0) {
-    --yieldPause_;
-  } else if (config_.yield.count() > 0) {
-    // When ranks share cores (more ranks than cores, or other processes on
-    // them), the rank this one waits for may be waiting for this core: a
-    // yield hands it over at once, where a futex sleep costs a wake-up (4
-    // ranks on 2 cores: an 8-byte all_reduce 2 us instead of 30). But a
-    // process outside the group that wants the core keeps it for a whole
-    // time slice (milliseconds) after a yield; a yield that took that long
-    // says such a process is here, and yielding pauses for a while.
-    for (const auto until = Clock::now() + config_.yield;;) {
-      const auto before = Clock::now();
-      sched_yield();
-      const auto after = Clock::now();
-      if (ready()) {
-        return;
-      }
-      if (after - before > kForeignSlice) {
-        yieldPause_ = kYieldPauseWaits;
-        break;
-      }
-      if (after >= until || h.brokenBy.load(std::memory_order_acquire) != 0) {
-        break; // the sleeping loop below reports a broken group
-      }
-    }
-  }
-  // Announces this rank as a sleeper for as long as it exists, so that an
-  // exception thrown while announced does not leave the count raised.
-  struct Sleeping {
-    std::atomic<uint32_t>& sleepers;
-    explicit Sleeping(std::atomic<uint32_t>& s) : sleepers(s) {
-      sleepers.fetch_add(1, std::memory_order_seq_cst);
-    }
-    ~Sleeping() {
-      sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  };
-  constexpr auto kSlice = std::chrono::milliseconds(50);
-  while (true) {
-    {
-      const uint32_t seq = h.wakeSeq.load(std::memory_order_seq_cst);
-      Sleeping sleeping(h.sleepers);
-      // Re-check after announcing ourselves: a publisher that bumped wakeSeq
-      // before our load is visible now; one that bumps it later changes the
-      // futex word, so the wait below returns at once.
-      if (ready()) {
-        return;
-      }
-      const auto now = Clock::now();
-      if (now >= op.deadline) {
-        // "Timed out", as gloo words it: code that matches gloo's timeout
-        // message (PyTorch's own tests do) matches this one.
-        fail(
-            op,
-            "Timed out after " + std::to_string(config_.timeout.count()) + " ms waiting for " +
-                rankName(laggard) + " (it has not reached step " + std::to_string(target) +
-                " of the group; is it stuck, or did it call a different collective?). " +
-                whereEveryRankIs());
-      }
-      futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
-    }
-    if (ready()) {
-      return;
-    }
-    checkBroken();
-    for (int q = 0; q < size_; ++q) {
-      if (loadCounter(op, which, q) < target) {
-        const int32_t pid = peerPid(q);
-        // Read the counter again once the peer is known gone: it may have
-        // reached the target and exited in between (it finished its part of
-        // the program's last collective and left), and a gone process can
-        // no longer move it. Only a peer gone short of the target is lost.
-        if (processGone(pid) && loadCounter(op, which, q) < target) {
-          fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
-        }
-      }
-    }
-  }
 }
 
 void Engine::checkSignatures(const OpState& op, uint64_t step) {
@@ -758,99 +510,6 @@ void Engine::reduceScatter(
           r == rank_ ? in + (rank_ * n + off) * es : segment_.slot(r, slot) + rank_ * len * es;
     }
     reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale);
-    publish(Counter::Done, s);
-    step_ = s;
-  }
-}
-
-void Engine::allReduce(
-    const char* name,
-    void* data,
-    size_t n,
-    DType dtype,
-    RedOp redop,
-    Scale scale) {
-  auto op = begin(name, Kind::AllReduce, n, dtype, redop, -1);
-  const size_t es = dtypeSize(dtype);
-  auto* buf = static_cast<char*>(data);
-  std::vector<const void*> srcs(size_);
-  if (n * es <= std::min(config_.oneShotBytes, slotBytes())) {
-    // One round: every rank reduces all of it from every slot.
-    const uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf, n * es); });
-    for (int r = 0; r < size_; ++r) {
-      srcs[r] = segment_.slot(r, slot);
-    }
-    reduce(buf, srcs.data(), size_, n, dtype, redop, scale);
-    publish(Counter::Done, s);
-    step_ = s;
-    return;
-  }
-  // Two rounds per step: rank q reduces part q of the step's piece, then
-  // everyone collects every part. Parts are whole cache lines.
-  const size_t piece = slotBytes() / es;
-  const size_t unit = std::max<size_t>(1, kCacheLine / es);
-  const size_t steps = ceilDiv(n, piece);
-  op.steps = static_cast<uint32_t>(steps);
-  if (readsDirectly(n * es, config_.directAllReduceBytes)) {
-    // Part q of my data is read by nobody but me, so it is not copied in;
-    // I reduce it in place in my own buffer, and peers read the result
-    // from there directly. The call returns once they have.
-    uint64_t last = step_;
-    for (size_t k = 0; k < steps; ++k) {
-      const size_t off = k * piece;
-      const size_t len = std::min(piece, n - off);
-      const size_t units = ceilDiv(len, unit);
-      auto partBegin = [&](int q) { return std::min(len, units * q / size_ * unit); };
-      const size_t a = partBegin(rank_), b = partBegin(rank_ + 1);
-      const uint64_t s = step_ + 1;
-      char* mine = buf + off * es;
-      op.sig.sourceAddress = reinterpret_cast<uint64_t>(mine);
-      const int slot = post(op, s, [&](char* dst) {
-        copyBytes(dst, mine, a * es);
-        copyBytes(dst + b * es, mine + b * es, (len - b) * es);
-      });
-      for (int r = 0; r < size_; ++r) {
-        srcs[r] = r == rank_ ? mine + a * es : segment_.slot(r, slot) + a * es;
-      }
-      reduce(mine + a * es, srcs.data(), size_, b - a, dtype, redop, scale);
-      publish(Counter::Reduced, s);
-      waitAll(op, Counter::Reduced, s);
-      for (int i = 1; i < size_; ++i) {
-        const int q = (rank_ + i) % size_;
-        const size_t qa = partBegin(q), qb = partBegin(q + 1);
-        readPeer(
-            op,
-            q,
-            segment_.control(q).sig[slot].sourceAddress + qa * es,
-            mine + qa * es,
-            (qb - qa) * es);
-      }
-      publish(Counter::Done, s);
-      step_ = last = s;
-    }
-    waitAll(op, Counter::Done, last);
-    return;
-  }
-  for (size_t k = 0; k < steps; ++k) {
-    const size_t off = k * piece;
-    const size_t len = std::min(piece, n - off);
-    const size_t units = ceilDiv(len, unit);
-    auto partBegin = [&](int q) { return std::min(len, units * q / size_ * unit); };
-    const uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf + off * es, len * es); });
-    const size_t a = partBegin(rank_), b = partBegin(rank_ + 1);
-    for (int r = 0; r < size_; ++r) {
-      srcs[r] = segment_.slot(r, slot) + a * es;
-    }
-    reduce(segment_.slot(rank_, slot) + a * es, srcs.data(), size_, b - a, dtype, redop, scale);
-    publish(Counter::Reduced, s);
-    waitAll(op, Counter::Reduced, s);
-    for (int i = 0; i < size_; ++i) {
-      const int q = (rank_ + i) % size_;
-      const size_t qa = partBegin(q), qb = partBegin(q + 1);
-      copyBytes(buf + (off + qa) * es, segment_.slot(q, slot) + qa * es, (qb - qa) * es);
-    }
     publish(Counter::Done, s);
     step_ = s;
   }

@@ -61,6 +61,18 @@ namespace hsdp::shm {
 
 // The backend fills it from hsdp::Config (common/Config.hpp: the settings
 // and their defaults); the engine's tests set every field themselves.
+// How an all-reduce moves its data (AllReduce.cpp): in one round through
+// the slots (small messages), in two rounds through the slots, or in two
+// rounds where peers read each rank's reduced part from its own buffer.
+enum class AllReduceAlgorithm { OneShot, Slots, Direct };
+
+struct EngineConfig;
+// The algorithm for a message of `bytes` per rank: a pure function of the
+// size and the group's settings (rank 0's on every rank), so every rank of a
+// call picks the same one. `directReads`: peers may read each other's memory.
+AllReduceAlgorithm
+selectAllReduce(size_t bytes, size_t slotBytes, const EngineConfig& config, bool directReads);
+
 struct EngineConfig {
   std::chrono::milliseconds timeout{0};
   // How long a wait spins before it sleeps on the futex.
@@ -171,6 +183,7 @@ class Engine {
   void abort(const std::string& why);
 
  private:
+  // Named in messages by detail::kKindNames (same values).
   enum class Kind : uint32_t {
     AllGather = 1,
     ReduceScatter,
@@ -253,6 +266,10 @@ class Engine {
       const std::function<void(char*, size_t, size_t)>& fill,
       const std::function<void(int, size_t, size_t)>& drain);
   void wake();
+  // The all-reduce's algorithms (selectAllReduce picks one).
+  void allReduceOneShot(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
+  void allReduceSlots(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
+  void allReduceDirect(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
 
   Segment segment_;
   const int rank_;

@@ -2,7 +2,7 @@
 
 ``import hsdp_backend`` registers the backend name ``hsdp`` with
 ``torch.distributed``; then ``dist.init_process_group("hsdp")`` (or any group
-created on top of it) runs its collectives through hsdp. See README.md.
+created on top of it) runs its collectives through hsdp. See README.md and docs/.
 
 This module is also imported by torch itself while ``import torch`` runs (the
 autoload entry point lives in this package), so it must stay import-safe: it

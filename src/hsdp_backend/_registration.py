@@ -100,6 +100,12 @@ def _create_backend(opts, backend_options):
     # inter-host groups) maps the new group's ranks through this list.
     cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
     settings = config.resolve()
+    if settings.engine == "nccl_contract" and not hasattr(_C, "_nccl_contract_create"):
+        raise ValueError(
+            "HSDP_ENGINE=nccl_contract selects the tests' NCCL-contract double, which this "
+            "build does not have: it is built with -C cmake.define.HSDP_BUILD_TESTING=ON "
+            "(scripts/setup.sh does)"
+        )
     parent = _split_parent(opts, settings)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():

@@ -9,9 +9,10 @@ HSDP_SHM_SLOT_BYTES='100': slot_bytes: expected ...``.
 
 The test suite's own settings sit in the table's last section (``tests``):
 they steer the test and benchmark tools, not the package, so they are read
-one at a time with :func:`read` and keep their defaults here. README.md's
-table is generated from this one (``python -m hsdp_backend.config``), and
-``tests/test_config.py`` holds the two together.
+one at a time with :func:`read` and keep their defaults here. The tables of
+docs/configuration.md and docs/testing.md are generated from this one
+(``python -m hsdp_backend.config [--tests]``), and ``tests/test_config.py``
+holds them together.
 
 Importing this module stays cheap (no torch): only resolving imports ``_C``.
 """
@@ -234,11 +235,16 @@ def default_text(var: Var) -> str:
     return var.show(getattr(_C.Config(), var.field))
 
 
-def markdown() -> str:
-    """README.md's table of the variables, section by section."""
+USER_SECTIONS = ("engine", "trace", "fsdp", "launcher")
+
+
+def markdown(sections=USER_SECTIONS) -> str:
+    """The table of the variables of ``sections``, section by section:
+    docs/configuration.md's (what users set, the default) and
+    docs/testing.md's (``("tests",)``)."""
     lines = ["| variable | default | meaning |", "|---|---|---|"]
-    for section, title in SECTIONS.items():
-        lines.append(f"| **{title}** | | |")
+    for section in sections:
+        lines.append(f"| **{SECTIONS[section]}** | | |")
         for var in VARS.values():
             if var.section == section:
                 default = default_text(var)
@@ -247,4 +253,6 @@ def markdown() -> str:
 
 
 if __name__ == "__main__":
-    print(markdown(), end="")
+    import sys
+
+    print(markdown(("tests",) if sys.argv[1:] == ["--tests"] else USER_SECTIONS), end="")

@@ -1,0 +1,101 @@
+"""FSDP2 (``fully_shard``) on hsdp: HSDP gradients with one division and
+replicate all-reduces bucketed across param groups.
+
+What FSDP2 does on its own, per param group and backward (``foreach_reduce``
+in torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py):
+
+* 1-D FSDP: one reduce-scatter with AVG (or PREMUL_SUM for a custom divide
+  factor). On hsdp that already is the fused primitive: one collective over
+  the group's flat gradient buffer, the division folded into the reduction's
+  single scaling step. The shim leaves this path alone.
+* HSDP (2-D mesh): a reduce-scatter with AVG over the shard group, then an
+  all-reduce with AVG over the replicate group, per param group: two
+  divisions (two roundings) and one small replicate all-reduce per group.
+
+What the shim changes, for HSDP when both groups run on hsdp:
+
+1. FSDP2's own reduce-scatter runs with SUM (its force-sum path with the
+   division withheld) and its output is allocated straight inside a
+   replicate bucket: a flat buffer of ``HSDP_FSDP_BUCKET_BYTES`` that
+   collects consecutive param groups' gradient shards.
+2. A full bucket is all-reduced over the replicate group at once, in place,
+   while autograd computes the next blocks' gradients: on CPU as one
+   asynchronous collective that hsdp runs on its own thread; on a GPU on
+   FSDP2's all-reduce stream after it waited for the reduce-scatter stream
+   (buckets are allocated under the reduce-scatter stream, which writes
+   them), with an event recorded behind it.
+3. After the backward's last param group (an autograd final callback, queued
+   behind FSDP2's own) the last bucket is flushed, every bucket is waited for
+   and each param group's gradient is finished as FSDP2 would: viewed out of
+   the bucket, cast to the gradient dtype, assigned or accumulated into
+   ``.grad``. The division by shard x replicate size (or the factor from
+   ``set_gradient_divide_factor``) happens once, as the all-reduce's
+   PREMUL_SUM factor (NCCL applies it inside the reduction, factor and
+   products in the reduce dtype; hsdp's engine in fp32, one rounding). The all-reduces go through ``dist.all_reduce``, so
+   c10d's dispatcher (CommDebugMode, the profiler) sees them. On CPU
+   gradients are complete when ``loss.backward()`` returns; on a GPU the
+   current stream then waits on the last bucket's event, as FSDP2's own
+   final callback does: the host never synchronises.
+
+FSDP2 offers no public hook that can defer a param group's gradients to a
+later bucket (``set_all_reduce_hook`` runs after the native all-reduce, and
+FSDP2 assigns ``.grad`` as soon as it returns), so the shim wraps the one
+internal function FSDP2 calls per param group, ``foreach_reduce``, as
+imported by ``_fsdp_param_group``. It checks that function's parameters and
+``FSDPParam.to_sharded_dtensor`` when it installs; when they differ
+(another torch version) it warns once and leaves FSDP2's native path, which
+is correct on hsdp. Per call it also takes FSDP2's path, unchanged, when:
+the device is neither CPU nor CUDA, a user all-reduce hook is set, the reduce dtype is
+fp16 (FSDP2 pre-divides to avoid overflow), parameters are offloaded, or the
+mesh mixes hsdp with another backend (warned once).
+
+The shim is installed automatically when an hsdp process group is created
+(``HSDP_FSDP=off`` disables it), or explicitly with :func:`enable`; :func:`disable`
+undoes every patch it made. ``_compat`` is the one module that touches
+FSDP2's internals; ``_buckets`` plans and tracks the buckets without them.
+"""
+
+from __future__ import annotations
+
+from hsdp_backend import _post_import
+from hsdp_backend.fsdp import _compat
+
+__all__ = ["enable", "disable", "is_enabled", "install_automatically"]
+
+# The process-wide state (tests read its warnings and buckets).
+_shim = _compat._shim
+
+
+def enable(bucket_bytes: int | None = None) -> bool:
+    """Installs the shim for every FSDP2 module in this process.
+
+    Args:
+        bucket_bytes: capacity of one replicate all-reduce bucket; None keeps
+            the current one (``HSDP_FSDP_BUCKET_BYTES`` until set).
+
+    Returns:
+        True when installed; False (with a warning) when this torch's FSDP2
+        internals differ from those the shim was written for, in which case
+        FSDP2 keeps its native reduction path, which is correct on hsdp.
+    """
+    return _compat.install(bucket_bytes)
+
+
+def disable() -> None:
+    """Restores FSDP2's own functions. Call between iterations (buckets not yet
+    finished are dropped)."""
+    _compat.uninstall()
+
+
+def is_enabled() -> bool:
+    """Whether the shim is installed in this process."""
+    return _compat.installed()
+
+
+def install_automatically(settings) -> None:
+    """Called for every hsdp process group with its settings (a
+    ``config.resolve()``): enables the shim once FSDP2 is imported (now, or
+    when the process imports it), unless ``HSDP_FSDP=off``."""
+    if not settings.fsdp_shim:
+        return
+    _post_import.when_imported(_compat._PARAM_GROUP_MODULE, lambda _module: enable())

@@ -1,0 +1,420 @@
+"""The FSDP2 shim's one contact with FSDP2's internals (torch 2.13-2.14).
+
+Everything that names an FSDP2 internal lives here: the modules and the
+function the shim wraps (``foreach_reduce`` as ``_fsdp_param_group`` imports
+it), the signature it checks before wrapping, the wrappers of
+``FSDPParamGroup._init_mp_dtypes`` and ``FSDPModule.reset_iter_state``,
+FSDP2's padding of a shard, its allocation order inside ``foreach_reduce``
+and its gradient tail (cast, per-parameter views, ``.grad``, hooks:
+``PendingGrads.finish``). The buckets (``_buckets``) see none of it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hsdp_backend import config
+from hsdp_backend.fsdp._buckets import ReplicateBuckets, Streams
+
+_PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+_FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
+
+# foreach_reduce's parameters as of torch 2.9-2.14; the shim calls the
+# original by these names.
+_FOREACH_REDUCE_PARAMS = (
+    "fsdp_params",
+    "unsharded_grads",
+    "reduce_scatter_group",
+    "reduce_scatter_stream",
+    "reduce_scatter_comm",
+    "orig_dtype",
+    "reduce_dtype",
+    "device",
+    "gradient_divide_factor",
+    "all_reduce_group",
+    "all_reduce_stream",
+    "all_reduce_grads",
+    "partial_reduce_output",
+    "all_reduce_hook",
+    "force_sum_reduction_for_comms",
+)
+TESTED_TORCH = "2.14"
+# FSDP2's custom-comm extension points, which foreach_reduce's signature above
+# assumes, arrived in 2.9; pyproject.toml requires the same.
+SUPPORTED_TORCH = ((2, 13), (2, 14))
+
+
+class _Shim:
+    """Process-wide state: the original function and the open buckets."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.original = None  # FSDP2's foreach_reduce while the shim is installed
+        self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
+        self.original_reset_iter_state = None  # FSDPModule.reset_iter_state, likewise
+        self.warned: set[str] = set()
+        self.buckets = ReplicateBuckets()  # its bucket_bytes: 0 until the first install
+
+
+def install(bucket_bytes: int | None) -> bool:
+    """Wraps FSDP2's foreach_reduce (and _init_mp_dtypes) for this process;
+    False, with one warning, when FSDP2's internals are not those the shim
+    was written for. See hsdp_backend.fsdp.enable."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+
+    buckets = _shim.buckets
+    if bucket_bytes is not None:
+        buckets.bucket_bytes = int(bucket_bytes)
+    elif not buckets.bucket_bytes:  # first install; later automatic calls keep a user's choice
+        buckets.bucket_bytes = config.resolve().fsdp_bucket_bytes
+    with _shim.lock:
+        if _shim.original is not None:
+            return True
+        _check_torch_version(torch.__version__)
+        problem = _incompatibility(module)
+        if problem is not None:
+            _warn_once(
+                "incompatible",
+                f"hsdp_backend.fsdp: {problem} (the shim was written for torch {TESTED_TORCH}, this is "
+                f"torch {torch.__version__}). FSDP2 keeps its native reduction, which is correct on hsdp "
+                "but all-reduces each param group separately and divides twice under HSDP.",
+            )
+            return False
+        _shim.original = module.foreach_reduce
+        module.foreach_reduce = _foreach_reduce
+        param_group = module.FSDPParamGroup
+        if hasattr(param_group, "_init_mp_dtypes") and _shim.original_init_mp_dtypes is None:
+            _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
+            param_group._init_mp_dtypes = _init_mp_dtypes
+    return True
+
+
+def uninstall() -> None:
+    """Puts FSDP2's own functions back; unfinished buckets are dropped."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+
+    _shim.buckets.abandon()
+    with _shim.lock:
+        if _shim.original is not None:
+            module.foreach_reduce = _shim.original
+            _shim.original = None
+        if _shim.original_init_mp_dtypes is not None:
+            module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
+            _shim.original_init_mp_dtypes = None
+        if _shim.original_reset_iter_state is not None:
+            sys.modules[
+                _FULLY_SHARD_MODULE
+            ].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
+            _shim.original_reset_iter_state = None
+
+
+def installed() -> bool:
+    return _shim.original is not None
+
+
+def _check_torch_version(version: str) -> bool:
+    """Warns once when ``version`` is outside the range hsdp was built and
+    tested for. The shim still decides by feature checks, not by version."""
+    try:
+        major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        major_minor = None
+    low, high = SUPPORTED_TORCH
+    if major_minor is not None and low <= major_minor <= high:
+        return True
+    _warn_once(
+        "torch-version",
+        f"hsdp_backend.fsdp: torch {version} is outside the supported range "
+        f"{low[0]}.{low[1]}-{high[0]}.{high[1]} (tested: {TESTED_TORCH}). The FSDP2 shim is used only if "
+        "FSDP2's internals match what it expects; install a supported torch, or set HSDP_FSDP=off to "
+        "keep FSDP2's own reduction path.",
+    )
+    return False
+
+
+def _incompatibility(module) -> str | None:
+    function = getattr(module, "foreach_reduce", None)
+    if function is None:
+        return "FSDP2's _fsdp_param_group.foreach_reduce is missing"
+    try:
+        names = tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return "FSDP2's foreach_reduce has no inspectable signature"
+    if names != _FOREACH_REDUCE_PARAMS:
+        return f"FSDP2's foreach_reduce takes {names}, expected {_FOREACH_REDUCE_PARAMS}"
+    fsdp_param_cls = getattr(module, "FSDPParam", None)
+    if fsdp_param_cls is None or not hasattr(fsdp_param_cls, "to_sharded_dtensor"):
+        return "FSDP2's FSDPParam lacks to_sharded_dtensor"
+    return None
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _shim.warned:
+        _shim.warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _foreach_reduce(
+    fsdp_params,
+    unsharded_grads,
+    reduce_scatter_group,
+    reduce_scatter_stream,
+    reduce_scatter_comm,
+    orig_dtype,
+    reduce_dtype,
+    device,
+    gradient_divide_factor,
+    all_reduce_group,
+    all_reduce_stream,
+    all_reduce_grads,
+    partial_reduce_output,
+    all_reduce_hook,
+    force_sum_reduction_for_comms=False,
+):
+    args = dict(
+        fsdp_params=fsdp_params,
+        unsharded_grads=unsharded_grads,
+        reduce_scatter_group=reduce_scatter_group,
+        reduce_scatter_stream=reduce_scatter_stream,
+        reduce_scatter_comm=reduce_scatter_comm,
+        orig_dtype=orig_dtype,
+        reduce_dtype=reduce_dtype,
+        device=device,
+        gradient_divide_factor=gradient_divide_factor,
+        all_reduce_group=all_reduce_group,
+        all_reduce_stream=all_reduce_stream,
+        all_reduce_grads=all_reduce_grads,
+        partial_reduce_output=partial_reduce_output,
+        all_reduce_hook=all_reduce_hook,
+        force_sum_reduction_for_comms=force_sum_reduction_for_comms,
+    )
+    original = _shim.original
+    on_hsdp = _runs_on_hsdp(reduce_scatter_group, all_reduce_group)
+    if on_hsdp:
+        _check_uniform_grad_dtype(fsdp_params, unsharded_grads)
+    if not on_hsdp or not _bucketable(args):
+        return original(**args)
+
+    shard_size = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
+    shard_numels = [
+        _padded_shard_numel(p, g, shard_size) for p, g in zip(fsdp_params, unsharded_grads)
+    ]
+    divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
+    reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
+    buckets = _shim.buckets
+    _wrap_reset_iter_state()
+    streams = Streams.of(device, reduce_scatter_stream, all_reduce_stream)
+    if all_reduce_grads:
+        in_backward = buckets.begin_add()
+        key, out = buckets.reserve(
+            all_reduce_group, divide_by, reduce_dtype, sum(shard_numels), device, streams
+        )
+        comm = _OutputInto(reduce_scatter_comm, out)
+    else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
+        out, comm = None, reduce_scatter_comm
+    # FSDP2's own copy-in and reduce-scatter with SUM and no division: the
+    # partial-output path returns the reduced shard instead of finishing it.
+    result = original(
+        **{
+            **args,
+            "reduce_scatter_comm": comm,
+            # 1.0, not None: with force-sum FSDP2 pre-divides non-fp32/bf16
+            # (fp64) inputs by ~sqrt of the factor, which defaults to S x R.
+            "gradient_divide_factor": 1.0,
+            "all_reduce_grads": False,
+            "all_reduce_hook": None,
+            "force_sum_reduction_for_comms": True,
+        }
+    )
+    reduced = result[-1]
+    if not isinstance(reduced, torch.Tensor):
+        raise RuntimeError(
+            "hsdp_backend.fsdp: FSDP2's foreach_reduce did not return the reduced gradient shard "
+            f"last (got {type(reduced).__name__}); set HSDP_FSDP=off to use FSDP2's native path"
+        )
+    if not all_reduce_grads:
+        return result
+    if reduced.data_ptr() != out.data_ptr():  # accumulated into an earlier partial
+        if reduced.shape != out.shape:
+            raise RuntimeError(
+                f"hsdp_backend.fsdp: FSDP2 reduced {reduced.numel()} gradient elements where the shim "
+                f"computed {out.numel()} from the parameters' layout; set HSDP_FSDP=off to use FSDP2's "
+                "native path, and please report this with your torch version"
+            )
+        with streams.writing():  # where FSDP2 wrote `reduced`
+            out.copy_(reduced)
+    buckets.add(key, PendingGrads(fsdp_params, shard_numels, orig_dtype, out), in_backward)
+    # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
+    return (*result[:-1], None)
+
+
+def _runs_on_hsdp(reduce_scatter_group, all_reduce_group) -> bool:
+    groups = [g for g in (reduce_scatter_group, all_reduce_group) if g is not None]
+    names = [dist.get_backend(g) for g in groups]
+    if all(n == "hsdp" for n in names):
+        return bool(names)
+    if any(n == "hsdp" for n in names):
+        _warn_once(
+            "mixed-mesh",
+            f"hsdp_backend.fsdp: this FSDP2 mesh mixes backends {names} (shard, replicate); the shim "
+            "needs both on hsdp and leaves FSDP2's native reduction in place. Create the mesh's "
+            "groups with backend='hsdp' (e.g. init_process_group('hsdp') before init_device_mesh).",
+        )
+    return False
+
+
+def _bucketable(args: dict[str, Any]) -> bool:
+    """Whether this call can take the bucketed HSDP path (see module docs)."""
+    if (
+        args["all_reduce_group"] is None
+        or args["device"].type not in ("cpu", "cuda")
+        or args["all_reduce_hook"] is not None
+    ):
+        return False
+    reduce_dtype = args["reduce_dtype"] or args["unsharded_grads"][0].dtype
+    if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return False
+    return not any(p.offload_to_cpu for p in args["fsdp_params"])
+
+
+def _wrap_reset_iter_state() -> None:
+    """Wraps FSDPModule.reset_iter_state, once. Done at the first bucketed
+    reduction, not in enable(): enable() may run inside FSDP2's own package
+    import, before the module defining FSDPModule has finished loading."""
+    if _shim.original_reset_iter_state is not None:
+        return
+    fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
+    with _shim.lock:
+        if _shim.original is None or _shim.original_reset_iter_state is not None:
+            return
+        if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
+            _warn_once(
+                "no-reset-iter-state",
+                "hsdp_backend.fsdp: FSDPModule.reset_iter_state not found; after a backward that raised, "
+                "call hsdp_backend.fsdp.disable() and enable() to drop the shim's buckets",
+            )
+            return
+        _shim.original_reset_iter_state = fsdp_module.reset_iter_state
+        fsdp_module.reset_iter_state = _reset_iter_state
+
+
+def _reset_iter_state(self, *args, **kwargs):
+    """FSDP2's recovery after a forward or backward raised: FSDP2 discards
+    that iteration's gradient reductions, and so does the shim (buckets of a
+    backward that never reached its final callback)."""
+    _shim.buckets.abandon()
+    return _shim.original_reset_iter_state(self, *args, **kwargs)
+
+
+def _init_mp_dtypes(self, *args, **kwargs):
+    """FSDP2's check that a param group's parameters share one dtype, with an
+    error that says what to do when the group runs on hsdp."""
+    try:
+        return _shim.original_init_mp_dtypes(self, *args, **kwargs)
+    except AssertionError as exc:
+        groups = self.mesh_info.mesh.get_all_groups() if hasattr(self, "mesh_info") else []
+        if "uniform" not in str(exc) or not any(dist.get_backend(g) == "hsdp" for g in groups):
+            raise
+        listing = [
+            (getattr(p, "_param_fqn", None) or "?", p.sharded_param.dtype) for p in self.fsdp_params
+        ]
+        raise TypeError(_mixed_dtype_message(listing) + f" (FSDP2: {exc})") from exc
+
+
+def _check_uniform_grad_dtype(fsdp_params, unsharded_grads) -> None:
+    if len({g.dtype for g in unsharded_grads}) > 1:
+        listing = [
+            (getattr(p, "_param_fqn", None) or "?", g.dtype)
+            for p, g in zip(fsdp_params, unsharded_grads)
+        ]
+        raise TypeError(_mixed_dtype_message(listing))
+
+
+def _mixed_dtype_message(listing) -> str:
+    names = ", ".join(f"{name} ({dtype})" for name, dtype in listing)
+    return (
+        f"hsdp: one fully_shard param group mixes dtypes: {names}. FSDP2 reduces a group's gradients as one "
+        "flat buffer of one dtype. Give the module's parameters one dtype (module.to(dtype)), set "
+        "MixedPrecisionPolicy(param_dtype=...) so their gradients share one, or call fully_shard "
+        "separately on the submodules of each dtype."
+    )
+
+
+def _padded_shard_numel(fsdp_param, unsharded_grad: torch.Tensor, shard_size: int) -> int:
+    """Elements of this gradient in the reduce-scatter output (FSDP2 pads
+    dim 0 to a multiple of the shard size; Shard(i > 0) is even)."""
+    numel = unsharded_grad.numel()
+    if numel == 0:
+        return 0
+    if fsdp_param.fsdp_placement.dim != 0:
+        return numel // shard_size
+    dim0 = unsharded_grad.size(0)
+    return math.ceil(dim0 / shard_size) * (numel // dim0)
+
+
+class _OutputInto:
+    """FSDP2's reduce-scatter comm, except that the reduce-scatter output (the
+    second allocation of a foreach_reduce call; the first is the input) is a
+    slice of a replicate bucket, so the bucket needs no packing."""
+
+    def __init__(self, comm, out: torch.Tensor):
+        self._comm = comm
+        self._out = out
+        self._allocations = 0
+
+    def allocate(self, size, *, dtype, device):
+        self._allocations += 1
+        if (
+            self._allocations == 2
+            and math.prod(size) == self._out.numel()
+            and dtype == self._out.dtype
+        ):
+            return self._out
+        return self._comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, *args, **kwargs):
+        return self._comm(*args, **kwargs)
+
+
+@dataclass
+class PendingGrads:
+    """One param group's reduced gradient shard, waiting for its bucket."""
+
+    fsdp_params: list
+    shard_numels: list[int]
+    orig_dtype: torch.dtype | None
+    flat: torch.Tensor  # a slice of the bucket's buffer
+
+    def finish(self) -> None:
+        """FSDP2's tail: cast, view out per parameter, assign or accumulate."""
+        grads = self.flat
+        if self.orig_dtype is not None and grads.dtype != self.orig_dtype:
+            grads = grads.to(self.orig_dtype)
+        offset = grads.storage_offset()
+        for fsdp_param, numel in zip(self.fsdp_params, self.shard_numels):
+            grad = torch.as_strided(
+                grads,
+                size=fsdp_param.sharded_size,
+                stride=fsdp_param.contiguous_sharded_stride,
+                storage_offset=offset,
+            )
+            param = fsdp_param.sharded_param
+            if param.grad is not None:
+                param.grad._local_tensor += grad
+            else:
+                param.grad = fsdp_param.to_sharded_dtensor(grad)
+            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(param)
+            offset += numel
+
+
+_shim = _Shim()

@@ -1,0 +1,81 @@
+"""The README and docs/ resolve: every relative link and image names a file
+of the tree, the README's Python blocks compile, and every file, module and
+example flag its shell blocks name exists."""
+
+import importlib.util
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_name_files_of_the_tree(page):
+    text = page.read_text()
+    missing = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        path = (page.parent / target.split("#")[0]).resolve()
+        if not path.exists():
+            missing.append(target)
+    assert not missing, f"{page.name} links to files that do not exist: {missing}"
+
+
+def test_the_readme_is_a_users_page():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; details belong in docs/"
+    assert not re.search(r"\bissue \d|\bsession\b", "\n".join(lines), re.I)
+
+
+def _blocks(lang):
+    text = (ROOT / "README.md").read_text()
+    return [body for kind, body in BLOCK.findall(text) if kind == lang]
+
+
+def test_python_blocks_compile():
+    blocks = _blocks("python")
+    assert blocks
+    for body in blocks:
+        compile(body, "README.md", "exec")
+
+
+def _help(script: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_shell_blocks_name_what_exists():
+    blocks = _blocks("bash")
+    assert blocks
+    problems = []
+    for body in blocks:
+        for line in body.splitlines():
+            words = shlex.split(line.split("#")[0] if " #" in line else line)
+            for i, word in enumerate(words):
+                if word == "-m" and i + 1 < len(words) and "." in words[i + 1]:
+                    if importlib.util.find_spec(words[i + 1]) is None:
+                        problems.append(f"module {words[i + 1]}")
+                if re.match(r"(scripts|examples|tests)/", word) and not (ROOT / word).exists():
+                    problems.append(f"file {word}")
+                if word.startswith("examples/") and word.endswith(".py"):
+                    usage = _help(word)
+                    for flag in words[i + 1 :]:
+                        if flag.startswith("--") and flag not in usage:
+                            problems.append(f"{word} has no flag {flag}")
+    assert not problems, problems
