@@ -161,8 +161,7 @@ void Engine::allReduceSlots(
   for (size_t k = 0; k < parts.steps(); ++k) {
     char* data = buf + parts.offset(k) * es;
     const uint64_t s = step_ + 1;
-    const int slot =
-        post(op, s, [&](char* dst) { copyBytes(dst, data, parts.length(k) * es); });
+    const int slot = post(op, s, [&](char* dst) { copyBytes(dst, data, parts.length(k) * es); });
     const size_t a = parts.begin(k, rank_), b = parts.begin(k, rank_ + 1);
     for (int r = 0; r < size_; ++r) {
       srcs[r] = segment_.slot(r, slot) + a * es;
