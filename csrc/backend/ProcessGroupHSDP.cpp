@@ -178,10 +178,7 @@ WorkPtr ProcessGroupHSDP::runShm(
     std::vector<at::Tensor> outputs,
     std::function<void()> body) {
   if (!queue_) {
-    C10_THROW_ERROR(
-        DistBackendError,
-        "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) +
-            "] the process group was shut down");
+    C10_THROW_ERROR(DistBackendError, ctx("shm").prefix() + "the process group was shut down");
   }
   const uint64_t seq = pending.group == this ? pending.seq : 0;
   pending.onShm = true;

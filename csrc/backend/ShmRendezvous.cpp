@@ -1,6 +1,7 @@
 #include "backend/ShmRendezvous.hpp"
 
 #include "backend/InnerRoute.hpp"
+#include "common/Errors.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -206,11 +207,8 @@ std::unique_ptr<ShmRoute> connectShm(
   auto give_up = [&](const std::string& why) -> std::unique_ptr<ShmRoute> {
     TORCH_CHECK(
         options.mode != ShmOptions::Mode::Required,
-        "[rank ",
-        rank,
-        "/",
-        size,
-        "] init: HSDP_ENGINE=shm, but the group cannot use shared memory: ",
+        OpContext{rank, size, "init"}.prefix(),
+        "HSDP_ENGINE=shm, but the group cannot use shared memory: ",
         why);
     *whyNot = why;
     return nullptr;
@@ -236,11 +234,8 @@ std::unique_ptr<ShmRoute> connectShm(
   if (hosts.members.size() > 1) {
     TORCH_CHECK(
         options.mode != ShmOptions::Mode::Required,
-        "[rank ",
-        rank,
-        "/",
-        size,
-        "] init: HSDP_ENGINE=shm, but the group spans ",
+        OpContext{rank, size, "init"}.prefix(),
+        "HSDP_ENGINE=shm, but the group spans ",
         hosts.members.size(),
         " hosts (",
         hosts.describe(),
@@ -295,11 +290,8 @@ std::unique_ptr<ShmRoute> connectShm(
         timeout);
     TORCH_CHECK(
         column,
-        "[rank ",
-        rank,
-        "/",
-        size,
-        "] init: the inner CPU backend returned no inter-host group");
+        OpContext{rank, size, "init"}.prefix(),
+        "the inner CPU backend returned no inter-host group");
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
   if (options.engine.wantsDirectReads() &&

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include "common/Errors.hpp"
 #include "shm/Reduce.hpp"
 
 #include <cstring>
@@ -87,7 +88,7 @@ ShmRoute::ShmRoute(
 }
 
 std::string ShmRoute::prefix(const char* op) const {
-  return "[rank " + std::to_string(rank_) + "/" + std::to_string(size_) + "] " + op + ": ";
+  return OpContext{rank_, size_, op}.prefix();
 }
 
 // Marks the route failed when an op is left by an exception (the engine's
