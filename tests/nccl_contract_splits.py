@@ -100,6 +100,9 @@ def nccl_under_a_bound_hsdp_default(rank: int, world: int) -> None:
     torch hands NCCL's creator hsdp to split from, which it refuses; hsdp's
     non-members join no split, so the members build their own."""
     _init_bound(rank, world, "hsdp", timeout_s=20)
+    if dist.is_nccl_available():  # torch's own NCCL creator is the one wrapped, not only ours
+        creator = dist.Backend._plugins["NCCL"].creator_fn
+        assert getattr(creator, "__wrapped__", None) is not None, creator
     _check_group(rank, dist.new_group(MEMBERS, backend=DOUBLE))
     _check_group(rank, dist.new_group(MEMBERS, backend="gloo"))
     _check_group(rank, dist.new_group(MEMBERS, backend="hsdp"))

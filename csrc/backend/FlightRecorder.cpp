@@ -169,6 +169,23 @@ void FlightRecorder::finished(uint64_t seq, const std::string& error) {
   }
 }
 
+void FlightRecorder::settle(Entry& e, int64_t now) {
+  // A device query may throw (a CUDA error sticks to the context): that is
+  // what the dump is for, so the entry says so and the dump goes on.
+  try {
+    if (!e.done()) {
+      return;
+    }
+    e.state = State::Completed;
+  } catch (const std::exception& error) {
+    e.state = State::Failed;
+    e.error =
+        std::string("the device reported an error when asked whether it ran: ") + error.what();
+  }
+  e.endUs = now;
+  e.done = nullptr;
+}
+
 void FlightRecorder::completesWhen(uint64_t seq, std::function<bool()> done) {
   if (!enabled()) {
     return;
@@ -203,10 +220,8 @@ std::string FlightRecorder::dump(const std::string& reason) {
     const int64_t now = nowUs();
     std::vector<const Entry*> entries;
     for (Entry& e : ring_) {
-      if (e.done && e.done()) {
-        e.endUs = now;
-        e.state = State::Completed;
-        e.done = nullptr;
+      if (e.done) {
+        settle(e, now);
       }
       if (e.seq != 0) {
         entries.push_back(&e);

@@ -80,7 +80,10 @@ class FlightRecorder {
     std::string error;
     std::function<bool()> done; // set: completesWhen(), not yet seen done
   };
-  Entry* find(uint64_t seq);      // under mutex_
+  Entry* find(uint64_t seq); // under mutex_
+  // Asks a device entry's `done` once (under mutex_; an event query does not
+  // block): completed, failed if the query threw, else left as it is.
+  void settle(Entry& e, int64_t now);
   std::string pathLocked() const; // under mutex_
 
   const int rank_;

@@ -241,7 +241,16 @@ InnerRoute& ProcessGroupHSDP::route(const OpContext& ctx, const at::Tensor& t) {
 }
 
 WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
-  auto done = [trace = trace_.get(), device = pending.device](uint64_t seq) {
+  bool inBlock;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    inBlock = coalescing_;
+  }
+  // Inside a coalescing block NCCL launches nothing before endCoalescing,
+  // and an event recorded now would complete before the op ran: such an
+  // entry completes at enqueue, as every CUDA entry did before.
+  auto done = [trace = trace_.get(),
+               device = inBlock ? std::nullopt : pending.device](uint64_t seq) {
     auto onDevice = device ? doneOnDevice(*device) : nullptr;
     if (onDevice) {
       trace->completesWhen(seq, std::move(onDevice));
@@ -1304,6 +1313,7 @@ WorkPtr ProcessGroupHSDP::recvAnysource(std::vector<at::Tensor>& tensors, int ta
 }
 
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
+  pending.device.reset(); // it picks no route: no device of an earlier call's
   const auto traced = recordCollective(ctx("barrier"), 1, 0);
   // NCCL's barrier is an all-reduce on the device followed by a host wait
   // for the current stream (ProcessGroupNCCL::barrier): when it returns,

@@ -20,11 +20,6 @@ def register() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES)
     _allow_new_group_beside_splitting()
-    for name in ("NCCL", "NCCL-LEGACY"):
-        plugin = dist.Backend._plugins.get(name)
-        if plugin is not None:
-            creator = not_split_from_hsdp(plugin.creator_fn)
-            dist.Backend._plugins[name] = plugin._replace(creator_fn=creator)
 
 
 def _allow_new_group_beside_splitting() -> None:
@@ -47,6 +42,34 @@ def _allow_new_group_beside_splitting() -> None:
 
 def _no_color_split_not_needed(backend, device) -> None:
     return None
+
+
+_NCCL_CREATORS = ("nccl", "nccl-legacy")
+
+
+def _wrap_nccl_creators() -> None:
+    """Wraps torch's NCCL creators with not_split_from_hsdp, once each.
+
+    torch 2.14 registers its built-in backends lazily (an entry point that
+    ``Backend._ensure_backend_registered`` loads the first time a group names
+    one), so they are registered here first, when the first hsdp group is
+    created: a later ``new_group(backend="nccl")`` then finds the wrapped
+    creator. (torch 2.13 creates NCCL groups inline, not through a plugin:
+    there hsdp cannot step in.)
+    """
+    import torch.distributed as dist
+
+    ensure = getattr(dist.Backend, "_ensure_backend_registered", None)
+    for name in _NCCL_CREATORS:
+        if ensure is not None:
+            try:
+                ensure(name)
+            except Exception:  # noqa: BLE001 - a torch without that backend
+                continue
+        plugin = dist.Backend._plugins.get(name.upper())
+        if plugin is not None and not hasattr(plugin.creator_fn, "__wrapped__"):
+            creator = not_split_from_hsdp(plugin.creator_fn)
+            dist.Backend._plugins[name.upper()] = plugin._replace(creator_fn=creator)
 
 
 def not_split_from_hsdp(creator):
@@ -106,7 +129,12 @@ def _create_backend(opts, backend_options):
             "build does not have: it is built with -C cmake.define.HSDP_BUILD_TESTING=ON "
             "(scripts/setup.sh does)"
         )
+    _wrap_nccl_creators()
     parent = _split_parent(opts, settings)
+    if parent is not None and settings.engine == "nccl_contract":
+        # The double stands for this group's NCCL: it joins the split.
+        _C._nccl_contract_join_split(parent, _group_color(opts), size)
+        parent = None
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda = dist.ProcessGroupNCCL(
@@ -115,8 +143,6 @@ def _create_backend(opts, backend_options):
             size,
             _inner_nccl_options(opts, backend_options, parent),
         )
-    elif parent is not None and settings.engine == "nccl_contract":
-        _C._nccl_contract_join_split(parent, _group_color(opts), size)
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
     backend = _C.create_backend(

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 
 namespace {
@@ -75,6 +76,16 @@ TEST_F(FlightRecorderTest, AReusedSlotDropsTheEarlierOpsEvent) {
   EXPECT_EQ(asked, 0);
   EXPECT_EQ(entry(path, 1), "");
   EXPECT_NE(entry(path, 3).find("\"state\": \"started\""), std::string::npos);
+}
+
+TEST_F(FlightRecorderTest, ADeviceErrorWhileAskingFailsTheEntryNotTheDump) {
+  hsdp::FlightRecorder r(0, 1, {8, dir_});
+  r.started(1, "all_reduce", 64);
+  r.completesWhen(
+      1, []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); });
+  const std::string e = entry(r.dump("t"), 1);
+  EXPECT_NE(e.find("\"state\": \"failed\""), std::string::npos) << e;
+  EXPECT_NE(e.find("illegal memory access"), std::string::npos) << e;
 }
 
 } // namespace
