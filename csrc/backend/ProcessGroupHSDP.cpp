@@ -245,6 +245,9 @@ WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     inBlock = coalescing_;
+    if (inBlock && work) {
+      coalescedWorks_.push_back(work);
+    }
   }
   // Inside a coalescing block NCCL launches nothing before endCoalescing,
   // and an event recorded now would complete before the op ran: such an
@@ -286,10 +289,6 @@ WorkPtr ProcessGroupHSDP::track(WorkPtr work) {
     }
   }
   pending = {};
-  std::lock_guard<std::mutex> lock(coalescingMutex_);
-  if (coalescing_ && work) {
-    coalescedWorks_.push_back(work);
-  }
   return work;
 }
 

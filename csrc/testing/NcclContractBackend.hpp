@@ -132,13 +132,18 @@ class NcclContractBackend final : public c10d::Backend {
 
   // ncclCommSplit's color for a rank that takes no part in the new group.
   static constexpr int64_t kNoColor = -1;
-  // This rank's part in a split of this communicator (torch's split_from
-  // with the color of the new group's ranks, or perform_nocolor_split with
-  // kNoColor). ncclCommSplit (NCCL 2.30.7, the one torch 2.14.1 ships) is a
-  // collective over every rank of the parent: each rank blocks until all
-  // have called it, and the ranks that gave one color form one new
-  // communicator. Here: an all-gather of the colors on the parent, then a
-  // check that `color` was given by exactly `newSize` ranks.
+  // This rank's part in a split of this communicator. ProcessGroupNCCL
+  // (torch 2.14.1) splits in two places: a group created with
+  // Options::split_from and split_color (what torch's NCCL creator sets
+  // from _process_group_color) splits the parent's communicator when it
+  // connects, and ProcessGroupNCCL::performNocolorSplit (what new_group
+  // calls on each non-member) splits it with NCCL_SPLIT_NOCOLOR. Both reach
+  // ncclCommSplit (NCCL 2.30.7, the one torch 2.14.1 ships), a collective
+  // over every rank of the parent: each rank blocks until all have called
+  // it, and the ranks that gave one color form one new communicator. Here:
+  // an all-gather of the colors on the parent, then a check that `color`
+  // was given by exactly `newSize` ranks. Test: a split a parent rank never
+  // joins fails (test_nccl_contract_splits).
   void joinSplit(int64_t color, int newSize);
 
   // The next op's Work fails with `message` (the op still runs, so the
