@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from hsdp_backend import config
+from tools import settings
 from tools.ranks import free_port  # noqa: F401  (re-exported for the suite)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ SETUP_HINT = "run scripts/setup_peers.sh"
 
 
 def peers_dir() -> str:
-    return config.read("HSDP_PEERS_DIR") or os.path.join(ROOT, ".venv", "peers")
+    return settings.read("HSDP_PEERS_DIR") or os.path.join(ROOT, ".venv", "peers")
 
 
 def _site_packages(prefix: str) -> str | None:

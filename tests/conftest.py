@@ -40,6 +40,7 @@ QUICK = (
     "tests/test_registration.py::test_import_torch_registers_hsdp_lazily",
     "tests/test_config.py",
     "tests/test_docs.py",
+    "tests/test_cpp_backend.py",
 )
 
 

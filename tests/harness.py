@@ -1,5 +1,6 @@
 """The tests' side of the rank launcher (tools/ranks.py): its timeouts from
-the HSDP_TEST_* variables, and launches that run many cases at once.
+the tests' settings (tools/settings.py), and launches that run many cases at
+once.
 
 run_ranks starts every rank as its own process with the default group on
 the requested backend; the launch has a wall-clock deadline, after which
@@ -18,19 +19,20 @@ from typing import Any, Callable
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     # The repository root, for tools/ (its own sources, not the package's:
-    # hsdp_backend lives under src/ and stays the installed one).
+    # hsdp_backend lives under src/ and stays the installed one). conftest.py
+    # imports this module, so every test module and rank finds tools/.
     sys.path.append(str(ROOT))
 
-from hsdp_backend import config  # noqa: E402
+from tools import settings  # noqa: E402
 from tools.ranks import RankFailure, free_port  # noqa: E402
 from tools.ranks import run_ranks as _run_ranks  # noqa: E402
 
 __all__ = ["RankFailure", "free_port", "run_ranks", "run_cases", "CaseLauncher"]
 
 # Per-collective timeout inside the ranks; a lost peer surfaces this fast.
-COLLECTIVE_TIMEOUT_S = config.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S")
+COLLECTIVE_TIMEOUT_S = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S")
 # Wall-clock limit for one launch (all ranks, all cases).
-LAUNCH_TIMEOUT_S = config.read("HSDP_TEST_LAUNCH_TIMEOUT_S")
+LAUNCH_TIMEOUT_S = settings.read("HSDP_TEST_LAUNCH_TIMEOUT_S")
 
 
 def run_ranks(
@@ -57,7 +59,7 @@ def run_ranks(
         backend=backend,
         env=env,
         timeout_s=timeout_s,
-        collective_timeout_s=config.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env}),
+        collective_timeout_s=settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env}),
         may_die=may_die,
         kwargs=kwargs,
     )

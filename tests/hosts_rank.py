@@ -13,10 +13,13 @@ import sys
 import time
 import traceback
 
-from hsdp_backend import config
-
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, TESTS)
+# The repository root, for tools/ (the tests' settings; the package stays the
+# installed one).
+sys.path.append(os.path.dirname(TESTS))
+
+from tools import settings  # noqa: E402
 
 
 def hostnames() -> list[str]:
@@ -123,9 +126,9 @@ def main() -> None:
     import hsdp_backend  # noqa: F401  registers "hsdp"
 
     torch.set_num_threads(1)
-    timeout = config.read("HSDP_TEST_GROUP_TIMEOUT_S")
+    timeout = settings.read("HSDP_TEST_GROUP_TIMEOUT_S")
     dist.init_process_group(
-        config.read("HSDP_TEST_BACKEND"), timeout=datetime.timedelta(seconds=timeout)
+        settings.read("HSDP_TEST_BACKEND"), timeout=datetime.timedelta(seconds=timeout)
     )
     rank, world = dist.get_rank(), dist.get_world_size()
     try:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import hsdp_backend
 from hsdp_backend import config
+from tools import settings
 
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 INTS = [torch.int64, torch.uint8]
@@ -676,7 +677,7 @@ def comm_stats_counts_and_resets(rank, world, ref):
 def _hosts() -> list[str]:
     """Each global rank's host: pretended, or the real ones a test on
     simulated hosts found; [] when neither is known (one host)."""
-    return config.read("HSDP_TEST_HOSTS") or config.read("HSDP_TEST_EXPECTED_HOSTS")
+    return config.read("HSDP_TEST_HOSTS") or settings.read("HSDP_TEST_EXPECTED_HOSTS")
 
 
 def expected_engine(members: list[int]) -> str:

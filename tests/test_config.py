@@ -1,7 +1,8 @@
 """The configuration table (src/hsdp_backend/config.py), the settings object
-(hsdp_backend._C.Config, csrc/common/Config.hpp) and the docs' tables agree: every
-setting has one name, one default (the object's) and one description, every
-``HSDP_*`` name the tree reads is in the table, and bad values are refused by
+(hsdp_backend._C.Config, csrc/common/Config.hpp), the tests' own table
+(tools/settings.py, not shipped) and the docs' tables agree: every setting has
+one name, one default (the object's) and one description, every ``HSDP_*``
+name the tree reads is in one of the two tables, and bad values are refused by
 name wherever they enter."""
 
 import pathlib
@@ -11,9 +12,10 @@ import subprocess
 import pytest
 
 from hsdp_backend import _C, config
+from tools import settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIELD_VARS = [v for v in config.VARS.values() if v.field is not None]
+FIELD_VARS = list(config.VARS.values())
 
 
 def _table(path, heading):
@@ -28,9 +30,18 @@ def test_the_docs_tables_are_the_generated_ones():
     assert _table("docs/configuration.md", "## Variables") == config.markdown(), (
         "docs/configuration.md's table is stale: paste `python -m hsdp_backend.config`'s output"
     )
-    assert _table("docs/testing.md", "## Settings of the tests") == config.markdown(("tests",)), (
-        "docs/testing.md's table is stale: paste `python -m hsdp_backend.config --tests`'s output"
+    assert _table("docs/testing.md", "## Settings of the tests") == settings.markdown(), (
+        "docs/testing.md's table is stale: paste `python -m tools.settings`'s output"
     )
+
+
+def test_the_package_table_holds_only_settings_of_the_object():
+    # The tests' settings live in tools/settings.py, which is not shipped.
+    assert all(v.field is not None for v in config.VARS.values())
+    assert all(v.field is None for v in settings.VARS.values())
+    assert not set(config.VARS) & set(settings.VARS)
+    assert set(config.SECTIONS) == {v.section for v in config.VARS.values()}
+    assert set(settings.SECTIONS) == {v.section for v in settings.VARS.values()}
 
 
 def test_every_setting_of_the_object_has_a_variable():
@@ -60,7 +71,8 @@ def test_every_variable_the_tree_reads_is_in_the_table():
             continue
         names |= set(re.findall(r"""["'](HSDP_[A-Z0-9_]+)["']""", (ROOT / name).read_text()))
     assert "HSDP_ENGINE" in names, "the scan found nothing: it is broken"
-    assert names <= set(config.VARS), sorted(names - set(config.VARS))
+    known = set(config.VARS) | set(settings.VARS)
+    assert names <= known, sorted(names - known)
 
 
 BAD = {
@@ -105,9 +117,10 @@ def test_the_object_refuses_bad_values_naming_the_field():
 
 
 def test_test_suite_settings_parse_their_defaults():
-    for var in config.VARS.values():
-        if var.field is None and var.default is not None:
-            config.read(var.name, {})
-    assert config.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "7"}) == 7
-    with pytest.raises(ValueError, match="HSDP_TEST_EXIT_RUNS='many'"):
-        config.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "many"})
+    for var in settings.VARS.values():
+        if var.default is not None:
+            settings.read(var.name, {})
+    assert settings.read("HSDP_FUZZ_SEED", {}) is None
+    assert settings.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "7"}) == 7
+    with pytest.raises(ValueError, match="variable HSDP_TEST_EXIT_RUNS='many'"):
+        settings.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "many"})

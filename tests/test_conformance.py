@@ -22,10 +22,10 @@ import sys
 
 import pytest
 
-from hsdp_backend import config
+from tools import settings
 
 HERE = pathlib.Path(__file__).parent / "conformance"
-FULL = config.read("HSDP_TEST_CONFORMANCE_FULL")
+FULL = settings.read("HSDP_TEST_CONFORMANCE_FULL")
 WORLDS = [2, 3] if FULL else [2]
 
 

@@ -10,8 +10,8 @@ mount namespace per host, torchrun with the c10d rendezvous on each):
   within the group timeout, and no host keeps anything in /dev/shm;
 * clean exits: consecutive trainings that end with destroy_process_group,
   with a plain interpreter exit, with abort, and with the other host already
-  gone; every torchrun exits 0 (HSDP_TEST_EXIT_RUNS runs of each, default 3;
-  50 in the long form).
+  gone; every torchrun exits 0 (HSDP_TEST_EXIT_RUNS runs of each; its
+  default and long form: tools/settings.py).
 
 They need root and iproute2: elsewhere they skip with the reason, except
 under CI (CI set), where that is a failure.
@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from hsdp_backend import config
+from tools import settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -259,7 +259,7 @@ def test_a_host_whose_link_goes_down(tmp_path):
     assert shm == [[], []], shm
 
 
-EXIT_RUNS = config.read("HSDP_TEST_EXIT_RUNS")
+EXIT_RUNS = settings.read("HSDP_TEST_EXIT_RUNS")
 
 
 @pytest.mark.timeout(120 + 90 * EXIT_RUNS)

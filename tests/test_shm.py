@@ -14,12 +14,12 @@ import pytest
 from conftest import hsdp_segments
 from harness import run_ranks
 
-from hsdp_backend import config
+from tools import settings
 
-SOAK_OPS = config.read("HSDP_TEST_SOAK_OPS")
-# The soak with killed ranks runs rounds for this long: short in CI's run;
-# HSDP_TEST_SOAK_SECONDS=3600 is the long mode.
-SOAK_SECONDS = config.read("HSDP_TEST_SOAK_SECONDS")
+SOAK_OPS = settings.read("HSDP_TEST_SOAK_OPS")
+# The soak with killed ranks runs rounds for this long: short in CI's run
+# (the default and the long mode: tools/settings.py).
+SOAK_SECONDS = settings.read("HSDP_TEST_SOAK_SECONDS")
 
 
 def inputs(seed, rank, n, dtype):
@@ -294,7 +294,7 @@ def test_soak_rounds_with_ranks_killed_and_recreated():
     (not hang), and the next round's processes, groups and segments start
     clean. Nothing may be left in /dev/shm."""
     before = hsdp_segments()
-    draw = random.Random(config.read("HSDP_TEST_SOAK_SEED"))
+    draw = random.Random(settings.read("HSDP_TEST_SOAK_SEED"))
     start, rounds, kills, ops_run = time.monotonic(), 0, 0, 0
     while rounds < 2 or time.monotonic() - start < SOAK_SECONDS:
         seed, ops = draw.randrange(1 << 30), draw.choice([300, 1000, 2000])

@@ -143,4 +143,77 @@ void checkCoalescedPairs(
   }
 }
 
+void checkRooted(
+    const OpContext& ctx,
+    int64_t root,
+    const std::vector<at::Tensor>& mine,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const char* what) {
+  checkOne(ctx, mine);
+  checkRank(ctx, root, "root");
+  if (ctx.rank == root) {
+    checkPerRankList(ctx, lists, mine[0], what);
+  }
+}
+
+void checkOutputLists(
+    const OpContext& ctx,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const std::vector<at::Tensor>& inputs) {
+  HSDP_CHECK_VALUE(
+      lists.size() == static_cast<size_t>(ctx.size),
+      ctx,
+      "expected ",
+      ctx.size,
+      " output lists (one per rank), got ",
+      lists.size());
+  for (const auto& list : lists) {
+    HSDP_CHECK_VALUE(
+        list.size() == inputs.size(),
+        ctx,
+        "an output list has ",
+        list.size(),
+        " tensors; expected one per input (",
+        inputs.size(),
+        ")");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkSameDtype(ctx, inputs[i], list[i], "an output");
+      checkSameDevice(ctx, inputs[0], list[i], "an output");
+      checkNumel(ctx, list[i], inputs[i].numel(), "an output");
+    }
+  }
+}
+
+void checkSplits(const OpContext& ctx, const std::vector<int64_t>& splits) {
+  HSDP_CHECK_VALUE(
+      splits.empty() || splits.size() == static_cast<size_t>(ctx.size),
+      ctx,
+      "split sizes must be empty or have one entry per rank (",
+      ctx.size,
+      "), got ",
+      splits.size());
+}
+
+void checkAllToAllLists(
+    const OpContext& ctx,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& inputs) {
+  const auto size = static_cast<size_t>(ctx.size);
+  HSDP_CHECK_VALUE(
+      outputs.size() == size && inputs.size() == size,
+      ctx,
+      "expected ",
+      ctx.size,
+      " input and output tensors (one per rank), got ",
+      inputs.size(),
+      " and ",
+      outputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    checkSameDtype(ctx, inputs[0], inputs[i], "an input");
+    checkSameDtype(ctx, inputs[0], outputs[i], "an output");
+    checkSameDevice(ctx, inputs[0], inputs[i], "an input");
+    checkSameDevice(ctx, inputs[0], outputs[i], "an output");
+  }
+}
+
 } // namespace hsdp

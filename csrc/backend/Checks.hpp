@@ -68,4 +68,30 @@ void checkCoalescedPairs(
     const std::vector<at::Tensor>& outputs,
     bool gather);
 
+// gather and scatter: one tensor on every rank (`mine`), and at the root
+// one like it per rank (`lists`).
+void checkRooted(
+    const OpContext& ctx,
+    int64_t root,
+    const std::vector<at::Tensor>& mine,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const char* what);
+
+// all_gather_coalesced's outputs: one list per rank, each with one tensor
+// per input of its dtype, device and element count.
+void checkOutputLists(
+    const OpContext& ctx,
+    const std::vector<std::vector<at::Tensor>>& lists,
+    const std::vector<at::Tensor>& inputs);
+
+// An all-to-all's split sizes: none, or one per rank.
+void checkSplits(const OpContext& ctx, const std::vector<int64_t>& splits);
+
+// The list all-to-all's tensors: one input and one output per rank, of one
+// dtype and device.
+void checkAllToAllLists(
+    const OpContext& ctx,
+    const std::vector<at::Tensor>& outputs,
+    const std::vector<at::Tensor>& inputs);
+
 } // namespace hsdp

@@ -5,8 +5,9 @@
 // Contract, as for every c10d backend: all ranks of a group make the same
 // collective calls in the same order, with matching sizes and dtypes.
 //
-// Every call is validated here (errors name the rank, the op and what was
-// expected), planned, then routed by the device of its tensors:
+// Every call is validated (errors name the rank, the op and what was
+// expected: Checks.hpp), planned for its route (Plan.hpp), and issued on
+// that route (routes/Route.hpp), chosen by the device of its tensors:
 //   CPU  tensors -> the shared-memory route (ShmRoute: the engine of
 //                   csrc/shm/, and for a group that spans hosts with the same
 //                   number of its ranks on each, that engine within hosts
@@ -14,7 +15,7 @@
 //                   the inner CPU route (ProcessGroupGloo) for the rest and
 //                   for groups it cannot serve,
 //   CUDA tensors -> the inner CUDA route (ProcessGroupNCCL), if CUDA exists.
-// Inner routes (InnerRoute.hpp) are the one place that knows the inner
+// Inner routes (routes/InnerRoute.hpp) are the one place that knows the inner
 // backends' Work contract and orders hsdp's post-steps after them. What hsdp
 // adds depends on what the route lacks (csrc/fusion/):
 //   * AVG and PREMUL_SUM as SUM plus one deferred scale where the transport
@@ -25,14 +26,19 @@
 //     NCCL's own coalescing unpacked.
 // The inner backends are built by the Python creator (torch wheels ship no
 // Gloo or NCCL headers) and reached only through c10d::Backend's virtual API.
+//
+// ProcessGroupHSDP.cpp holds the group's life (creation, splitting,
+// timeouts, abort and shutdown, coalescing blocks); Collectives.cpp the
+// ops, each as: validate, plan, issue on the route.
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CommStats.hpp"
 #include "backend/FlightRecorder.hpp"
-#include "backend/InnerRoute.hpp"
-#include "backend/OpQueue.hpp"
+#include "backend/Plan.hpp"
 #include "backend/ShmRendezvous.hpp"
+#include "backend/TracedCall.hpp"
+#include "backend/routes/InnerRoute.hpp"
 #include "common/Config.hpp"
 #include "common/Errors.hpp"
 #include "fusion/ReducePlan.hpp"
@@ -215,18 +221,49 @@ class ProcessGroupHSDP final : public c10d::Backend {
   }
   // The CUDA device a barrier orders (as NCCL's would), if any.
   std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts) const;
+
+  // The steps of every call (Collectives.cpp).
+  Call begin(
+      const char* op,
+      c10d::OpType type,
+      bool asyncOp,
+      std::chrono::milliseconds timeout = c10d::kUnsetTimeout) const;
   // The inner route that serves tensors on `t`'s device, ready for an op to
   // issue on it (InnerRoute::beforeIssue: after the route's pending
-  // post-step). Called before the op stages or reads its tensors.
-  InnerRoute& route(const OpContext& ctx, const at::Tensor& t);
-  // allreduceBucketed on a route that coalesces natively.
-  c10::intrusive_ptr<c10d::Work> allreduceNative(
+  // post-step); a CUDA call gets its device. Called before the op stages or
+  // reads its tensors.
+  InnerRoute& inner(Call& call, const at::Tensor& t);
+  // Whether the shared-memory route serves these tensors (and the
+  // reductions of their dtype groups).
+  bool shmServes(const std::vector<at::Tensor>& tensors) const;
+  bool
+  shmServes(const std::vector<at::Tensor>& tensors, const std::vector<DtypeGroup>& groups) const;
+  // The shared-memory route when it serves the call, else `inner`.
+  Route& shmOr(InnerRoute& inner, bool shmServes);
+  // comm_stats' counters, the sequence number and the flight-record entry
+  // of one collective call.
+  [[nodiscard]] TracedCall record(Call& call, uint64_t collectives, uint64_t bytes);
+  // A planned call: recorded, issued on `route`, finished.
+  c10::intrusive_ptr<c10d::Work> issue(Call& call, Route& route, Plan plan, uint64_t bytes);
+  // A call no route plans, issued on the inner backend as it is by `op`
+  // and finished by `done`'s post-step.
+  c10::intrusive_ptr<c10d::Work> forward(
+      Call& call,
       InnerRoute& route,
+      uint64_t bytes,
+      const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& op,
+      Plan done = {});
+  c10::intrusive_ptr<c10d::Work> pointToPoint(
+      Call& call,
       std::vector<at::Tensor>& tensors,
-      const c10d::ReduceOp& op,
-      int64_t bucketBytes,
-      bool asyncOp,
-      double divideBy);
+      const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& op);
+  // Hands the call's entry to its completion; between startCoalescing and
+  // endCoalescing also records the Work in the block (routes that coalesce
+  // natively hold their own).
+  c10::intrusive_ptr<c10d::Work> finish(TracedCall& traced, Completion done);
+  // finish() for a call without a flight-record entry.
+  c10::intrusive_ptr<c10d::Work> untraced(const Call& call, Completion done);
+
   c10::intrusive_ptr<c10d::Work> allreduceImpl(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts,
@@ -236,44 +273,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       at::Tensor& input,
       const c10d::ReduceScatterOptions& opts,
       double divideBy);
-  // Whether the shared-memory engine serves these CPU tensors.
-  bool onShm(std::initializer_list<const at::Tensor*> tensors) const;
-  bool onShm(const std::vector<at::Tensor>& tensors) const;
-  // Runs `body` (engine calls plus any post-processing) on the engine's
-  // queue: inline for a synchronous call when idle, else on the worker.
-  c10::intrusive_ptr<c10d::Work> runShm(
-      c10d::OpType type,
-      bool asyncOp,
-      std::vector<at::Tensor> outputs,
-      std::function<void()> body);
-  // Drains the engine's queue and tells peers this rank is gone.
-  void leaveShm(const char* why);
-  // Records `work` when called between startCoalescing and endCoalescing
-  // (routes that coalesce natively hold their own).
-  c10::intrusive_ptr<c10d::Work> track(c10::intrusive_ptr<c10d::Work> work);
-  // The flight-recorder entry of one call, from recordCollective to the
-  // end of the override: track() (or runShm) takes it over; if the call
-  // raises first, the entry is closed as failed and the record dumped.
-  class Traced {
-   public:
-    Traced(ProcessGroupHSDP& group, uint64_t seq);
-    Traced(const Traced&) = delete;
-    Traced& operator=(const Traced&) = delete;
-    ~Traced();
-
-   private:
-    ProcessGroupHSDP& group_;
-    const uint64_t seq_;
-    const int exceptionsAtStart_;
-  };
-  // comm_stats' counters, the sequence number and the flight recorder's
-  // entry, for one collective call; track() then follows the call's Work.
-  [[nodiscard]] Traced recordCollective(const OpContext& c, uint64_t collectives, uint64_t bytes);
   // Fails a call made after abort() or shutdown().
   void checkUsable(const OpContext& c) const;
-  // The failure of a collective on the shared-memory route, as c10d's
-  // DistBackendError; the message names this rank's flight record.
-  [[noreturn]] void failShm(const shm::CommError& e, uint64_t seq);
 
   c10::intrusive_ptr<Options> options_;
   const Config config_;                           // what a split child is built with
@@ -305,10 +306,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::shared_ptr<FlightRecorder> trace_;
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::string shmWhyNot_;
-  // Declared in this order so the queue (whose tasks use the engine) is
-  // drained and joined before the engine is unmapped.
-  std::unique_ptr<ShmRoute> engine_;
-  std::unique_ptr<OpQueue> queue_;
+  std::unique_ptr<ShmRoute> engine_; // null: no shared memory for this group
 
   std::mutex coalescingMutex_;
   bool coalescing_ = false;

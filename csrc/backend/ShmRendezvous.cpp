@@ -1,6 +1,6 @@
 #include "backend/ShmRendezvous.hpp"
 
-#include "backend/InnerRoute.hpp"
+#include "backend/routes/InnerRoute.hpp"
 #include "common/Errors.hpp"
 
 #include <c10/util/Exception.h>

@@ -20,7 +20,7 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "backend/ShmRoute.hpp"
+#include "backend/routes/ShmRoute.hpp"
 
 #include <chrono>
 #include <memory>

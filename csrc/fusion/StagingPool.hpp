@@ -10,6 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -26,6 +27,33 @@ class StagingPool {
   static constexpr size_t kMaxCached = 4;
   std::mutex mutex_;
   std::vector<at::Tensor> free_; // uint8 buffers, whole storages
+};
+
+// The pool's buffers one call uses, given back once: by release() at the
+// end of the call's post-step (the next call reuses them at once), or when
+// the lease is destroyed, if the call failed before it got there.
+class StagingLease {
+ public:
+  explicit StagingLease(std::shared_ptr<StagingPool> pool) : pool_(std::move(pool)) {}
+  ~StagingLease() {
+    release();
+  }
+  StagingLease(const StagingLease&) = delete;
+  StagingLease& operator=(const StagingLease&) = delete;
+
+  void add(const std::vector<at::Tensor>& buffers) {
+    held_.insert(held_.end(), buffers.begin(), buffers.end());
+  }
+  void release() {
+    if (!held_.empty()) {
+      pool_->release(held_);
+      held_.clear();
+    }
+  }
+
+ private:
+  std::shared_ptr<StagingPool> pool_;
+  std::vector<at::Tensor> held_;
 };
 
 } // namespace hsdp

@@ -44,15 +44,32 @@ internal function FSDP2 calls per param group, ``foreach_reduce``, as
 imported by ``_fsdp_param_group``. It checks that function's parameters and
 ``FSDPParam.to_sharded_dtensor`` when it installs; when they differ
 (another torch version) it warns once and leaves FSDP2's native path, which
-is correct on hsdp. Per call it also takes FSDP2's path, unchanged, when:
+is correct on hsdp.
+
+A change inside FSDP2's gradient tail that keeps those signatures would give
+wrong gradients, so the shim also proves itself before it installs
+(``_proof``): a tiny model, on a (replicate 1 x shard 1) mesh of two private
+hsdp groups of this process alone (no default group needed or touched),
+runs two backwards on FSDP2's own path and again through the shim, for fp32
+and bf16 gradients reduced in their own dtype, bf16 reduction of fp32
+parameters and fp64 reduction. After each backward every gradient must be
+FSDP2's bit for bit, with the same dtype, shape, strides, device, DTensor
+placements and mesh, and as many post-accumulate-grad hook calls. If any
+differs, or the proof raises, nothing is installed: one warning names the
+first difference and FSDP2 keeps its native path. The proof runs once per
+install (a failed one is not retried until :func:`disable`) and leaves no
+group, thread or shared-memory segment behind. Per call the shim also takes
+FSDP2's path, unchanged, when:
 the device is neither CPU nor CUDA, a user all-reduce hook is set, the reduce dtype is
 fp16 (FSDP2 pre-divides to avoid overflow), parameters are offloaded, or the
 mesh mixes hsdp with another backend (warned once).
 
-The shim is installed automatically when an hsdp process group is created
-(``HSDP_FSDP=off`` disables it), or explicitly with :func:`enable`; :func:`disable`
+The shim is installed automatically once an hsdp process group exists and
+``torch.distributed.fsdp`` is imported, in either order (``HSDP_FSDP=off``
+disables it), or explicitly with :func:`enable`; :func:`disable`
 undoes every patch it made. ``_compat`` is the one module that touches
-FSDP2's internals; ``_buckets`` plans and tracks the buckets without them.
+FSDP2's internals; ``_buckets`` plans and tracks the buckets without them;
+``_proof`` runs FSDP2 through its public API only.
 """
 
 from __future__ import annotations
@@ -75,14 +92,16 @@ def enable(bucket_bytes: int | None = None) -> bool:
 
     Returns:
         True when installed; False (with a warning) when this torch's FSDP2
-        internals differ from those the shim was written for, in which case
-        FSDP2 keeps its native reduction path, which is correct on hsdp.
+        internals differ from those the shim was written for, or its
+        gradients from FSDP2's in the proof at install, in which case FSDP2
+        keeps its native reduction path, which is correct on hsdp.
     """
     return _compat.install(bucket_bytes)
 
 
 def disable() -> None:
-    """Restores FSDP2's own functions. Call between iterations (buckets not yet
+    """Restores FSDP2's own functions and forgets a failed proof (the next
+    :func:`enable` proves again). Call between iterations (buckets not yet
     finished are dropped)."""
     _compat.uninstall()
 
@@ -98,4 +117,4 @@ def install_automatically(settings) -> None:
     when the process imports it), unless ``HSDP_FSDP=off``."""
     if not settings.fsdp_shim:
         return
-    _post_import.when_imported(_compat._PARAM_GROUP_MODULE, lambda _module: enable())
+    _post_import.when_imported(_compat.FSDP_PACKAGE, lambda _module: enable())

@@ -6,15 +6,20 @@ it), the signature it checks before wrapping, the wrappers of
 ``FSDPParamGroup._init_mp_dtypes`` and ``FSDPModule.reset_iter_state``,
 FSDP2's padding of a shard, its allocation order inside ``foreach_reduce``
 and its gradient tail (cast, per-parameter views, ``.grad``, hooks:
-``PendingGrads.finish``). The buckets (``_buckets``) see none of it.
+``PendingGrads.finish``). The buckets (``_buckets``) see none of it; the
+proof at install (``_proof``) uses FSDP2's public API only, switching
+between FSDP2's path and the shim's through ``_installed_for_proof``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import math
 import sys
 import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +30,8 @@ import torch.distributed as dist
 from hsdp_backend import config
 from hsdp_backend.fsdp._buckets import ReplicateBuckets, Streams
 
-_PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+# The shim installs once this package is imported: the proof needs all of it.
+FSDP_PACKAGE = "torch.distributed.fsdp"
 _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 # foreach_reduce's parameters as of torch 2.9-2.14; the shim calls the
@@ -51,6 +57,10 @@ TESTED_TORCH = "2.14"
 # FSDP2's custom-comm extension points, which foreach_reduce's signature above
 # assumes, arrived in 2.9; pyproject.toml requires the same.
 SUPPORTED_TORCH = ((2, 13), (2, 14))
+# The proof's buckets: small, so its few gradients fill several (see _proof).
+_PROOF_BUCKET_BYTES = 64
+
+_log = logging.getLogger("hsdp_backend")
 
 
 class _Shim:
@@ -63,12 +73,16 @@ class _Shim:
         self.original_reset_iter_state = None  # FSDPModule.reset_iter_state, likewise
         self.warned: set[str] = set()
         self.buckets = ReplicateBuckets()  # its bucket_bytes: 0 until the first install
+        # Why the proof failed, until disable(): later installs do not prove again.
+        self.disproof: str | None = None
 
 
 def install(bucket_bytes: int | None) -> bool:
-    """Wraps FSDP2's foreach_reduce (and _init_mp_dtypes) for this process;
-    False, with one warning, when FSDP2's internals are not those the shim
-    was written for. See hsdp_backend.fsdp.enable."""
+    """Wraps FSDP2's foreach_reduce (and _init_mp_dtypes, reset_iter_state)
+    for this process once the shim has proved itself against FSDP2's own
+    path (``_proof``); False, with one warning, when FSDP2's internals are
+    not those the shim was written for or the proof finds a difference. See
+    hsdp_backend.fsdp.enable."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
 
     buckets = _shim.buckets
@@ -79,6 +93,8 @@ def install(bucket_bytes: int | None) -> bool:
     with _shim.lock:
         if _shim.original is not None:
             return True
+        if _shim.disproof is not None:  # proved wrong in this process already
+            return False
         _check_torch_version(torch.__version__)
         problem = _incompatibility(module)
         if problem is not None:
@@ -89,36 +105,100 @@ def install(bucket_bytes: int | None) -> bool:
                 "but all-reduces each param group separately and divides twice under HSDP.",
             )
             return False
-        _shim.original = module.foreach_reduce
-        module.foreach_reduce = _foreach_reduce
-        param_group = module.FSDPParamGroup
-        if hasattr(param_group, "_init_mp_dtypes") and _shim.original_init_mp_dtypes is None:
-            _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
-            param_group._init_mp_dtypes = _init_mp_dtypes
+        _shim.disproof = _disproof(module)
+        if _shim.disproof is not None:
+            _warn_once(
+                "disproved",
+                f"hsdp_backend.fsdp: the shim's gradients are not FSDP2's on torch {torch.__version__}: "
+                f"{_shim.disproof}. The shim is not installed: FSDP2 keeps its native reduction, which is "
+                "correct on hsdp but all-reduces each param group separately and divides twice under "
+                "HSDP. Please report this with your torch version.",
+            )
+            return False
+        _patch(module)
     return True
 
 
 def uninstall() -> None:
-    """Puts FSDP2's own functions back; unfinished buckets are dropped."""
+    """Puts FSDP2's own functions back and forgets a failed proof; unfinished
+    buckets are dropped."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
 
     _shim.buckets.abandon()
     with _shim.lock:
-        if _shim.original is not None:
-            module.foreach_reduce = _shim.original
-            _shim.original = None
-        if _shim.original_init_mp_dtypes is not None:
-            module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
-            _shim.original_init_mp_dtypes = None
-        if _shim.original_reset_iter_state is not None:
-            sys.modules[
-                _FULLY_SHARD_MODULE
-            ].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
-            _shim.original_reset_iter_state = None
+        _unpatch(module)
+        _shim.disproof = None
 
 
 def installed() -> bool:
     return _shim.original is not None
+
+
+def _patch(module) -> None:
+    """Puts the shim's wrappers in place of FSDP2's functions."""
+    _shim.original = module.foreach_reduce
+    module.foreach_reduce = _foreach_reduce
+    param_group = module.FSDPParamGroup
+    if hasattr(param_group, "_init_mp_dtypes"):
+        _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
+        param_group._init_mp_dtypes = _init_mp_dtypes
+    fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
+    if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
+        _warn_once(
+            "no-reset-iter-state",
+            "hsdp_backend.fsdp: FSDPModule.reset_iter_state not found; after a backward that raised, "
+            "call hsdp_backend.fsdp.disable() and enable() to drop the shim's buckets",
+        )
+        return
+    _shim.original_reset_iter_state = fsdp_module.reset_iter_state
+    fsdp_module.reset_iter_state = _reset_iter_state
+
+
+def _unpatch(module) -> None:
+    """Puts FSDP2's own functions back."""
+    if _shim.original is not None:
+        module.foreach_reduce = _shim.original
+        _shim.original = None
+    if _shim.original_init_mp_dtypes is not None:
+        module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
+        _shim.original_init_mp_dtypes = None
+    if _shim.original_reset_iter_state is not None:
+        sys.modules[
+            _FULLY_SHARD_MODULE
+        ].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
+        _shim.original_reset_iter_state = None
+
+
+def _disproof(module) -> str | None:
+    """What the proof finds wrong with the shim on this torch, or None."""
+    # Imported here: _proof imports FSDP2, which an hsdp process imports only if it uses it.
+    from hsdp_backend.fsdp import _proof
+
+    start = time.perf_counter()
+    try:
+        difference = _proof.first_difference(lambda: _installed_for_proof(module))
+    except Exception as exc:  # noqa: BLE001 - whatever fails, FSDP2's own path stays
+        return f"the proof raised {type(exc).__name__}: {exc}"
+    _log.debug(
+        "hsdp_backend.fsdp: proved against FSDP2's native path in %.0f ms",
+        (time.perf_counter() - start) * 1e3,
+    )
+    return difference
+
+
+@contextlib.contextmanager
+def _installed_for_proof(module):
+    """The shim installed, with buckets of the proof's own: the process's
+    buckets, and the sizes they remember from earlier backwards, stay as
+    they were."""
+    buckets, _shim.buckets = _shim.buckets, ReplicateBuckets(_PROOF_BUCKET_BYTES)
+    _patch(module)
+    try:
+        yield
+    finally:
+        _unpatch(module)
+        _shim.buckets.abandon()
+        _shim.buckets = buckets
 
 
 def _check_torch_version(version: str) -> bool:
@@ -211,7 +291,6 @@ def _foreach_reduce(
     divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     buckets = _shim.buckets
-    _wrap_reset_iter_state()
     streams = Streams.of(device, reduce_scatter_stream, all_reduce_stream)
     if all_reduce_grads:
         in_backward = buckets.begin_add()
@@ -284,27 +363,6 @@ def _bucketable(args: dict[str, Any]) -> bool:
     if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
         return False
     return not any(p.offload_to_cpu for p in args["fsdp_params"])
-
-
-def _wrap_reset_iter_state() -> None:
-    """Wraps FSDPModule.reset_iter_state, once. Done at the first bucketed
-    reduction, not in enable(): enable() may run inside FSDP2's own package
-    import, before the module defining FSDPModule has finished loading."""
-    if _shim.original_reset_iter_state is not None:
-        return
-    fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
-    with _shim.lock:
-        if _shim.original is None or _shim.original_reset_iter_state is not None:
-            return
-        if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
-            _warn_once(
-                "no-reset-iter-state",
-                "hsdp_backend.fsdp: FSDPModule.reset_iter_state not found; after a backward that raised, "
-                "call hsdp_backend.fsdp.disable() and enable() to drop the shim's buckets",
-            )
-            return
-        _shim.original_reset_iter_state = fsdp_module.reset_iter_state
-        fsdp_module.reset_iter_state = _reset_iter_state
 
 
 def _reset_iter_state(self, *args, **kwargs):

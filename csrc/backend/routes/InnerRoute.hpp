@@ -34,6 +34,7 @@
 
 #include "backend/OpQueue.hpp"
 #include "backend/WorkOnStream.hpp"
+#include "backend/routes/Route.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -91,13 +92,31 @@ c10::intrusive_ptr<c10d::Backend> splitWithOwnOptions(
     const std::string* groupName = nullptr,
     const std::string* groupDesc = nullptr);
 
-class InnerRoute {
+class InnerRoute final : public Route {
  public:
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
   InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps, int rank);
   InnerRoute(const InnerRoute&) = delete;
   InnerRoute& operator=(const InnerRoute&) = delete;
+
+  const char* name() const override {
+    return caps_.name;
+  }
+  bool scalesNatively() const override {
+    return caps_.nativeScale;
+  }
+  bool coalescesNatively() const override {
+    return caps_.nativeCoalescing;
+  }
+  // Stages in, issues each collective on the inner backend (a list as its
+  // *_coalesced form), and finishes with the deferred scales, then the
+  // plan's post-step.
+  Completion issue(const Call& call, Plan plan) override;
+  // The completion of an op the override issued on backend() itself (the
+  // forms no route plans: gather, scatter, all-to-all, point-to-point, list
+  // and sparse forms), finished by `plan`'s post-step.
+  Completion complete(const Call& call, std::vector<WorkPtr> works, Plan plan);
 
   c10d::Backend& backend() const {
     return *backend_;
@@ -168,6 +187,8 @@ class InnerRoute {
       std::vector<at::Tensor> outputs,
       std::function<void()> post,
       std::vector<at::Tensor> keepAlive);
+  // One collective of a plan, on the inner backend.
+  WorkPtr run(const Call& call, const Collective& c);
   OpQueue& completions();
   // Remembers `work` as the route's last pending post-step when it has one.
   c10::intrusive_ptr<WorkOnStream> pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work);

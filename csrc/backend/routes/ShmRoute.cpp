@@ -1,4 +1,4 @@
-#include "backend/ShmRoute.hpp"
+#include "backend/routes/ShmRoute.hpp"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-#include "backend/InnerRoute.hpp"
+#include "backend/routes/InnerRoute.hpp"
 
 #include <ATen/core/ivalue.h>
 #include <c10/core/Event.h>
@@ -147,6 +147,101 @@ std::vector<InnerRoute::WorkPtr> InnerRoute::Inner::all() const {
   }
   works.insert(works.end(), companions.begin(), companions.end());
   return works;
+}
+
+InnerRoute::WorkPtr InnerRoute::run(const Call& call, const Collective& c) {
+  auto& b = *backend_;
+  const auto timeout = call.timeout;
+  const bool async = call.asyncOp;
+  const auto op = c.reduce.innerOp;
+  auto ins = c.inputs;
+  auto outs = c.outputs;
+  const bool list = c.asList;
+  // Gloo's *_base ops insist on 1-D shapes (a fatal check otherwise).
+  auto flat = [](const at::Tensor& t) { return t.dim() == 1 ? t : t.view({-1}); };
+  switch (c.kind) {
+    case Kind::AllReduce:
+      if (list) {
+        c10d::AllreduceCoalescedOptions o;
+        o.reduceOp = op, o.timeout = timeout, o.asyncOp = async;
+        return b.allreduce_coalesced(ins, o);
+      } else {
+        c10d::AllreduceOptions o;
+        o.reduceOp = op, o.timeout = timeout, o.asyncOp = async;
+        return b.allreduce(ins, o);
+      }
+    case Kind::Broadcast: {
+      c10d::BroadcastOptions o;
+      o.rootRank = c.root, o.timeout = timeout, o.asyncOp = async;
+      return b.broadcast(ins, o);
+    }
+    case Kind::Reduce: {
+      c10d::ReduceOptions o;
+      o.reduceOp = op, o.rootRank = c.root, o.timeout = timeout, o.asyncOp = async;
+      std::vector<at::Tensor> io{flat(ins[0])};
+      return b.reduce(io, o);
+    }
+    case Kind::AllGather: {
+      c10d::AllgatherOptions o;
+      o.timeout = timeout, o.asyncOp = async;
+      if (list) {
+        return b.allgather_into_tensor_coalesced(outs, ins, o);
+      }
+      auto in = flat(ins[0]), out = flat(outs[0]);
+      return b._allgather_base(out, in, o);
+    }
+    case Kind::ReduceScatter: {
+      c10d::ReduceScatterOptions o;
+      o.reduceOp = op, o.timeout = timeout, o.asyncOp = async;
+      if (list) {
+        return b.reduce_scatter_tensor_coalesced(outs, ins, o);
+      }
+      auto in = flat(ins[0]), out = flat(outs[0]);
+      return b._reduce_scatter_base(out, in, o);
+    }
+    case Kind::Barrier: {
+      c10d::BarrierOptions o;
+      o.timeout = timeout, o.asyncOp = async;
+      return b.barrier(o);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown collective kind");
+}
+
+Completion InnerRoute::issue(const Call& call, Plan plan) {
+  if (plan.stageIn) {
+    plan.stageIn();
+  }
+  std::vector<WorkPtr> works;
+  std::vector<std::function<void()>> scales;
+  for (const auto& c : plan.collectives) {
+    works.push_back(run(call, c));
+    // Only the root holds a reduce's result; the others' buffers are scratch.
+    if (!c.reduce.post.isNone() && (c.kind != Kind::Reduce || c.root == rank_)) {
+      scales.push_back([results = c.results(), scale = c.reduce.post] {
+        for (const auto& t : results) {
+          scale.apply(t);
+        }
+      });
+    }
+  }
+  if (!scales.empty()) {
+    if (plan.post) {
+      scales.push_back(std::move(plan.post));
+    }
+    plan.post = inOrder(std::move(scales));
+  }
+  return complete(call, std::move(works), std::move(plan));
+}
+
+Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Plan plan) {
+  return {finish(
+      call.type,
+      call.asyncOp,
+      std::move(works),
+      std::move(plan.outputs),
+      std::move(plan.post),
+      std::move(plan.keepAlive))};
 }
 
 InnerRoute::WorkPtr InnerRoute::finish(

@@ -37,6 +37,9 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/CommStats.hpp"
+#include "backend/FlightRecorder.hpp"
+#include "backend/OpQueue.hpp"
+#include "backend/routes/Route.hpp"
 #include "fusion/StagingPool.hpp"
 #include "shm/Engine.hpp"
 
@@ -63,7 +66,7 @@ struct HostLayout {
   std::vector<int> columnRanks(int l) const;
 };
 
-class ShmRoute {
+class ShmRoute final : public Route {
  public:
   ShmRoute(
       std::unique_ptr<shm::Engine> local,
@@ -77,9 +80,33 @@ class ShmRoute {
   bool hierarchical() const {
     return column_ != nullptr;
   }
-  const char* name() const {
+  const char* name() const override {
     return hierarchical() ? "hierarchical" : "shm";
   }
+  bool scalesNatively() const override {
+    return false; // the scale is fused into the reduction's kernel: one pass, no extra kernel
+  }
+  bool coalescesNatively() const override {
+    return false;
+  }
+  // Whether the engine serves these tensors (CPU, dense, an engine dtype),
+  // and a reduction planned for `dtype` (an engine op and scale).
+  static bool serves(const std::vector<at::Tensor>& tensors);
+  static bool serves(const ReducePlan& plan, at::ScalarType dtype);
+
+  // Runs the plan on the engine's queue: inline for a synchronous call when
+  // the queue is idle, else on its worker, in issue order. The call's
+  // flight-record entry ends with it; a failure is raised (or fails the
+  // Work) as DistBackendError naming this rank's flight record.
+  Completion issue(const Call& call, Plan plan) override;
+  // Where issue() records calls' ends; set once, before the first call.
+  void recordInto(std::shared_ptr<FlightRecorder> trace) {
+    trace_ = std::move(trace);
+  }
+  // Drains the queue and tells this host's peers this rank is gone: they
+  // fail now instead of at their deadline (a correct program has nothing
+  // left to wait for from a rank that finished its collectives).
+  void leave(const std::string& why);
   const HostLayout& layout() const {
     return layout_;
   }
@@ -107,7 +134,7 @@ class ShmRoute {
   void broadcast(const char* op, void* data, size_t bytes, int root);
   void barrier(const char* op);
   // Piecewise all-gather: flat groups only (hierarchical ones pack).
-  bool gathersPieces(size_t pieces, size_t totalBytes) const {
+  bool gathersPieces(size_t pieces, size_t totalBytes) const override {
     return !hierarchical() && local_->gathersPieces(pieces, totalBytes);
   }
   void allGatherPieces(
@@ -155,6 +182,9 @@ class ShmRoute {
       shm::Scale scale);
   class FailsTheRoute;
   void checkUsable(const char* op) const;
+  // One collective of a plan, on the engine.
+  void run(const char* op, const Collective& c);
+  [[noreturn]] void fail(const shm::CommError& e, uint64_t seq);
   void withinHost(uint64_t bytes);
   at::Tensor stage(size_t bytes);
   std::string prefix(const char* op) const;
@@ -169,6 +199,9 @@ class ShmRoute {
   uint64_t exchanges_ = 0;
   std::string failure_; // the first inter-host failure: the route refuses work after it
   bool hostMajor_;      // rankOf(h, l) == h * perHost + l
+  std::shared_ptr<FlightRecorder> trace_;
+  // Last: drained and joined before the engine its tasks use is gone.
+  std::unique_ptr<OpQueue> queue_ = std::make_unique<OpQueue>();
 };
 
 } // namespace hsdp

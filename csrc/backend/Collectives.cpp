@@ -1,0 +1,593 @@
+// Every c10d op of ProcessGroupHSDP: validate (Checks.hpp), plan for the
+// route that serves it (Plan.hpp), issue on that route (routes/Route.hpp).
+
+#include "backend/ProcessGroupHSDP.hpp"
+
+#include <c10/core/impl/VirtualGuardImpl.h>
+
+#include <ATen/ATen.h>
+
+#include "backend/Checks.hpp"
+#include "backend/WorkHSDP.hpp"
+
+#include <numeric>
+
+namespace hsdp {
+
+using c10d::OpType;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// How every call goes down: a Call (who, what), the inner route of its
+// tensors' device, a plan for the route that serves it, then the route's
+// completion, recorded in the flight record and, inside a coalescing
+// block, in the block.
+
+Call ProcessGroupHSDP::begin(
+    const char* op,
+    OpType type,
+    bool asyncOp,
+    std::chrono::milliseconds timeout) const {
+  return Call{.ctx = {rank_, size_, op}, .type = type, .asyncOp = asyncOp, .timeout = timeout};
+}
+
+InnerRoute& ProcessGroupHSDP::inner(Call& call, const at::Tensor& t) {
+  if (t.device().is_cpu()) {
+    cpu_->beforeIssue();
+    return *cpu_;
+  }
+  if (t.device().is_cuda()) {
+    HSDP_CHECK(
+        cuda_,
+        call.ctx,
+        "got a tensor on ",
+        t.device(),
+        " but this process group was created without CUDA (no GPU was "
+        "visible to torch when it was created)");
+    cuda_->beforeIssue();
+    call.device = t.device();
+    return *cuda_;
+  }
+  HSDP_CHECK(
+      false,
+      call.ctx,
+      "tensors on ",
+      t.device(),
+      " are not supported; hsdp serves cpu and cuda tensors");
+}
+
+bool ProcessGroupHSDP::shmServes(const std::vector<at::Tensor>& tensors) const {
+  return engine_ && ShmRoute::serves(tensors);
+}
+
+bool ProcessGroupHSDP::shmServes(
+    const std::vector<at::Tensor>& tensors,
+    const std::vector<DtypeGroup>& groups) const {
+  return shmServes(tensors) && std::all_of(groups.begin(), groups.end(), [&](const auto& g) {
+           return ShmRoute::serves(g.reduce, tensors[g.members[0]].scalar_type());
+         });
+}
+
+Route& ProcessGroupHSDP::shmOr(InnerRoute& inner, bool shmServes) {
+  return shmServes ? static_cast<Route&>(*engine_) : inner;
+}
+
+TracedCall ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes) {
+  checkUsable(call.ctx);
+  stats_.record(call.ctx.op, collectives, bytes);
+  call.seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
+  trace_->started(call.seq, call.ctx.op, bytes);
+  return TracedCall(trace_, call);
+}
+
+WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan plan, uint64_t bytes) {
+  auto traced = record(call, plan.collectives.size(), bytes);
+  return finish(traced, route.issue(traced.call(), std::move(plan)));
+}
+
+WorkPtr ProcessGroupHSDP::forward(
+    Call& call,
+    InnerRoute& route,
+    uint64_t bytes,
+    const std::function<WorkPtr(c10d::Backend&)>& op,
+    Plan done) {
+  auto traced = record(call, 1, bytes);
+  auto work = op(route.backend());
+  return finish(traced, route.complete(traced.call(), {work}, std::move(done)));
+}
+
+WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
+  bool inBlock;
+  {
+    std::lock_guard<std::mutex> lock(coalescingMutex_);
+    inBlock = coalescing_;
+    if (inBlock && done.work) {
+      coalescedWorks_.push_back(done.work);
+    }
+  }
+  return traced.follow(std::move(done), inBlock);
+}
+
+WorkPtr ProcessGroupHSDP::untraced(const Call& call, Completion done) {
+  TracedCall none(trace_, call); // seq 0: no entry
+  return finish(none, std::move(done));
+}
+
+namespace {
+
+// How an op issued on the inner backend as it is completes.
+Plan completes(
+    std::vector<at::Tensor> outputs,
+    std::function<void()> post = {},
+    std::vector<at::Tensor> keepAlive = {}) {
+  return Plan{.post = std::move(post), .outputs = std::move(outputs), .keepAlive = std::move(keepAlive)};
+}
+
+// The deferred scale of a reduction on tensors the inner backend reduced
+// as they are; empty when there is none.
+std::function<void()> scaleAfter(const ReducePlan& plan, std::vector<at::Tensor> tensors) {
+  if (plan.post.isNone()) {
+    return {};
+  }
+  return [tensors = std::move(tensors), scale = plan.post] {
+    for (const auto& t : tensors) {
+      scale.apply(t);
+    }
+  };
+}
+
+} // namespace
+
+WorkPtr
+ProcessGroupHSDP::broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) {
+  auto call = begin("broadcast", OpType::BROADCAST, opts.asyncOp, opts.timeout);
+  checkNotEmpty(call.ctx, tensors);
+  checkRank(call.ctx, opts.rootRank, "root");
+  checkRootTensor(call.ctx, opts.rootTensor, tensors);
+  auto& r = inner(call, tensors[0]);
+  if (!oneDense(tensors)) {
+    return forward(
+        call,
+        r,
+        bytesOf(tensors),
+        [&](auto& b) { return b.broadcast(tensors, opts); },
+        completes(tensors, {}, tensors));
+  }
+  auto plan = planInPlace(Kind::Broadcast, tensors[0], noReduction(), opts.rootRank);
+  return issue(call, shmOr(r, shmServes(tensors)), std::move(plan), bytesOf(tensors));
+}
+
+WorkPtr
+ProcessGroupHSDP::allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) {
+  return allreduceImpl(tensors, opts, 1.0);
+}
+
+WorkPtr ProcessGroupHSDP::allreduceDividedBy(
+    at::Tensor& tensor,
+    const c10d::ReduceOp& op,
+    double divideBy,
+    bool asyncOp) {
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  opts.asyncOp = asyncOp;
+  return allreduceImpl(tensors, opts, divideBy);
+}
+
+WorkPtr ProcessGroupHSDP::allreduceImpl(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts,
+    double divideBy) {
+  auto call = begin("all_reduce", OpType::ALLREDUCE, opts.asyncOp, opts.timeout);
+  checkNotEmpty(call.ctx, tensors);
+  auto& r = inner(call, tensors[0]);
+  // AVG averages every contribution: all tensors of all ranks.
+  const int contributions = size_ * static_cast<int>(tensors.size());
+  auto reduce = planReduce(
+      call.ctx,
+      opts.reduceOp,
+      tensors[0].scalar_type(),
+      contributions,
+      divideBy,
+      r.scalesNatively());
+  if (!oneDense(tensors)) {
+    c10d::AllreduceOptions innerOpts = opts;
+    innerOpts.reduceOp = reduce.innerOp;
+    return forward(
+        call,
+        r,
+        bytesOf(tensors),
+        [&](auto& b) { return b.allreduce(tensors, innerOpts); },
+        completes(tensors, scaleAfter(reduce, tensors), tensors));
+  }
+  const bool shm = shmServes(tensors) && ShmRoute::serves(reduce, tensors[0].scalar_type());
+  auto plan = planInPlace(Kind::AllReduce, tensors[0], std::move(reduce));
+  return issue(call, shmOr(r, shm), std::move(plan), bytesOf(tensors));
+}
+
+WorkPtr ProcessGroupHSDP::allreduceBucketed(
+    std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOp& op,
+    int64_t bucketBytes,
+    bool asyncOp,
+    double divideBy) {
+  auto call = begin("all_reduce_coalesced", OpType::ALLREDUCE_COALESCED, asyncOp);
+  if (tensors.empty()) {
+    return WorkHSDP::completed(rank_, call.type, {});
+  }
+  auto& r = inner(call, tensors[0]);
+  for (const auto& t : tensors) {
+    // Gloo and NCCL refuse sparse tensors too; say what does serve them.
+    HSDP_CHECK_VALUE(
+        !t.is_sparse(),
+        call.ctx,
+        "sparse tensors are not supported here; all_reduce serves them, one tensor per call");
+    checkSameDevice(call.ctx, tensors[0], t, "a tensor");
+  }
+  auto groups = groupByDtype(call.ctx, tensors, op, size_, divideBy, r.scalesNatively());
+  auto& route = shmOr(r, shmServes(tensors, groups));
+  auto plan = planAllReduceBuckets(tensors, groups, bucketBytes, route, staging_);
+  return issue(call, route, std::move(plan), bytesOf(tensors));
+}
+
+WorkPtr ProcessGroupHSDP::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceCoalescedOptions& opts) {
+  return allreduceBucketed(tensors, opts.reduceOp, /*bucketBytes=*/0, opts.asyncOp);
+}
+
+WorkPtr
+ProcessGroupHSDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
+  auto call = begin("reduce", OpType::REDUCE, opts.asyncOp, opts.timeout);
+  checkOne(call.ctx, tensors);
+  checkRank(call.ctx, opts.rootRank, "root");
+  checkRootTensor(call.ctx, opts.rootTensor, tensors);
+  auto& r = inner(call, tensors[0]);
+  auto reduce = planReduce(
+      call.ctx, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.scalesNatively());
+  auto plan = planInPlace(Kind::Reduce, tensors[0], std::move(reduce), opts.rootRank);
+  return issue(call, r, std::move(plan), bytesOf(tensors));
+}
+
+WorkPtr ProcessGroupHSDP::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  auto call = begin("all_gather", OpType::ALLGATHER, opts.asyncOp, opts.timeout);
+  checkNotEmpty(call.ctx, inputs);
+  if (!oneDense(inputs)) {
+    std::vector<at::Tensor> outs;
+    for (const auto& list : outputs) {
+      outs.insert(outs.end(), list.begin(), list.end());
+    }
+    return forward(
+        call,
+        inner(call, inputs[0]),
+        bytesOf(inputs),
+        [&](auto& b) { return b.allgather(outputs, inputs, opts); },
+        completes(outs, {}, inputs));
+  }
+  checkPerRankList(call.ctx, outputs, inputs[0], "output tensor");
+  auto& r = inner(call, inputs[0]);
+  const bool shm = shmServes(inputs) && shmServes(outputs[0]);
+  return issue(call, shmOr(r, shm), planAllGatherToList(inputs[0], outputs[0]), bytesOf(inputs));
+}
+
+WorkPtr ProcessGroupHSDP::_allgather_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::AllgatherOptions& opts) {
+  auto call = begin("all_gather_into_tensor", OpType::_ALLGATHER_BASE, opts.asyncOp, opts.timeout);
+  checkSameDtype(call.ctx, input, output, "the output");
+  checkSameDevice(call.ctx, input, output, "the output");
+  checkNumel(call.ctx, output, input.numel() * size_, "the output (world size x input)");
+  checkContiguous(call.ctx, output, "the output");
+  auto& r = inner(call, input);
+  auto& route = shmOr(r, shmServes({input, output}));
+  return issue(call, route, planAllGather(input, output), bytesOf(input));
+}
+
+WorkPtr ProcessGroupHSDP::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  auto call =
+      begin("all_gather_into_tensor_coalesced", OpType::COALESCED, opts.asyncOp, opts.timeout);
+  checkCoalescedPairs(call.ctx, inputs, outputs, /*gather=*/true);
+  if (inputs.empty()) {
+    return WorkHSDP::completed(rank_, call.type, {});
+  }
+  for (const auto& t : inputs) {
+    checkSameDevice(call.ctx, inputs[0], t, "an input");
+  }
+  auto& r = inner(call, inputs[0]);
+  auto& route = shmOr(r, shmServes(inputs) && shmServes(outputs));
+  auto plan = planAllGatherCoalesced(inputs, outputs, route, rank_, size_, staging_);
+  return issue(call, route, std::move(plan), bytesOf(inputs));
+}
+
+WorkPtr ProcessGroupHSDP::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputTensorLists,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  auto call = begin("all_gather_coalesced", OpType::ALLGATHER_COALESCED, opts.asyncOp);
+  checkOutputLists(call.ctx, outputTensorLists, inputs);
+  if (inputs.empty()) {
+    return WorkHSDP::completed(rank_, call.type, {});
+  }
+  // The fused all-gather into one flat [W * n_i] buffer per input (one
+  // collective on every route, with its own flight-record entry), then
+  // each rank's slice copied out.
+  std::vector<at::Tensor> gathered;
+  for (const auto& in : inputs) {
+    gathered.push_back(at::empty({size_ * in.numel()}, in.options()));
+  }
+  c10d::AllgatherOptions fusedOpts = opts;
+  fusedOpts.asyncOp = true;
+  auto& r = inner(call, inputs[0]);
+  auto work = allgather_into_tensor_coalesced(gathered, inputs, fusedOpts);
+  std::vector<at::Tensor> outputs;
+  for (const auto& list : outputTensorLists) {
+    outputs.insert(outputs.end(), list.begin(), list.end());
+  }
+  auto copyOut = [gathered, outputTensorLists] {
+    for (size_t q = 0; q < outputTensorLists.size(); ++q) {
+      for (size_t i = 0; i < gathered.size(); ++i) {
+        const auto& out = outputTensorLists[q][i];
+        out.copy_(gathered[i].narrow(0, q * out.numel(), out.numel()).view(out.sizes()));
+      }
+    }
+  };
+  return untraced(call, r.complete(call, {work}, completes(outputs, copyOut, gathered)));
+}
+
+WorkPtr ProcessGroupHSDP::gather(
+    std::vector<std::vector<at::Tensor>>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::GatherOptions& opts) {
+  auto call = begin("gather", OpType::GATHER, opts.asyncOp, opts.timeout);
+  checkRooted(call.ctx, opts.rootRank, inputs, outputs, "output tensor");
+  return forward(
+      call,
+      inner(call, inputs[0]),
+      bytesOf(inputs),
+      [&](auto& b) { return b.gather(outputs, inputs, opts); },
+      completes(inputs, {}, outputs.empty() ? inputs : outputs[0]));
+}
+
+WorkPtr ProcessGroupHSDP::scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ScatterOptions& opts) {
+  auto call = begin("scatter", OpType::SCATTER, opts.asyncOp, opts.timeout);
+  checkRooted(call.ctx, opts.rootRank, outputs, inputs, "input tensor");
+  return forward(
+      call,
+      inner(call, outputs[0]),
+      bytesOf(outputs),
+      [&](auto& b) { return b.scatter(outputs, inputs, opts); },
+      completes(outputs, {}, inputs.empty() ? outputs : inputs[0]));
+}
+
+WorkPtr ProcessGroupHSDP::reduce_scatter(
+    std::vector<at::Tensor>& outputs,
+    std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  auto call = begin("reduce_scatter", OpType::REDUCE_SCATTER, opts.asyncOp, opts.timeout);
+  checkOne(call.ctx, outputs);
+  // Per-rank sizes may differ (rank q's output has inputs[q]'s size); the
+  // engine's reduce-scatter has equal pieces, the inner backend has both.
+  checkOneListPerRank(call.ctx, inputs, "input tensor");
+  const bool even = std::all_of(inputs[0].begin(), inputs[0].end(), [&](const at::Tensor& in) {
+    return in.numel() == outputs[0].numel();
+  });
+  if (even) {
+    checkPerRankList(call.ctx, inputs, outputs[0], "input tensor");
+  } else {
+    checkNumel(call.ctx, inputs[0][rank_], outputs[0].numel(), "this rank's input tensor");
+  }
+  auto& r = inner(call, outputs[0]);
+  const auto dtype = outputs[0].scalar_type();
+  auto reduce = planReduce(call.ctx, opts.reduceOp, dtype, size_, 1.0, r.scalesNatively());
+  if (even && shmServes(outputs) && shmServes(inputs[0]) && ShmRoute::serves(reduce, dtype)) {
+    auto plan = planReduceScatterFromList(inputs[0], outputs[0], std::move(reduce));
+    return issue(call, *engine_, std::move(plan), bytesOf(inputs[0]));
+  }
+  c10d::ReduceScatterOptions innerOpts = opts;
+  innerOpts.reduceOp = reduce.innerOp;
+  return forward(
+      call,
+      r,
+      bytesOf(inputs[0]),
+      [&](auto& b) { return b.reduce_scatter(outputs, inputs, innerOpts); },
+      completes(outputs, scaleAfter(reduce, {outputs[0]}), inputs[0]));
+}
+
+WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  return reduceScatterImpl(output, input, opts, 1.0);
+}
+
+WorkPtr ProcessGroupHSDP::reduceScatterDividedBy(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceOp& op,
+    double divideBy,
+    bool asyncOp) {
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = op;
+  opts.asyncOp = asyncOp;
+  return reduceScatterImpl(output, input, opts, divideBy);
+}
+
+WorkPtr ProcessGroupHSDP::reduceScatterImpl(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts,
+    double divideBy) {
+  auto call =
+      begin("reduce_scatter_tensor", OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, opts.timeout);
+  checkSameDtype(call.ctx, input, output, "the output");
+  checkSameDevice(call.ctx, input, output, "the output");
+  checkNumel(call.ctx, input, output.numel() * size_, "the input (world size x output)");
+  checkContiguous(call.ctx, input, "the input");
+  auto& r = inner(call, input);
+  const auto dtype = input.scalar_type();
+  auto reduce = planReduce(call.ctx, opts.reduceOp, dtype, size_, divideBy, r.scalesNatively());
+  const bool shm = shmServes({input, output}) && ShmRoute::serves(reduce, dtype);
+  auto plan = planReduceScatter(input, output, std::move(reduce));
+  return issue(call, shmOr(r, shm), std::move(plan), bytesOf(input));
+}
+
+WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  auto call =
+      begin("reduce_scatter_tensor_coalesced", OpType::COALESCED, opts.asyncOp, opts.timeout);
+  checkCoalescedPairs(call.ctx, inputs, outputs, /*gather=*/false);
+  if (inputs.empty()) {
+    return WorkHSDP::completed(rank_, call.type, {});
+  }
+  for (const auto& t : inputs) {
+    checkSameDevice(call.ctx, inputs[0], t, "an input");
+  }
+  auto& r = inner(call, inputs[0]);
+  auto groups = groupByDtype(call.ctx, inputs, opts.reduceOp, size_, 1.0, r.scalesNatively());
+  auto& route = shmOr(r, shmServes(inputs, groups) && shmServes(outputs));
+  auto plan = planReduceScatterCoalesced(inputs, outputs, groups, route, size_, staging_);
+  return issue(call, route, std::move(plan), bytesOf(inputs));
+}
+
+WorkPtr ProcessGroupHSDP::alltoall_base(
+    at::Tensor& output,
+    at::Tensor& input,
+    std::vector<int64_t>& outputSplitSizes,
+    std::vector<int64_t>& inputSplitSizes,
+    const c10d::AllToAllOptions& opts) {
+  auto call = begin("all_to_all_single", OpType::ALLTOALL_BASE, opts.asyncOp, opts.timeout);
+  checkSameDtype(call.ctx, input, output, "the output");
+  checkSameDevice(call.ctx, input, output, "the output");
+  for (auto* splits : {&outputSplitSizes, &inputSplitSizes}) {
+    checkSplits(call.ctx, *splits);
+  }
+  return forward(
+      call,
+      inner(call, input),
+      bytesOf(input),
+      [&](auto& b) {
+        return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
+      },
+      completes({output}, {}, {input}));
+}
+
+WorkPtr ProcessGroupHSDP::alltoall(
+    std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor>& inputs,
+    const c10d::AllToAllOptions& opts) {
+  auto call = begin("all_to_all", OpType::ALLTOALL, opts.asyncOp, opts.timeout);
+  checkAllToAllLists(call.ctx, outputs, inputs);
+  auto& r = inner(call, inputs[0]);
+  // Gloo's list all-to-all needs equal sizes; sending one flat buffer with
+  // per-peer splits serves any sizes with a single inner collective.
+  std::vector<int64_t> inSplits, outSplits;
+  std::vector<at::Tensor> flatInputs;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    inSplits.push_back(inputs[i].numel());
+    outSplits.push_back(outputs[i].numel());
+    flatInputs.push_back(inputs[i].reshape({-1}));
+  }
+  auto input = at::cat(flatInputs);
+  auto output =
+      at::empty({std::accumulate(outSplits.begin(), outSplits.end(), int64_t{0})}, input.options());
+  auto copyOut = [output, outputs, outSplits] {
+    int64_t off = 0;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      outputs[i].copy_(output.narrow(0, off, outSplits[i]).view(outputs[i].sizes()));
+      off += outSplits[i];
+    }
+  };
+  // The inner backend may move from the split vectors it is given.
+  auto innerOutSplits = outSplits;
+  return forward(
+      call,
+      r,
+      bytesOf(inputs),
+      [&](auto& b) { return b.alltoall_base(output, input, innerOutSplits, inSplits, opts); },
+      completes(outputs, copyOut, {input, output}));
+}
+
+// Point-to-point calls are counted in comm_stats but are not collectives:
+// they leave the sequence number alone, as on gloo.
+WorkPtr ProcessGroupHSDP::pointToPoint(
+    Call& call,
+    std::vector<at::Tensor>& tensors,
+    const std::function<WorkPtr(c10d::Backend&)>& op) {
+  auto& r = inner(call, tensors[0]);
+  stats_.record(call.ctx.op, 1, bytesOf(tensors));
+  return untraced(call, r.complete(call, {op(r.backend())}, completes(tensors)));
+}
+
+WorkPtr ProcessGroupHSDP::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  auto call = begin("send", OpType::SEND, /*asyncOp=*/true);
+  checkUsable(call.ctx);
+  checkOne(call.ctx, tensors);
+  checkRank(call.ctx, dstRank, "destination");
+  return pointToPoint(call, tensors, [&](auto& b) { return b.send(tensors, dstRank, tag); });
+}
+
+WorkPtr ProcessGroupHSDP::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  auto call = begin("recv", OpType::RECV, /*asyncOp=*/true);
+  checkUsable(call.ctx);
+  checkOne(call.ctx, tensors);
+  checkRank(call.ctx, srcRank, "source");
+  return pointToPoint(call, tensors, [&](auto& b) { return b.recv(tensors, srcRank, tag); });
+}
+
+WorkPtr ProcessGroupHSDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  auto call = begin("recv", OpType::RECVANYSOURCE, /*asyncOp=*/true);
+  checkUsable(call.ctx);
+  checkOne(call.ctx, tensors);
+  return pointToPoint(call, tensors, [&](auto& b) { return b.recvAnysource(tensors, tag); });
+}
+
+WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
+  auto call = begin("barrier", OpType::BARRIER, opts.asyncOp, opts.timeout);
+  // NCCL's barrier is an all-reduce on the device followed by a host wait
+  // for the current stream (ProcessGroupNCCL::barrier): when it returns,
+  // every rank's GPU work issued before it has run. On a group that serves
+  // CUDA the same holds here: this rank's current stream is waited for,
+  // then the processes meet on the CPU engine, which serves every barrier.
+  checkUsable(call.ctx);
+  if (auto device = barrierDevice(opts); device && cuda_) {
+    c10::impl::VirtualGuardImpl impl(device->type());
+    impl.getStream(*device).synchronize();
+  }
+  if (engine_) {
+    return issue(call, *engine_, Plan{.collectives = {{Kind::Barrier, {}}}}, 0);
+  }
+  return forward(call, *cpu_, 0, [&](auto& b) { return b.barrier(opts); });
+}
+
+std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOptions& opts) const {
+  // The device NCCL would pick (dist.barrier's order): the one named by
+  // device_ids, else the group's bound device, else the call's.
+  if (!opts.device_ids.empty()) {
+    return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(opts.device_ids.front()));
+  }
+  if (auto bound = getBoundDeviceId(); bound && bound->is_cuda()) {
+    return bound;
+  }
+  if (opts.device && opts.device->is_cuda()) {
+    return opts.device;
+  }
+  return std::nullopt;
+}
+
+void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  stats_.record("monitored_barrier", 1, 0);
+  cpu_->backend().monitoredBarrier(opts, waitAllRanks);
+}
+
+} // namespace hsdp

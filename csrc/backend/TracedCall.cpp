@@ -1,0 +1,86 @@
+#include "backend/TracedCall.hpp"
+
+#include <ATen/core/ivalue.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
+#include <c10/util/Exception.h>
+
+#include <exception>
+
+namespace hsdp {
+
+namespace {
+
+// "Done" for an entry of an op NCCL runs on `device`: an event recorded on
+// the device's current stream, queried only when a dump is written. Called
+// right after a synchronous call (NCCL orders the caller's stream after the
+// op) or in the Work's future callback, where c10's Future makes the
+// current stream wait for the op's events. None under graph capture, where
+// an event may not be queried: such an entry completes at enqueue.
+std::function<bool()> doneOnDevice(c10::Device device) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream stream = impl.getStream(device);
+  if (impl.isStreamCapturing(stream)) {
+    return nullptr;
+  }
+  auto event = std::make_shared<c10::Event>(device.type());
+  event->record(stream);
+  return [event] { return event->query(); };
+}
+
+void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Device> device) {
+  auto onDevice = device ? doneOnDevice(*device) : nullptr;
+  if (onDevice) {
+    trace.completesWhen(seq, std::move(onDevice));
+  } else {
+    trace.finished(seq, "");
+  }
+}
+
+} // namespace
+
+TracedCall::TracedCall(std::shared_ptr<FlightRecorder> trace, Call call)
+    : trace_(std::move(trace)),
+      call_(std::move(call)),
+      exceptionsAtStart_(std::uncaught_exceptions()) {}
+
+TracedCall::~TracedCall() {
+  if (handedOver_ || call_.seq == 0 || std::uncaught_exceptions() <= exceptionsAtStart_) {
+    return;
+  }
+  // The route or a synchronous wait raised: the exception the caller gets
+  // says what; the record says where in the sequence.
+  trace_->finished(call_.seq, "raised an exception (the caller got it)");
+  trace_->dumpOnFailure("collective #" + std::to_string(call_.seq) + " raised an exception");
+}
+
+c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock) {
+  handedOver_ = true;
+  if (call_.seq == 0 || done.endRecorded || !trace_->enabled()) {
+    return std::move(done.work);
+  }
+  const auto device = inBlock ? std::nullopt : call_.device;
+  if (!done.work) {
+    completeEntry(*trace_, call_.seq, device);
+    return {};
+  }
+  try {
+    done.work->getFuture()->addCallback(
+        [trace = trace_, seq = call_.seq, device](c10::ivalue::Future& f) {
+          if (!f.hasError()) {
+            completeEntry(*trace, seq, device);
+            return;
+          }
+          const std::string error = f.tryRetrieveErrorMessage();
+          trace->finished(seq, error);
+          trace->dumpOnFailure(error);
+        },
+        /*uses_future=*/false);
+  } catch (const c10::Error&) {
+    // A Work without a future (none of the routes' today): the entry stays
+    // "started", which a dump reports as such.
+  }
+  return std::move(done.work);
+}
+
+} // namespace hsdp

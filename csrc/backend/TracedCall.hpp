@@ -1,0 +1,43 @@
+#pragma once
+
+// A call's flight-record entry, from the start of the call to its
+// completion: follow() hands the entry to what completes the call; if the
+// call raises first, the entry is closed as failed and the record dumped.
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <memory>
+
+#include "backend/FlightRecorder.hpp"
+#include "backend/routes/Route.hpp"
+
+namespace hsdp {
+
+class TracedCall {
+ public:
+  // `call.seq` names the entry, already started; 0: the call has none
+  // (point-to-point ops are not collectives).
+  TracedCall(std::shared_ptr<FlightRecorder> trace, Call call);
+  TracedCall(const TracedCall&) = delete;
+  TracedCall& operator=(const TracedCall&) = delete;
+  ~TracedCall();
+
+  const Call& call() const {
+    return call_;
+  }
+
+  // The entry completes now (a synchronous call: on CUDA, when the caller's
+  // stream gets there), with the Work's future (on whatever thread completes
+  // it), or as the route recorded it. Inside a coalescing block
+  // (`inBlock`) NCCL launches nothing before endCoalescing, so a CUDA entry
+  // then completes at enqueue. Returns the completion's Work.
+  c10::intrusive_ptr<c10d::Work> follow(Completion done, bool inBlock);
+
+ private:
+  std::shared_ptr<FlightRecorder> trace_;
+  const Call call_;
+  const int exceptionsAtStart_;
+  bool handedOver_ = false;
+};
+
+} // namespace hsdp

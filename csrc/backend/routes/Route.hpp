@@ -1,0 +1,112 @@
+#pragma once
+
+// The one interface under ProcessGroupHSDP. An override validates its
+// arguments and plans the call (Plan: its collectives on flat tensors, the
+// staging around them, the post-step that finishes it); a route runs the
+// plan and says how it completes. Routes:
+//   * ShmRoute: the shared-memory engine (one host) or that engine within
+//     hosts and Gloo between them (hierarchical), CPU tensors;
+//   * InnerRoute: an inner c10d backend (Gloo for CPU, NCCL for CUDA, the
+//     NCCL-contract double in tests), which also serves every op the other
+//     route has no form for, as it is (InnerRoute::finish).
+// What a route serves decides how a call is planned: a route that scales
+// natively gets AVG and PREMUL_SUM as they are, one that coalesces
+// natively gets lists of the callers' tensors (one launch), the others get
+// one packed buffer per collective.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "common/Errors.hpp"
+#include "fusion/ReducePlan.hpp"
+
+namespace hsdp {
+
+// One c10d call on its way down: who makes it, what it is, and where it is
+// recorded. A value passed from the override to the route.
+struct Call {
+  OpContext ctx;
+  c10d::OpType type;
+  bool asyncOp = false;
+  std::chrono::milliseconds timeout = c10d::kUnsetTimeout; // the op's own, as its options give it
+  uint64_t seq = 0;                   // its flight-record entry (0: none, point-to-point)
+  std::optional<c10::Device> device;  // a CUDA call's device: its entry completes there
+};
+
+// The reduction of a collective that has none.
+inline ReducePlan noReduction() {
+  return {c10d::ReduceOp::SUM, DeferredScale::none()};
+}
+
+enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, Barrier };
+
+// One collective on contiguous tensors (a route flattens them where its
+// transport needs 1-D shapes). `inputs` holds one tensor,
+// or a list (`asList`: a route that coalesces natively runs it as one
+// launch; the engine gathers it piecewise); `outputs` pairs with it
+// (all-gather: world size x input; reduce-scatter: input / world size) and
+// is empty for the in-place kinds.
+struct Collective {
+  Kind kind;
+  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> outputs = {};
+  bool asList = false;
+  // Reductions: what the transport runs and the deferred scale of the
+  // result (applied by the route: fused into the engine's kernel, or after
+  // the inner op).
+  ReducePlan reduce = noReduction();
+  int root = 0;
+
+  // The tensors that hold the result.
+  const std::vector<at::Tensor>& results() const {
+    return outputs.empty() ? inputs : outputs;
+  }
+};
+
+// A call as a route runs it: `stageIn`, the collectives in order, the
+// deferred scales, then `post` (unpack, copy back, give back the staging:
+// a StagingLease it holds, which gives its buffers back when destroyed
+// if the call fails before `post` runs).
+struct Plan {
+  std::function<void()> stageIn; // empty: nothing to copy in
+  std::vector<Collective> collectives;
+  std::function<void()> post;        // empty: nothing to do after
+  std::vector<at::Tensor> outputs;   // the value of the Work's future
+  std::vector<at::Tensor> keepAlive; // buffers the op or `post` still use
+};
+
+// How a routed call completes.
+struct Completion {
+  // null: a synchronous call that is complete (or, on CUDA, ordered on the
+  // caller's current stream).
+  c10::intrusive_ptr<c10d::Work> work;
+  // The route recorded the call's end in the flight record itself (the
+  // engine's queue knows when the data landed; a Work's future is followed
+  // otherwise).
+  bool endRecorded = false;
+};
+
+class Route {
+ public:
+  virtual ~Route() = default;
+
+  virtual const char* name() const = 0;
+  // AVG and PREMUL_SUM run inside the reduction (planReduce's nativeScale).
+  virtual bool scalesNatively() const = 0;
+  // A collective may hold lists (Collective::inputs), run as one launch.
+  virtual bool coalescesNatively() const = 0;
+  // An all-gather of `pieces` tensors may stay unpacked, even without
+  // native coalescing.
+  virtual bool gathersPieces(size_t pieces, size_t totalBytes) const {
+    return false;
+  }
+  virtual Completion issue(const Call& call, Plan plan) = 0;
+};
+
+} // namespace hsdp

@@ -1,0 +1,119 @@
+// How a planned call runs on the shared-memory route: on the engine's
+// queue, one engine collective per Collective, the scale fused into it.
+
+#include "backend/routes/ShmRoute.hpp"
+
+#include <c10/util/Exception.h>
+
+#include "backend/EngineTypes.hpp"
+#include "backend/WorkHSDP.hpp"
+
+namespace hsdp {
+
+bool ShmRoute::serves(const std::vector<at::Tensor>& tensors) {
+  return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return t.device().is_cpu() && !t.is_sparse() && shmDtype(t.scalar_type());
+  });
+}
+
+bool ShmRoute::serves(const ReducePlan& plan, at::ScalarType dtype) {
+  return shmReduction(plan, dtype).has_value();
+}
+
+void ShmRoute::run(const char* op, const Collective& c) {
+  auto reduction = [&](const at::Tensor& t) { return *shmReduction(c.reduce, t.scalar_type()); };
+  switch (c.kind) {
+    case Kind::AllReduce: {
+      const auto& t = c.inputs[0];
+      const auto red = reduction(t);
+      allReduce(op, t.data_ptr(), t.numel(), red.dtype, red.op, red.scale);
+      return;
+    }
+    case Kind::Broadcast:
+      broadcast(op, c.inputs[0].data_ptr(), c.inputs[0].nbytes(), c.root);
+      return;
+    case Kind::AllGather: {
+      if (!c.asList) {
+        allGather(op, c.inputs[0].data_ptr(), c.outputs[0].data_ptr(), c.inputs[0].nbytes());
+        return;
+      }
+      // Peers read every input where it is and write it where it goes.
+      std::vector<shm::Span> mine;
+      std::vector<std::vector<shm::Span>> dests(size_);
+      for (size_t i = 0; i < c.inputs.size(); ++i) {
+        const size_t bytes = c.inputs[i].nbytes();
+        mine.push_back({static_cast<char*>(c.inputs[i].data_ptr()), bytes});
+        for (int q = 0; q < size_; ++q) {
+          dests[q].push_back({static_cast<char*>(c.outputs[i].data_ptr()) + q * bytes, bytes});
+        }
+      }
+      allGatherPieces(op, mine, dests);
+      return;
+    }
+    case Kind::ReduceScatter: {
+      const auto& out = c.outputs[0];
+      const auto red = reduction(out);
+      reduceScatter(
+          op, c.inputs[0].data_ptr(), out.data_ptr(), out.numel(), red.dtype, red.op, red.scale);
+      return;
+    }
+    case Kind::Barrier:
+      barrier(op);
+      return;
+    case Kind::Reduce:
+      break;
+  }
+  TORCH_INTERNAL_ASSERT(false, "the shared-memory route has no form of this collective");
+}
+
+void ShmRoute::fail(const shm::CommError& e, uint64_t seq) {
+  trace_->finished(seq, e.what());
+  const std::string path = trace_->dumpOnFailure(e.what());
+  C10_THROW_ERROR(
+      DistBackendError,
+      std::string(e.what()) + "\nFlight record of this rank: " + path +
+          " (python -m hsdp_backend.trace " + trace_->options().dir +
+          " reads every rank's and names the first collective where they diverge)");
+}
+
+Completion ShmRoute::issue(const Call& call, Plan plan) {
+  if (!queue_) {
+    C10_THROW_ERROR(DistBackendError, call.ctx.prefix() + "the process group was shut down");
+  }
+  const uint64_t seq = call.seq;
+  trace_->setRoute(seq, name());
+  auto outputs = plan.outputs;
+  // One std::function, run inline or moved to the queue: the plan is never copied.
+  std::function<void()> body = [this, seq, op = call.ctx.op, plan = std::move(plan)]() mutable {
+    // Every engine collective of the plan (a fused call's buckets) is this
+    // one c10d collective: the engine's messages carry its number.
+    local_->setCallerSeq(seq);
+    try {
+      if (plan.stageIn) {
+        plan.stageIn();
+      }
+      for (const auto& c : plan.collectives) {
+        run(op, c);
+      }
+      if (plan.post) {
+        plan.post();
+      }
+    } catch (const shm::CommError& e) {
+      fail(e, seq);
+    }
+    trace_->finished(seq, "");
+  };
+  if (!call.asyncOp && queue_->runInlineIfIdle(body)) {
+    return {WorkHSDP::completed(rank_, call.type, std::move(outputs)), /*endRecorded=*/true};
+  }
+  return {
+      WorkHSDP::onQueue(*queue_, rank_, call.type, std::move(outputs), std::move(body)),
+      /*endRecorded=*/true};
+}
+
+void ShmRoute::leave(const std::string& why) {
+  local_->abort(why);
+  queue_.reset(); // joins the worker once the queue is drained
+}
+
+} // namespace hsdp

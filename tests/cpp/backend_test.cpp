@@ -1,0 +1,353 @@
+// ProcessGroupHSDP's planning and routing against a fake inner backend: what
+// the route is asked to run (which c10d op, with which reduction, on how many
+// tensors) and what the caller gets back, for routes that do and do not scale
+// or coalesce natively. The fake is one rank of a world of kSize whose ranks
+// all hold the same tensors, so every result has an exact reference.
+
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "backend/ProcessGroupHSDP.hpp"
+
+#include <string>
+#include <vector>
+
+namespace hsdp {
+namespace {
+
+constexpr int kRank = 1;
+constexpr int kSize = 4;
+
+// A Work that is complete when handed back, as an inner backend's is once
+// its op ran.
+class DoneWork : public c10d::Work {
+ public:
+  explicit DoneWork(std::vector<at::Tensor> outputs)
+      : future_(c10::make_intrusive<c10::ivalue::Future>(
+            c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(std::move(outputs)));
+    finish();
+  }
+  bool isCompleted() override {
+    return true;
+  }
+  bool wait(std::chrono::milliseconds) override {
+    return true;
+  }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    return future_;
+  }
+
+ private:
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// The reduction of kSize equal contributions `t`, in place.
+void reduceEqual(const at::Tensor& t, const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      t.mul_(kSize);
+      return;
+    case c10d::ReduceOp::AVG:
+      return;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      t.mul_(s->tensor_factor.defined() ? s->tensor_factor.item<double>() * kSize
+                                        : s->double_factor * kSize);
+      return;
+    }
+    default:
+      FAIL() << "the fake has no reduction " << static_cast<int>(op.op_);
+  }
+}
+
+const char* opName(const c10d::ReduceOp& op) {
+  return reduceOpName(op.op_);
+}
+
+// Rank kRank of kSize ranks holding the same tensors. Records each call as
+// "<c10d op> <reduce op> x<tensors>".
+class FakeInner : public c10d::Backend {
+ public:
+  FakeInner() : Backend(kRank, kSize) {}
+  const std::string getBackendName() const override {
+    return "fake";
+  }
+
+  std::vector<std::string> calls;
+  bool sawNonContiguous = false;
+
+  c10::intrusive_ptr<c10d::Work> allreduce(
+      std::vector<at::Tensor>& ts,
+      const c10d::AllreduceOptions& o) override {
+    return reduceAll("allreduce", ts, o.reduceOp);
+  }
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& ts,
+      const c10d::AllreduceCoalescedOptions& o) override {
+    return reduceAll("allreduce_coalesced", ts, o.reduceOp);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o)
+      override {
+    record("reduce", o.reduceOp, ts);
+    if (o.rootRank == kRank) {
+      reduceEqual(ts[0], o.reduceOp);
+    } // elsewhere the buffer is scratch: NCCL and Gloo leave it as it is
+    return c10::make_intrusive<DoneWork>(ts);
+  }
+  c10::intrusive_ptr<c10d::Work>
+  _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions&) override {
+    std::vector<at::Tensor> outs{out}, ins{in};
+    return gather("_allgather_base", outs, ins);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outs,
+      std::vector<at::Tensor>& ins,
+      const c10d::AllgatherOptions&) override {
+    return gather("allgather_into_tensor_coalesced", outs, ins);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& out,
+      at::Tensor& in,
+      const c10d::ReduceScatterOptions& o) override {
+    std::vector<at::Tensor> outs{out}, ins{in};
+    return reduceScatter("_reduce_scatter_base", outs, ins, o.reduceOp);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outs,
+      std::vector<at::Tensor>& ins,
+      const c10d::ReduceScatterOptions& o) override {
+    return reduceScatter("reduce_scatter_tensor_coalesced", outs, ins, o.reduceOp);
+  }
+
+ private:
+  void record(const char* name, const c10d::ReduceOp& op, const std::vector<at::Tensor>& ts) {
+    calls.push_back(std::string(name) + " " + opName(op) + " x" + std::to_string(ts.size()));
+    for (const auto& t : ts) {
+      sawNonContiguous = sawNonContiguous || !t.is_contiguous();
+    }
+  }
+  c10::intrusive_ptr<c10d::Work>
+  reduceAll(const char* name, std::vector<at::Tensor>& ts, const c10d::ReduceOp& op) {
+    record(name, op, ts);
+    for (const auto& t : ts) {
+      reduceEqual(t, op);
+    }
+    return c10::make_intrusive<DoneWork>(ts);
+  }
+  c10::intrusive_ptr<c10d::Work>
+  gather(const char* name, std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins) {
+    record(name, c10d::ReduceOp::SUM, ins);
+    for (size_t i = 0; i < ins.size(); ++i) {
+      const int64_t n = ins[i].numel();
+      for (int r = 0; r < kSize; ++r) {
+        outs[i].view({-1}).narrow(0, r * n, n).copy_(ins[i].view({-1}));
+      }
+    }
+    return c10::make_intrusive<DoneWork>(outs);
+  }
+  c10::intrusive_ptr<c10d::Work> reduceScatter(
+      const char* name,
+      std::vector<at::Tensor>& outs,
+      std::vector<at::Tensor>& ins,
+      const c10d::ReduceOp& op) {
+    record(name, op, ins);
+    for (size_t i = 0; i < ins.size(); ++i) {
+      const int64_t n = outs[i].numel();
+      outs[i].view({-1}).copy_(ins[i].view({-1}).narrow(0, kRank * n, n));
+      reduceEqual(outs[i], op);
+    }
+    return c10::make_intrusive<DoneWork>(outs);
+  }
+};
+
+struct Group {
+  c10::intrusive_ptr<FakeInner> fake = c10::make_intrusive<FakeInner>();
+  c10::intrusive_ptr<ProcessGroupHSDP> pg;
+
+  explicit Group(InnerCaps caps) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    Config config;
+    config.engine = Config::Engine::Gloo; // no shared memory: the inner route serves
+    pg = c10::make_intrusive<ProcessGroupHSDP>(
+        *store,
+        kRank,
+        kSize,
+        std::chrono::milliseconds(10000),
+        std::make_unique<InnerRoute>(fake, caps, kRank),
+        nullptr,
+        config);
+  }
+};
+
+constexpr InnerCaps kPacking{"fake"};                           // as Gloo
+constexpr InnerCaps kNative{"fake", /*nativeScale=*/true, true}; // as NCCL
+
+void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (work) {
+    work->wait();
+  }
+}
+
+TEST(Backend, AvgWithoutNativeScaleIsSumThenOneDivision) {
+  Group g(kPacking);
+  auto t = at::arange(8, at::kFloat);
+  auto reference = t.clone();
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  waitFor(g.pg->allreduce(ts, o));
+  EXPECT_EQ(g.fake->calls, std::vector<std::string>{"allreduce SUM x1"});
+  EXPECT_TRUE(at::equal(t, reference));
+}
+
+TEST(Backend, AvgOnANativeRouteGoesThroughUnchanged) {
+  Group g(kNative);
+  auto t = at::arange(8, at::kFloat);
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  waitFor(g.pg->allreduce(ts, o));
+  EXPECT_EQ(g.fake->calls, std::vector<std::string>{"allreduce AVG x1"});
+}
+
+TEST(Backend, DivideByOnANativeRouteIsOnePreMulSumFactor) {
+  Group g(kNative);
+  auto t = at::full({6}, 8.0, at::kFloat);
+  waitFor(g.pg->allreduceDividedBy(t, c10d::ReduceOp::SUM, 2.0, /*asyncOp=*/false));
+  EXPECT_EQ(g.fake->calls, std::vector<std::string>{"allreduce PREMUL_SUM x1"});
+  EXPECT_TRUE(at::equal(t, at::full({6}, 8.0 * kSize / 2, at::kFloat)));
+}
+
+TEST(Backend, NonContiguousTensorIsStagedAndCopiedBack) {
+  Group g(kPacking);
+  auto base = at::arange(12, at::kFloat).view({3, 4});
+  auto t = base.t(); // a transposed view: not contiguous
+  auto reference = t.clone() * kSize;
+  std::vector<at::Tensor> ts{t};
+  waitFor(g.pg->allreduce(ts, c10d::AllreduceOptions{}));
+  EXPECT_FALSE(g.fake->sawNonContiguous);
+  EXPECT_TRUE(at::equal(t, reference));
+}
+
+TEST(Backend, ReduceScalesOnlyAtTheRoot) {
+  Group g(kPacking);
+  auto t = at::full({4}, 3.0, at::kFloat);
+  std::vector<at::Tensor> ts{t};
+  c10d::ReduceOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  o.rootRank = 0; // not this rank: its buffer is scratch, left as the backend left it
+  waitFor(g.pg->reduce(ts, o));
+  EXPECT_EQ(g.fake->calls, std::vector<std::string>{"reduce SUM x1"});
+  EXPECT_TRUE(at::equal(t, at::full({4}, 3.0, at::kFloat)));
+}
+
+// Two float tensors and one double: one collective per dtype.
+struct ScatterCase {
+  std::vector<at::Tensor> inputs{
+      at::arange(kSize * 3, at::kFloat),
+      at::arange(kSize * 5, at::kDouble),
+      at::arange(kSize * 2, at::kFloat) + 100};
+  std::vector<at::Tensor> outputs{
+      at::zeros({3}, at::kFloat),
+      at::zeros({5}, at::kDouble),
+      at::zeros({2}, at::kFloat)};
+
+  void expectAverages() const {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t n = outputs[i].numel();
+      EXPECT_TRUE(at::allclose(outputs[i], inputs[i].narrow(0, kRank * n, n))) << "tensor " << i;
+    }
+  }
+};
+
+TEST(Backend, CoalescedReduceScatterPacksOneCollectivePerDtype) {
+  Group g(kPacking);
+  ScatterCase c;
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  waitFor(g.pg->reduce_scatter_tensor_coalesced(c.outputs, c.inputs, o));
+  EXPECT_EQ(
+      g.fake->calls,
+      (std::vector<std::string>{"_reduce_scatter_base SUM x1", "_reduce_scatter_base SUM x1"}));
+  c.expectAverages();
+}
+
+TEST(Backend, CoalescedReduceScatterOnANativeRouteHandsOverTheCallersTensors) {
+  Group g(kNative);
+  ScatterCase c;
+  c10d::ReduceScatterOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  waitFor(g.pg->reduce_scatter_tensor_coalesced(c.outputs, c.inputs, o));
+  EXPECT_EQ(
+      g.fake->calls,
+      (std::vector<std::string>{
+          "reduce_scatter_tensor_coalesced AVG x2", "reduce_scatter_tensor_coalesced AVG x1"}));
+  c.expectAverages();
+}
+
+TEST(Backend, CoalescedAllGatherIsOneCollective) {
+  for (const auto& caps : {kPacking, kNative}) {
+    Group g(caps);
+    std::vector<at::Tensor> inputs{at::arange(3, at::kFloat), at::arange(2, at::kLong)};
+    std::vector<at::Tensor> outputs{at::zeros({kSize * 3}, at::kFloat), at::zeros({kSize * 2}, at::kLong)};
+    waitFor(g.pg->allgather_into_tensor_coalesced(outputs, inputs, c10d::AllgatherOptions{}));
+    const std::string expected = caps.nativeCoalescing ? "allgather_into_tensor_coalesced SUM x2"
+                                                       : "_allgather_base SUM x1";
+    EXPECT_EQ(g.fake->calls, std::vector<std::string>{expected});
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      EXPECT_TRUE(at::equal(outputs[i], inputs[i].repeat({kSize}))) << caps.name << " " << i;
+    }
+  }
+}
+
+TEST(Backend, BucketedAllReduceRunsOneCollectivePerBucket) {
+  for (const auto& caps : {kPacking, kNative}) {
+    Group g(caps);
+    std::vector<at::Tensor> ts{
+        at::full({100}, 1.0, at::kFloat), at::full({100}, 2.0, at::kFloat),
+        at::full({100}, 3.0, at::kFloat)};
+    // 400 bytes each, buckets of at most 800: [0, 1], [2].
+    waitFor(g.pg->allreduceBucketed(ts, c10d::ReduceOp::SUM, 800, /*asyncOp=*/true));
+    const std::vector<std::string> expected = caps.nativeCoalescing
+        ? std::vector<std::string>{"allreduce_coalesced SUM x2", "allreduce_coalesced SUM x1"}
+        : std::vector<std::string>{"allreduce SUM x1", "allreduce SUM x1"};
+    EXPECT_EQ(g.fake->calls, expected);
+    for (size_t i = 0; i < ts.size(); ++i) {
+      EXPECT_TRUE(at::equal(ts[i], at::full({100}, (i + 1.0) * kSize, at::kFloat)));
+    }
+  }
+}
+
+TEST(Backend, ErrorsNameTheRankAndTheOp) {
+  Group g(kPacking);
+  std::vector<at::Tensor> ts{at::ones({2}, at::kBool)};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  try {
+    g.pg->allreduce(ts, o);
+    FAIL() << "AVG of bool tensors was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("[rank 1/4] all_reduce: "), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(g.fake->calls.empty());
+}
+
+TEST(Backend, EachCollectiveCountsOnceInTheSequence) {
+  Group g(kPacking);
+  ScatterCase c;
+  g.pg->setSequenceNumberForGroup();
+  waitFor(g.pg->reduce_scatter_tensor_coalesced(c.outputs, c.inputs, c10d::ReduceScatterOptions{}));
+  std::vector<at::Tensor> ts{at::ones({3})};
+  waitFor(g.pg->allreduce(ts, c10d::AllreduceOptions{}));
+  // Two inner collectives for the first call (two dtypes): still one c10d collective.
+  EXPECT_EQ(g.fake->calls.size(), 3u);
+  EXPECT_EQ(g.pg->getSequenceNumberForGroup(), 2u);
+}
+
+} // namespace
+} // namespace hsdp

@@ -1,0 +1,83 @@
+"""The settings of the tests and benchmarks: their ``HSDP_*`` environment
+variables, in a table of their own beside the rank launcher both share
+(tools/ranks.py). They steer the test suite (tests/), the benchmarks
+(benchmarks/) and the tools beside them, not the package, so they are not
+shipped: the installed package's table (src/hsdp_backend/config.py) holds
+only what a training job may set. This one reuses its row type, its reading
+of a row and its Markdown renderer.
+
+docs/testing.md's "Settings of the tests" table is generated from this one
+(``python -m tools.settings``, from the repository root), and
+``tests/test_config.py`` fails when it is stale.
+
+Importing this module stays cheap (no torch).
+"""
+
+from __future__ import annotations
+
+from hsdp_backend import config
+from hsdp_backend.config import Var, parse_flag, parse_hosts, parse_int, parse_text
+
+SECTIONS = {
+    "tests": "The test suite",
+    "peers": "Benchmarks against peers (`python -m benchmarks peers`)",
+    "cpp": "C++ tests (`bash scripts/cpp_tests.sh`)",
+}
+
+# fmt: off
+_TABLE = [
+    Var("HSDP_TEST_COLLECTIVE_TIMEOUT_S", "tests", None, float, str,
+        "the process group timeout of the tests' ranks", "60"),
+    Var("HSDP_TEST_LAUNCH_TIMEOUT_S", "tests", None, float, str,
+        "wall-clock limit of one multi-process launch (all its ranks and cases)", "300"),
+    Var("HSDP_TEST_GROUP_TIMEOUT_S", "tests", None, float, str,
+        "the group timeout of the simulated-host ranks (`tests/hosts_rank.py`)", "60"),
+    Var("HSDP_TEST_BACKEND", "tests", None, parse_text, str,
+        "the backend the simulated-host ranks initialise", "hsdp"),
+    Var("HSDP_TEST_EXPECTED_HOSTS", "tests", None, parse_hosts, ",".join,
+        "set by `tests/hosts_rank.py`: the real host of each rank, for the cases' expectations",
+        ""),
+    Var("HSDP_TEST_EXIT_RUNS", "tests", None, parse_int, str,
+        "consecutive trainings per exit mode in `tests/test_hosts.py` (50 in the long run)",
+        "3"),
+    Var("HSDP_TEST_SOAK_OPS", "tests", None, parse_int, str,
+        "collectives of the shared-memory soak test", "5000"),
+    Var("HSDP_TEST_SOAK_SECONDS", "tests", None, float, str,
+        "how long the soak test with killed ranks runs its rounds (3600: the long mode)", "45"),
+    Var("HSDP_TEST_SOAK_SEED", "tests", None, parse_int, str,
+        "the seed that draws which rank the soak test kills, and when", "7"),
+    Var("HSDP_TEST_CONFORMANCE_FULL", "tests", None, parse_flag, str,
+        "`1`: torch's DistributedTest conformance run runs every test, adds world size 3 and "
+        "re-checks gloo", "0"),
+    Var("HSDP_COMPAT_RUN", "tests", None, parse_text, str,
+        "set by `tests/test_torch_versions.py` in its run on the second torch, so that run "
+        "does not start itself again"),
+    Var("HSDP_PEERS_DIR", "peers", None, parse_text, str,
+        "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
+        "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),
+    Var("HSDP_PEERS_CONFIG", "peers", None, parse_text, str,
+        "set by the peers suite for its MPI launches: the file with the ranks' configuration"),
+    Var("HSDP_FUZZ_TRIALS", "cpp", None, parse_int, str,
+        "trials of the engine's C++ corruption fuzzer (`tests/cpp/corruption_test.cpp`)", "120"),
+    Var("HSDP_FUZZ_SEED", "cpp", None, parse_int, str,
+        "the fuzzer's seed (random when unset; printed, to replay a run)"),
+]
+# fmt: on
+
+VARS = {v.name: v for v in _TABLE}
+
+
+def read(name: str, environ=None):
+    """The value of one setting, from ``environ`` (default: ``os.environ``)
+    or its default; None when unset with no default. A bad value raises
+    ``ValueError: Invalid value for environment variable NAME=...``."""
+    return config.read_text(VARS[name], environ)
+
+
+def markdown() -> str:
+    """docs/testing.md's table of these settings."""
+    return config.markdown(_TABLE, SECTIONS)
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
