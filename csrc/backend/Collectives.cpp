@@ -119,7 +119,8 @@ Plan completes(
     std::vector<at::Tensor> outputs,
     std::function<void()> post = {},
     std::vector<at::Tensor> keepAlive = {}) {
-  return Plan{.post = std::move(post), .outputs = std::move(outputs), .keepAlive = std::move(keepAlive)};
+  return Plan{
+      .post = std::move(post), .outputs = std::move(outputs), .keepAlive = std::move(keepAlive)};
 }
 
 // The deferred scale of a reduction on tensors the inner backend reduced
@@ -242,8 +243,8 @@ ProcessGroupHSDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOpt
   checkRank(call.ctx, opts.rootRank, "root");
   checkRootTensor(call.ctx, opts.rootTensor, tensors);
   auto& r = inner(call, tensors[0]);
-  auto reduce = planReduce(
-      call.ctx, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.scalesNatively());
+  auto reduce =
+      planReduce(call.ctx, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.scalesNatively());
   auto plan = planInPlace(Kind::Reduce, tensors[0], std::move(reduce), opts.rootRank);
   return issue(call, r, std::move(plan), bytesOf(tensors));
 }

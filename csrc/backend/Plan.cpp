@@ -111,8 +111,7 @@ std::vector<DtypeGroup> groupByDtype(
 Plan planInPlace(Kind kind, const at::Tensor& t, ReducePlan reduce, int root) {
   const auto arg = FlatArg::of(t);
   Plan plan;
-  plan.collectives.push_back(
-      {kind, {arg.flat}, {}, false, std::move(reduce), root});
+  plan.collectives.push_back({kind, {arg.flat}, {}, false, std::move(reduce), root});
   plan.outputs = {t};
   if (arg.staged()) {
     stageAround(plan, {arg}, /*copyIn=*/true, /*copyBack=*/true);
@@ -251,8 +250,7 @@ Plan planReduceScatterCoalesced(
     auto outs = pick(outputs, g.members);
     auto pack = packReduceScatter(pick(inputs, g.members), outs, size, *pool);
     lease->add(pack.staging);
-    plan.collectives.push_back(
-        {Kind::ReduceScatter, {pack.input}, {pack.output}, false, g.reduce});
+    plan.collectives.push_back({Kind::ReduceScatter, {pack.input}, {pack.output}, false, g.reduce});
     packs->push_back({std::move(pack), std::move(outs)});
   }
   plan.post = [packs, lease] {

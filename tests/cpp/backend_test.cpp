@@ -55,8 +55,9 @@ void reduceEqual(const at::Tensor& t, const c10d::ReduceOp& op) {
       return;
     case c10d::ReduceOp::PREMUL_SUM: {
       auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
-      t.mul_(s->tensor_factor.defined() ? s->tensor_factor.item<double>() * kSize
-                                        : s->double_factor * kSize);
+      t.mul_(
+          s->tensor_factor.defined() ? s->tensor_factor.item<double>() * kSize
+                                     : s->double_factor * kSize);
       return;
     }
     default:
@@ -80,9 +81,8 @@ class FakeInner : public c10d::Backend {
   std::vector<std::string> calls;
   bool sawNonContiguous = false;
 
-  c10::intrusive_ptr<c10d::Work> allreduce(
-      std::vector<at::Tensor>& ts,
-      const c10d::AllreduceOptions& o) override {
+  c10::intrusive_ptr<c10d::Work>
+  allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
     return reduceAll("allreduce", ts, o.reduceOp);
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -90,8 +90,8 @@ class FakeInner : public c10d::Backend {
       const c10d::AllreduceCoalescedOptions& o) override {
     return reduceAll("allreduce_coalesced", ts, o.reduceOp);
   }
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o)
-      override {
+  c10::intrusive_ptr<c10d::Work>
+  reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o) override {
     record("reduce", o.reduceOp, ts);
     if (o.rootRank == kRank) {
       reduceEqual(ts[0], o.reduceOp);
@@ -183,7 +183,7 @@ struct Group {
   }
 };
 
-constexpr InnerCaps kPacking{"fake"};                           // as Gloo
+constexpr InnerCaps kPacking{"fake"};                            // as Gloo
 constexpr InnerCaps kNative{"fake", /*nativeScale=*/true, true}; // as NCCL
 
 void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
@@ -293,10 +293,11 @@ TEST(Backend, CoalescedAllGatherIsOneCollective) {
   for (const auto& caps : {kPacking, kNative}) {
     Group g(caps);
     std::vector<at::Tensor> inputs{at::arange(3, at::kFloat), at::arange(2, at::kLong)};
-    std::vector<at::Tensor> outputs{at::zeros({kSize * 3}, at::kFloat), at::zeros({kSize * 2}, at::kLong)};
+    std::vector<at::Tensor> outputs{
+        at::zeros({kSize * 3}, at::kFloat), at::zeros({kSize * 2}, at::kLong)};
     waitFor(g.pg->allgather_into_tensor_coalesced(outputs, inputs, c10d::AllgatherOptions{}));
-    const std::string expected = caps.nativeCoalescing ? "allgather_into_tensor_coalesced SUM x2"
-                                                       : "_allgather_base SUM x1";
+    const std::string expected =
+        caps.nativeCoalescing ? "allgather_into_tensor_coalesced SUM x2" : "_allgather_base SUM x1";
     EXPECT_EQ(g.fake->calls, std::vector<std::string>{expected});
     for (size_t i = 0; i < inputs.size(); ++i) {
       EXPECT_TRUE(at::equal(outputs[i], inputs[i].repeat({kSize}))) << caps.name << " " << i;
@@ -308,7 +309,8 @@ TEST(Backend, BucketedAllReduceRunsOneCollectivePerBucket) {
   for (const auto& caps : {kPacking, kNative}) {
     Group g(caps);
     std::vector<at::Tensor> ts{
-        at::full({100}, 1.0, at::kFloat), at::full({100}, 2.0, at::kFloat),
+        at::full({100}, 1.0, at::kFloat),
+        at::full({100}, 2.0, at::kFloat),
         at::full({100}, 3.0, at::kFloat)};
     // 400 bytes each, buckets of at most 800: [0, 1], [2].
     waitFor(g.pg->allreduceBucketed(ts, c10d::ReduceOp::SUM, 800, /*asyncOp=*/true));
@@ -331,8 +333,7 @@ TEST(Backend, ErrorsNameTheRankAndTheOp) {
     g.pg->allreduce(ts, o);
     FAIL() << "AVG of bool tensors was accepted";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("[rank 1/4] all_reduce: "), std::string::npos)
-        << e.what();
+    EXPECT_NE(std::string(e.what()).find("[rank 1/4] all_reduce: "), std::string::npos) << e.what();
   }
   EXPECT_TRUE(g.fake->calls.empty());
 }

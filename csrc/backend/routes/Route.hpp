@@ -35,8 +35,8 @@ struct Call {
   c10d::OpType type;
   bool asyncOp = false;
   std::chrono::milliseconds timeout = c10d::kUnsetTimeout; // the op's own, as its options give it
-  uint64_t seq = 0;                   // its flight-record entry (0: none, point-to-point)
-  std::optional<c10::Device> device;  // a CUDA call's device: its entry completes there
+  uint64_t seq = 0;                  // its flight-record entry (0: none, point-to-point)
+  std::optional<c10::Device> device; // a CUDA call's device: its entry completes there
 };
 
 // The reduction of a collective that has none.
