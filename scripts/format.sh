@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 RUFF=${RUFF:-.venv/bin/ruff}
 CLANG_FORMAT=${CLANG_FORMAT:-clang-format}
-cpp=$(git ls-files 'csrc/*.cpp' 'csrc/*.hpp' 'tests/cpp/*.cpp' 'tests/cpp/*.hpp')
+# Tracked files and new ones not yet added (but not ignored ones: build trees).
+cpp=$(git ls-files --cached --others --exclude-standard 'csrc/*.cpp' 'csrc/*.hpp' 'tests/cpp/*.cpp' 'tests/cpp/*.hpp')
 if [ "${1:-}" = "--check" ]; then
   status=0
   "$CLANG_FORMAT" --dry-run --Werror $cpp || status=1
