@@ -1,6 +1,5 @@
 #include "backend/ProcessGroupHSDP.hpp"
 
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
