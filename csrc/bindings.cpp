@@ -110,6 +110,8 @@ PYBIND11_MODULE(_C, m) {
   checkedField(config, "one_shot_bytes", &hsdp::Config::oneShotBytes);
   checkedField(config, "direct_read_bytes", &hsdp::Config::directReadBytes);
   checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);
+  checkedField(config, "pool_bytes", &hsdp::Config::poolBytes);
+  checkedField(config, "pool_chunk_bytes", &hsdp::Config::poolChunkBytes);
   checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);
   checkedField(config, "trace_entries", &hsdp::Config::traceEntries);
   checkedField(config, "trace_dir", &hsdp::Config::traceDir);
@@ -197,6 +199,18 @@ PYBIND11_MODULE(_C, m) {
       entry["bytes"] = c.bytes;
       out[py::str(op)] = entry;
     }
+    return out;
+  });
+
+  m.def("buffer_stats", [](c10d::Backend* backend) {
+    const auto s = asHSDP(backend).bufferStats();
+    py::dict out;
+    out["reserved_bytes"] = s.pool.reservedBytes;
+    out["live_bytes"] = s.pool.liveBytes;
+    out["chunks"] = s.pool.chunks;
+    out["allocations"] = s.pool.allocations;
+    out["fallbacks"] = s.fallbacks;
+    out["pooled_calls"] = s.pooledCalls;
     return out;
   });
 
@@ -290,6 +304,9 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("_nccl_contract_reductions", [](c10d::Backend* backend) {
     return asNcclContract(backend).receivedReductions();
+  });
+  m.def("_nccl_contract_allocations", [](c10d::Backend* backend) {
+    return asNcclContract(backend).allocations();
   });
 #endif
 }

@@ -73,6 +73,8 @@ ProcessGroupHSDP::ProcessGroupHSDP(
       &shmWhyNot_);
   init();
   if (engine_) {
+    engine_->usePool(
+        static_cast<size_t>(config.poolBytes), static_cast<size_t>(config.poolChunkBytes));
     engine_->recordInto(trace_);
     // Last: a constructor that throws leaves no snapshot of a destroyed engine.
     trace_->setSnapshot([engine = engine_.get()] { return engine->whereEveryRankIs(); });
@@ -112,6 +114,61 @@ void ProcessGroupHSDP::eagerConnectSingleDevice(at::Device device) {
   if (cuda_ && device.is_cuda()) {
     cuda_->backend().eagerConnectSingleDevice(device);
   }
+}
+
+// Communication buffers come from the route their collectives take: the
+// shared-memory pool, else the inner backend of the device (NCCL's memory
+// pool on CUDA, as on a plain nccl group; Gloo has none).
+bool ProcessGroupHSDP::supportsTensorAlloc(c10::DeviceIndex index) {
+  if (index >= 0) {
+    return cuda_ && cuda_->backend().supportsTensorAlloc(index);
+  }
+  return engine_ ? engine_->allocates() : cpu_->backend().supportsTensorAlloc(index);
+}
+
+at::Tensor ProcessGroupHSDP::allocateTensor(long size, at::TensorOptions options) {
+  const OpContext c = ctx("allocate_tensor");
+  HSDP_CHECK_VALUE(options.has_device(), c, "the tensor options name no device: pass device=");
+  HSDP_CHECK_VALUE(size >= 0, c, "expected a size >= 0, got ", size);
+  const at::Device device = options.device();
+  if (device.is_cuda()) {
+    HSDP_CHECK(
+        cuda_,
+        c,
+        "got a request on ",
+        device,
+        " but this process group was created without CUDA (no GPU was visible to torch when it "
+        "was created)");
+    return cuda_->backend().allocateTensor(size, options);
+  }
+  HSDP_CHECK(
+      device.is_cpu(),
+      c,
+      "tensors on ",
+      device,
+      " are not supported; hsdp allocates cpu and cuda tensors");
+  if (engine_ && engine_->allocates()) {
+    return engine_->allocate(size, options);
+  }
+  HSDP_CHECK(
+      cpu_->backend().supportsTensorAlloc(-1),
+      c,
+      "this group has no communication buffers on cpu (",
+      engine_ ? "its ranks cannot map each other's memory, or HSDP_SHM_POOL_BYTES is 0"
+              : "its CPU collectives run on " + cpuEngine() +
+              (shmWhyNot_.empty() ? "" : ": " + shmWhyNot_),
+      "); supports_tensor_alloc(cpu) is false, so FSDP2 allocates its own");
+  return cpu_->backend().allocateTensor(size, options);
+}
+
+std::shared_ptr<c10::Allocator> ProcessGroupHSDP::getMemAllocator() {
+  if (cuda_) {
+    return cuda_->backend().getMemAllocator();
+  }
+  if (engine_ && engine_->allocates()) {
+    return engine_->allocator();
+  }
+  return cpu_->backend().getMemAllocator();
 }
 
 bool ProcessGroupHSDP::supportsSplitting() const {

@@ -92,6 +92,16 @@ class ProcessGroupHSDP final : public c10d::Backend {
   void setBoundDeviceId(std::optional<at::Device> device) override;
 #endif
   void eagerConnectSingleDevice(at::Device device) override;
+  // Communication buffers (FSDP2's set_allocate_memory_from_process_group_for_comm
+  // allocates its all-gather output and reduce-scatter input here), from the
+  // route their collectives take: on CPU the shared-memory pool (peers read
+  // them with plain loads; shm/Pool.hpp), on CUDA the inner NCCL's memory
+  // pool, exactly as on a plain nccl group. c10d hands supportsTensorAlloc
+  // only an index: -1 is CPU (FSDP2 always names a CUDA device's index).
+  // getMemAllocator is NCCL's when the group has CUDA, else the pool's.
+  bool supportsTensorAlloc(c10::DeviceIndex index) override;
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  std::shared_ptr<c10::Allocator> getMemAllocator() override;
   c10::intrusive_ptr<c10d::Backend> split(
       const c10::intrusive_ptr<c10d::Store>& store,
       const std::vector<int>& ranks,
@@ -210,6 +220,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   }
   bool shmDirectReads() const {
     return engine_ && engine_->directReads();
+  }
+  ShmRoute::BufferStats bufferStats() const {
+    return engine_ ? engine_->bufferStats() : ShmRoute::BufferStats{};
   }
   const std::string& shmUnavailableReason() const {
     return shmWhyNot_;

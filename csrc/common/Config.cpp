@@ -83,6 +83,12 @@ void Config::validate() const {
       "direct_all_reduce_bytes",
       "an integer >= 0",
       directAllReduceBytes);
+  expect(poolBytes >= 0, "pool_bytes", "an integer >= 0", poolBytes);
+  expect(
+      poolChunkBytes >= (1 << 20),
+      "pool_chunk_bytes",
+      "an integer >= 1048576 (1 MiB)",
+      poolChunkBytes);
   if (timeoutMs) {
     expect(*timeoutMs >= 1, "timeout_ms", "an integer >= 1 (or None: the group's)", *timeoutMs);
   }

@@ -42,6 +42,11 @@ struct Config {
   // direct, 1 MiB 136-143 / 146-158 us, 1.25 MiB 194-197 / 166-169 us
   // (benchmarks/engine_bench.cpp).
   int64_t directAllReduceBytes = 1152 << 10;
+  // Communication buffers handed out by allocateTensor (shm/Pool.hpp): at
+  // most poolBytes per rank and group, in chunks of at least
+  // poolChunkBytes; 0 turns the pool off.
+  int64_t poolBytes = int64_t{4} << 30;
+  int64_t poolChunkBytes = 64 << 20;
   // Deadline of every shared-memory wait; unset: the group's timeout.
   std::optional<int64_t> timeoutMs;
   int64_t traceEntries = 64;

@@ -86,7 +86,7 @@ void Engine::allReduceOneShot(
     Scale scale) {
   const size_t es = dtypeSize(dtype);
   std::vector<const void*> srcs(size_);
-  const uint64_t s = step_ + 1;
+  uint64_t s = step_ + 1;
   const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf, n * es); });
   for (int r = 0; r < size_; ++r) {
     srcs[r] = segment_.slot(r, slot);
@@ -116,7 +116,7 @@ void Engine::allReduceDirect(
   for (size_t k = 0; k < parts.steps(); ++k) {
     const size_t len = parts.length(k);
     const size_t a = parts.begin(k, rank_), b = parts.begin(k, rank_ + 1);
-    const uint64_t s = step_ + 1;
+    uint64_t s = step_ + 1;
     char* mine = buf + parts.offset(k) * es;
     op.sig.sourceAddress = reinterpret_cast<uint64_t>(mine);
     const int slot = post(op, s, [&](char* dst) {
@@ -160,7 +160,7 @@ void Engine::allReduceSlots(
   op.steps = static_cast<uint32_t>(parts.steps());
   for (size_t k = 0; k < parts.steps(); ++k) {
     char* data = buf + parts.offset(k) * es;
-    const uint64_t s = step_ + 1;
+    uint64_t s = step_ + 1;
     const int slot = post(op, s, [&](char* dst) { copyBytes(dst, data, parts.length(k) * es); });
     const size_t a = parts.begin(k, rank_), b = parts.begin(k, rank_ + 1);
     for (int r = 0; r < size_; ++r) {

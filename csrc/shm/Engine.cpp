@@ -162,7 +162,8 @@ Engine::begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop,
           static_cast<uint32_t>(redop),
           root,
           0,
-          0},
+          0,
+          PoolRef{}},
       seq);
 }
 
@@ -352,7 +353,7 @@ void Engine::allGatherPieces(
   }
   auto op = begin(name, Kind::AllGatherPieces, total, DType::U8, RedOp::Sum, -1);
   op.sig.pieces = inputs.size();
-  const uint64_t s = step_ + 1;
+  uint64_t s = step_ + 1;
   // My slot lists where my pieces are; peers read them from there.
   const int slot = post(op, s, [&](char* dst) {
     auto* table = reinterpret_cast<uint64_t*>(dst);
@@ -381,7 +382,7 @@ void Engine::directStep(
     OpState& op,
     const void* source,
     const std::function<void(int, uint64_t)>& readFrom) {
-  const uint64_t s = step_ + 1;
+  uint64_t s = step_ + 1;
   op.sig.sourceAddress = reinterpret_cast<uint64_t>(source);
   const int slot = post(op, s, nullptr);
   for (int i = 1; i < size_; ++i) {
@@ -395,7 +396,7 @@ void Engine::directStep(
   step_ = s;
 }
 
-int Engine::post(OpState& op, uint64_t step, const std::function<void(char*)>& fill) {
+int Engine::post(OpState& op, uint64_t& step, const std::function<void(char*)>& fill) {
   const int slot = static_cast<int>(step % kSlots);
   ++op.stepIndex;
   op.at(Activity::Working);
@@ -422,7 +423,96 @@ int Engine::post(OpState& op, uint64_t step, const std::function<void(char*)>& f
     }
     pids_ = std::move(pids);
   }
+  bool peerPooled = false;
+  for (int q = 0; q < size_; ++q) {
+    peerPooled = peerPooled || static_cast<bool>(segment_.control(q).sig[slot].pool);
+  }
+  if (op.stepIndex == 1 && !op.sig.pool && peerPooled) {
+    // A peer posted its pool buffer alone (pooledStep) and will find mine
+    // ordinary: every rank closes this step, which nobody reads, and takes
+    // the ordinary path from the next one.
+    publish(Counter::Done, step);
+    step_ = step;
+    ++step;
+    op.stepIndex = 0;
+    return post(op, step, fill);
+  }
   return slot;
+}
+
+PoolRef Engine::pooled(const void* p, size_t bytes) const {
+  return pool_ && directReads_ && bytes > 0 ? pool_->find(p, bytes) : PoolRef{};
+}
+
+const char* Engine::peerBuffer(const OpState& op, int q, const PoolRef& ref, size_t bytes) {
+  if (ref.chunk > Pool::kMaxChunks || ref.offset > ref.chunkBytes ||
+      bytes > ref.chunkBytes - ref.offset) {
+    fail(
+        op,
+        rankName(q) + "'s pool buffer (chunk " + std::to_string(ref.chunk) + ", offset " +
+            std::to_string(ref.offset) + " of " + std::to_string(ref.chunkBytes) +
+            " bytes) cannot hold the " + std::to_string(bytes) + " bytes this call moves" +
+            kCorrupted);
+  }
+  if (peerChunks_.empty()) {
+    peerChunks_.resize(size_);
+  }
+  auto& chunks = peerChunks_[q];
+  if (chunks.size() < ref.chunk) {
+    chunks.resize(ref.chunk);
+  }
+  PeerChunk& c = chunks[ref.chunk - 1];
+  if (c.base() == nullptr) {
+    try {
+      c = PeerChunk(peerPid(q), ref);
+    } catch (const std::runtime_error& e) {
+      if (processGone(peerPid(q))) {
+        fail(op, peerExited(rankName(q), peerPid(q)) + ". " + whereEveryRankIs());
+      }
+      fail(op, "mapping " + rankName(q) + "'s pool buffer failed: " + e.what());
+    }
+  } else if (c.inode() != ref.inode || c.bytes() != ref.chunkBytes) {
+    // Chunks never change while their pool lives, and a peer's pool lives
+    // as long as its engine.
+    fail(
+        op,
+        rankName(q) + "'s pool chunk " + std::to_string(ref.chunk) +
+            " is not the one it published before" + kCorrupted);
+  }
+  return c.base() + ref.offset;
+}
+
+bool Engine::pooledStep(
+    OpState& op,
+    const PoolRef& mine,
+    const char* own,
+    size_t bytes,
+    const std::function<void(const std::vector<const char*>&)>& use) {
+  uint64_t s = step_ + 1;
+  op.sig.pool = mine;
+  const int slot = post(op, s, nullptr);
+  op.sig.pool = {};
+  std::vector<const char*> buffers(size_, nullptr);
+  bool all = true;
+  for (int q = 0; q < size_ && all; ++q) {
+    const PoolRef ref = segment_.control(q).sig[slot].pool;
+    all = static_cast<bool>(ref);
+    if (all) {
+      buffers[q] = q == rank_ ? own : peerBuffer(op, q, ref, bytes);
+    }
+  }
+  if (all) {
+    use(buffers);
+    pooledCalls_.fetch_add(1, std::memory_order_relaxed);
+  }
+  publish(Counter::Done, s);
+  if (all) {
+    // Peers read my buffer in place: it must stay untouched until they are
+    // done, so the call returns only then.
+    waitAll(op, Counter::Done, s);
+  }
+  step_ = s;
+  return all;
 }
 
 void Engine::allGather(const char* name, const void* input, void* output, size_t n) {
@@ -431,6 +521,19 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   auto* out = static_cast<char*>(output);
   // FSDP2 gathers in place: the input is this rank's slice of the output.
   const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
+  if (const PoolRef mine = pooled(in, n)) {
+    if (!inPlace) {
+      copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
+    }
+    if (pooledStep(op, mine, in, n, [&](const std::vector<const char*>& inputs) {
+          for (int i = 1; i < size_; ++i) {
+            const int q = (rank_ + i) % size_;
+            copyBytes(out + static_cast<size_t>(q) * n, inputs[q], n);
+          }
+        })) {
+      return;
+    }
+  }
   if (readsDirectly(n, config_.directReadBytes)) {
     if (!inPlace) {
       copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
@@ -467,7 +570,7 @@ void Engine::pipelineBytes(
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
-    const uint64_t s = step_ + 1;
+    uint64_t s = step_ + 1;
     const int slot = post(op, s, [&](char* dst) { fill(dst, off, len); });
     drain(slot, off, len);
     publish(Counter::Done, s);
@@ -487,6 +590,20 @@ void Engine::reduceScatter(
   const size_t es = dtypeSize(dtype);
   const auto* in = static_cast<const char*>(input);
   auto* out = static_cast<char*>(output);
+  const size_t inputBytes = static_cast<size_t>(size_) * n * es;
+  if (const PoolRef mine = pooled(in, inputBytes)) {
+    // Every rank's chunk of mine is read straight from my input: one pass,
+    // in rank order as below, so the result is bitwise the same.
+    if (pooledStep(op, mine, in, inputBytes, [&](const std::vector<const char*>& inputs) {
+          std::vector<const void*> srcs(size_);
+          for (int r = 0; r < size_; ++r) {
+            srcs[r] = inputs[r] + rank_ * n * es;
+          }
+          reduce(out, srcs.data(), size_, n, dtype, redop, scale);
+        })) {
+      return;
+    }
+  }
   // A step carries `piece` elements of every rank's chunk.
   const size_t piece = std::max<size_t>(1, slotBytes() / (static_cast<size_t>(size_) * es));
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
@@ -495,7 +612,7 @@ void Engine::reduceScatter(
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
-    const uint64_t s = step_ + 1;
+    uint64_t s = step_ + 1;
     // Only peers read my slot, and they read their own chunks: my chunk
     // stays in my input, which I reduce from directly.
     const int slot = post(op, s, [&](char* dst) {
@@ -543,7 +660,7 @@ void Engine::broadcast(const char* name, void* data, size_t n, int root) {
 
 void Engine::barrier(const char* name) {
   auto op = begin(name, Kind::Barrier, 0, DType::U8, RedOp::Sum, -1);
-  const uint64_t s = step_ + 1;
+  uint64_t s = step_ + 1;
   post(op, s, nullptr);
   publish(Counter::Done, s);
   step_ = s;

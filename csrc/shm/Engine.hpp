@@ -54,6 +54,7 @@
 
 #include <chrono>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -164,6 +165,20 @@ class Engine {
     return directReads_;
   }
 
+  // The pool this rank's communication buffers come from (Pool.hpp). With
+  // direct reads enabled, an all-gather or reduce-scatter whose input is a
+  // pool buffer on every rank reads peers' inputs through mappings of their
+  // chunks: plain loads, one pass, no staging. When only some ranks' inputs
+  // are pool buffers, every rank takes the ordinary path (one extra empty
+  // step). Results are bitwise those of the ordinary path.
+  void setPool(std::shared_ptr<const Pool> pool) {
+    pool_ = std::move(pool);
+  }
+  // Calls that read peers' pool buffers through mappings.
+  uint64_t pooledCalls() const {
+    return pooledCalls_.load(std::memory_order_relaxed);
+  }
+
   // Numbers the collectives that follow, until set again, for messages (a
   // c10d sequence number: a fused call's buckets are one c10d collective): a
   // timeout then says "rank 1 is still in all_reduce #812". At 0 the
@@ -224,8 +239,27 @@ class Engine {
   };
 
   OpState begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop, int root);
-  // Steps 1-3 of the protocol; returns the slot index to use.
-  int post(OpState& op, uint64_t step, const std::function<void(char*)>& fill);
+  // Steps 1-3 of the protocol; returns the slot index to use. A rank's
+  // first post of a call that meets a peer's pool step (pooledStep) while
+  // its own buffer is ordinary closes that step and posts again at the next
+  // one: `step` is then one more than it was.
+  int post(OpState& op, uint64_t& step, const std::function<void(char*)>& fill);
+  // My pool buffer holding [p, p + bytes), if pool reads are possible.
+  PoolRef pooled(const void* p, size_t bytes) const;
+  // Posts my pool buffer `mine` alone as the call's first step. When every
+  // rank posted one, calls `use(buffers)` (buffers[q]: rank q's buffer,
+  // `bytes` long, mapped; mine is `own`), waits until every peer is done
+  // reading mine and returns true. Else closes the step and returns false:
+  // the caller takes its ordinary path, as every rank does.
+  bool pooledStep(
+      OpState& op,
+      const PoolRef& mine,
+      const char* own,
+      size_t bytes,
+      const std::function<void(const std::vector<const char*>&)>& use);
+  // Rank q's pool buffer `ref`, `bytes` long, in this process (maps its
+  // chunk on first use); fails the op on a reference hsdp never writes.
+  const char* peerBuffer(const OpState& op, int q, const PoolRef& ref, size_t bytes);
   std::atomic<uint64_t>& counter(int q, Counter which) const;
   void publish(Counter which, uint64_t step);
   // Rank q's counter, checked against what the protocol allows (fails the op
@@ -281,6 +315,9 @@ class Engine {
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;
   std::vector<int32_t> pids_;
+  std::shared_ptr<const Pool> pool_;
+  std::vector<std::vector<PeerChunk>> peerChunks_; // [rank][chunk - 1]
+  std::atomic<uint64_t> pooledCalls_{0};           // read by other threads (stats)
   // A yield that lasts this long gave the core to a process outside the
   // group (or to a peer's long stretch of work); yielding then pauses for
   // kYieldPauseWaits waits.

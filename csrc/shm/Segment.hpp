@@ -12,6 +12,7 @@
 // Every size read from the header is checked against what this process
 // expects before it is used.
 
+#include "shm/Pool.hpp"
 #include "shm/Types.hpp"
 
 #include <atomic>
@@ -21,7 +22,7 @@
 namespace hsdp::shm {
 
 constexpr uint64_t kMagic = 0x68736470'73686d31ull; // "hsdpshm1"
-constexpr uint32_t kLayoutVersion = 4;
+constexpr uint32_t kLayoutVersion = 5;
 constexpr size_t kCacheLine = 64;
 constexpr int kSlots = 2; // double buffering: step s uses slot s % 2
 
@@ -41,6 +42,10 @@ struct Signature {
   // Where this rank's input lives in its own address space, for peers that
   // read it directly (cross-memory attach); not compared.
   uint64_t sourceAddress;
+  // This rank's buffer when it is a pool buffer (Pool.hpp): a call whose
+  // every rank posts one reads peers' buffers through mappings
+  // (Engine::pooledStep); not compared.
+  PoolRef pool;
 };
 
 // What a rank is doing, published for its peers' error messages (a timeout

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <condition_variable>
 #include <thread>
@@ -230,6 +231,22 @@ NcclContractBackend::NcclContractBackend(c10::intrusive_ptr<c10d::Backend> gloo,
 void NcclContractBackend::failNext(const std::string& message) {
   std::lock_guard<std::mutex> lock(mutex_);
   failNext_ = message;
+}
+
+at::Tensor NcclContractBackend::allocateTensor(long size, at::TensorOptions options) {
+  TORCH_CHECK_VALUE(options.has_device(), "Tensor options must include device");
+  TORCH_CHECK_VALUE(
+      options.device().is_cpu(),
+      "NCCL tensor allocator expects a CUDA device but got ",
+      options.device());
+  allocations_.fetch_add(1);
+  return at::empty({size}, options);
+}
+
+std::shared_ptr<c10::Allocator> NcclContractBackend::getMemAllocator() {
+  // The pool's allocator: the CPU allocator the double's buffers come from
+  // (not owned: it lives as long as the process).
+  return std::shared_ptr<c10::Allocator>(c10::GetCPUAllocator(), [](c10::Allocator*) {});
 }
 
 std::vector<std::string> NcclContractBackend::receivedReductions() {

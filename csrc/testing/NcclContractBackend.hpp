@@ -35,6 +35,7 @@
 
 #include "backend/OpQueue.hpp"
 
+#include <atomic>
 #include <functional>
 #include <mutex>
 
@@ -146,6 +147,29 @@ class NcclContractBackend final : public c10d::Backend {
   // joins fails (test_nccl_contract_splits).
   void joinSplit(int64_t color, int newSize);
 
+  // Communication buffers, as ProcessGroupNCCL (torch 2.14.1) hands them
+  // out (FSDP2's set_allocate_memory_from_process_group_for_comm):
+  //   * supportsTensorAlloc(index): whether that device can serve them
+  //     (NCCL: c10d::cuda::deviceSupportsMulticast(index)); here the
+  //     double's device, CPU (index -1), standing for a multicast GPU;
+  //   * allocateTensor refuses options that name no device
+  //     (TORCH_CHECK_VALUE "Tensor options must include device") or a device
+  //     of another kind ("NCCL tensor allocator expects a CUDA device but
+  //     got ..."; here CPU stands for CUDA), else allocates from the
+  //     communicator's own memory pool (a MemPool over ncclMemAlloc):
+  //     counted here, so a test sees that a request reached it;
+  //   * getMemAllocator returns that pool's allocator.
+  // Not modelled: NCCL's check that the device is the one it is bound to
+  // (the double serves one device).
+  bool supportsTensorAlloc(c10::DeviceIndex index) override {
+    return index == -1;
+  }
+  at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
+  std::shared_ptr<c10::Allocator> getMemAllocator() override;
+  int64_t allocations() const {
+    return allocations_.load();
+  }
+
   // The next op's Work fails with `message` (the op still runs, so the
   // ranks stay in step).
   void failNext(const std::string& message);
@@ -190,6 +214,7 @@ class NcclContractBackend final : public c10d::Backend {
   bool heldAsync_ = false;
   std::string failNext_;
   std::vector<std::string> received_;
+  std::atomic<int64_t> allocations_{0};
   OpQueue lander_; // declared last: drained (every Work landed) first
 };
 

@@ -16,6 +16,7 @@ _API = (
     "ArgumentTypeError",
     "all_reduce",
     "all_reduce_coalesced",
+    "buffer_stats",
     "comm_stats",
     "cpu_engine",
     "dump_trace",

@@ -49,6 +49,19 @@ def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, in
     return _C.comm_stats(get_hsdp_backend(group))
 
 
+def buffer_stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """Communication buffers of ``group`` on CPU (``allocate_tensor``'s pool).
+
+    ``reserved_bytes`` and ``chunks``: shared memory the pool holds;
+    ``live_bytes``: handed out and not yet freed; ``allocations``: buffers
+    handed out from the pool; ``fallbacks``: requests past
+    ``HSDP_SHM_POOL_BYTES`` served by ordinary memory; ``pooled_calls``:
+    collectives whose every rank passed a pool buffer, which read peers'
+    buffers with plain loads. All zero for a group without a pool.
+    """
+    return _C.buffer_stats(get_hsdp_backend(group))
+
+
 def reset_comm_stats(group: dist.ProcessGroup | None = None) -> None:
     """Zeroes the counters that :func:`comm_stats` reports for ``group``."""
     _C.reset_comm_stats(get_hsdp_backend(group))

@@ -119,6 +119,14 @@ _TABLE = [
     Var("HSDP_SHM_DIRECT_ALLREDUCE_BYTES", "engine", "direct_all_reduce_bytes", parse_int, str,
         "all-reduces of at least this many bytes per rank gather the reduced parts directly "
         "from their owners' buffers (`process_vm_readv`), as above; `0` disables"),
+    Var("HSDP_SHM_POOL_BYTES", "engine", "pool_bytes", parse_int, str,
+        "bytes of communication buffers each rank of a shared-memory group may hand out through "
+        "`allocate_tensor` (FSDP2's `set_allocate_memory_from_process_group_for_comm`): memory "
+        "its peers map, so collectives on them read peers' buffers with plain loads; past it, "
+        "ordinary memory (counted); `0`: no pool (`supports_tensor_alloc` is false on CPU)"),
+    Var("HSDP_SHM_POOL_CHUNK_BYTES", "engine", "pool_chunk_bytes", parse_int, str,
+        "the pool grows by chunks of at least this many bytes (>= 1 MiB; a larger buffer gets "
+        "a chunk of its own)"),
     Var("HSDP_TIMEOUT_MS", "engine", "timeout_ms", _int_or("group"), _shown_or("group"),
         "deadline of every shared-memory wait; `group`: the process group's timeout"),
     Var("HSDP_TRACE_ENTRIES", "trace", "trace_entries", parse_int, str,

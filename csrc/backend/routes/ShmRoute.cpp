@@ -1,6 +1,7 @@
 #include "backend/routes/ShmRoute.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 
 #include "common/Errors.hpp"
 #include "shm/Reduce.hpp"
@@ -85,6 +86,78 @@ ShmRoute::ShmRoute(
       hostMajor_ = hostMajor_ && layout_.rankOf(h, l) == h * layout_.perHost + l;
     }
   }
+}
+
+// The pool as a c10::Allocator: what getMemAllocator hands out and what
+// allocate() builds tensors from. Each buffer's deleter holds the pool, so
+// a tensor keeps its memory valid after its group is gone.
+class ShmRoute::PoolAllocator final : public c10::Allocator {
+ public:
+  explicit PoolAllocator(std::shared_ptr<shm::Pool> pool) : pool_(std::move(pool)) {}
+
+  c10::DataPtr allocate(size_t bytes) override {
+    if (void* p = pool_->allocate(bytes)) {
+      auto* owner = new Owner{pool_, p};
+      return {p, owner, &release, c10::Device(c10::kCPU)};
+    }
+    fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    return c10::GetCPUAllocator()->allocate(bytes);
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+  uint64_t fallbacks() const {
+    return fallbacks_.load(std::memory_order_relaxed);
+  }
+  const shm::Pool& pool() const {
+    return *pool_;
+  }
+
+ private:
+  struct Owner {
+    std::shared_ptr<shm::Pool> pool;
+    void* buffer;
+  };
+  static void release(void* context) {
+    auto* owner = static_cast<Owner*>(context);
+    owner->pool->release(owner->buffer);
+    delete owner;
+  }
+
+  std::shared_ptr<shm::Pool> pool_;
+  std::atomic<uint64_t> fallbacks_{0};
+};
+
+void ShmRoute::usePool(size_t maxBytes, size_t chunkBytes) {
+  if (maxBytes == 0 || !local_->directReads()) {
+    return;
+  }
+  auto pool = std::make_shared<shm::Pool>(maxBytes, chunkBytes);
+  local_->setPool(pool);
+  allocator_ = std::make_shared<PoolAllocator>(std::move(pool));
+}
+
+at::Tensor ShmRoute::allocate(int64_t numel, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  // Not resizable and without an allocator: a resize must not outlive the
+  // pool's allocator or move the tensor out of the pool unnoticed.
+  c10::Storage storage(
+      c10::Storage::use_byte_size_t(), bytes, allocator_->allocate(bytes), nullptr, false);
+  return at::empty({0}, options).set_(std::move(storage), 0, {numel}, {1});
+}
+
+std::shared_ptr<c10::Allocator> ShmRoute::allocator() const {
+  return allocator_;
+}
+
+ShmRoute::BufferStats ShmRoute::bufferStats() const {
+  BufferStats s;
+  if (allocator_) {
+    s.pool = allocator_->pool().stats();
+    s.fallbacks = allocator_->fallbacks();
+  }
+  s.pooledCalls = local_->pooledCalls();
+  return s;
 }
 
 std::string ShmRoute::prefix(const char* op) const {

@@ -114,6 +114,26 @@ class ShmRoute final : public Route {
     return local_->directReads();
   }
 
+  // Communication buffers (allocateTensor): a pool of at most `maxBytes` in
+  // memory this host's peers map (shm/Pool.hpp), so that collectives whose
+  // every rank passes one read peers' buffers with plain loads. Only with
+  // direct reads (peers may open each other's descriptors); every rank of
+  // the host calls it alike.
+  void usePool(size_t maxBytes, size_t chunkBytes);
+  bool allocates() const {
+    return allocator_ != nullptr;
+  }
+  // A 1-D tensor of `numel` elements of `options`' dtype in the pool, or in
+  // ordinary memory (counted) when the pool is at its bound.
+  at::Tensor allocate(int64_t numel, const at::TensorOptions& options);
+  std::shared_ptr<c10::Allocator> allocator() const;
+  struct BufferStats {
+    shm::PoolStats pool;
+    uint64_t fallbacks = 0;   // allocations served by ordinary memory
+    uint64_t pooledCalls = 0; // calls that read peers' pool buffers
+  };
+  BufferStats bufferStats() const;
+
   // The engine's calls, for the whole group (see shm::Engine).
   void allGather(const char* op, const void* input, void* output, size_t bytesPerRank);
   void reduceScatter(
@@ -200,6 +220,8 @@ class ShmRoute final : public Route {
   std::string failure_; // the first inter-host failure: the route refuses work after it
   bool hostMajor_;      // rankOf(h, l) == h * perHost + l
   std::shared_ptr<FlightRecorder> trace_;
+  class PoolAllocator;
+  std::shared_ptr<PoolAllocator> allocator_; // null: no pool
   // Last: drained and joined before the engine its tasks use is gone.
   std::unique_ptr<OpQueue> queue_ = std::make_unique<OpQueue>();
 };

@@ -1,0 +1,40 @@
+"""Communication buffers: ``allocate_tensor`` hands out memory its peers map
+(shm/Pool.hpp) on CPU, and the inner backend's on the CUDA route (the
+NCCL-contract double here); collectives on them give gloo's bytes (rank
+bodies in buffer_cases.py)."""
+
+import buffer_cases
+import pytest
+from harness import run_ranks
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("world", [2, 3])
+def test_pool_buffers(world):
+    run_ranks(buffer_cases.pool_suite, world)
+
+
+def test_pool_buffers_on_a_hierarchical_group():
+    # Pretended hosts: the pool is each host's; results are gloo's.
+    run_ranks(
+        buffer_cases.collectives_match_gloo, 4, env={"HSDP_TEST_HOSTS": "a,a,b,b"}, flat=False
+    )
+
+
+def test_past_the_bound_is_ordinary_memory():
+    run_ranks(
+        buffer_cases.past_the_bound_is_ordinary_memory_counted,
+        2,
+        env={"HSDP_SHM_POOL_BYTES": str(2 << 20)},
+    )
+
+
+@pytest.mark.parametrize(
+    "env", [{"HSDP_ENGINE": "gloo"}, {"HSDP_SHM_POOL_BYTES": "0"}], ids=["gloo", "pool_off"]
+)
+def test_no_pool_says_why(env):
+    run_ranks(buffer_cases.no_pool_says_why, 2, env=env)
+
+
+def test_nccl_contract_allocation_reaches_the_inner_backend():
+    run_ranks(buffer_cases.the_nccl_double_allocates, 2, env={"HSDP_ENGINE": "nccl_contract"})
