@@ -51,6 +51,9 @@ class Scenario:
         stream_ordered: run the shim's GPU code (buckets ordered by FSDP2's
             streams and events, all-reduces on its all-reduce stream) on
             CPU, where streams and events are no-ops.
+        pg_alloc: set_allocate_memory_from_process_group_for_comm(True) on
+            every module: FSDP2's all-gather outputs and reduce-scatter
+            inputs come from the group's allocate_tensor.
     """
 
     mesh: tuple[int, ...]
@@ -67,6 +70,7 @@ class Scenario:
     shim: str = "auto"
     bucket_bytes: int | None = None
     stream_ordered: bool = False
+    pg_alloc: bool = False
     dim: int = 32
     layers: int = 3
     heads: int = 2
@@ -120,6 +124,12 @@ SCENARIOS: dict[str, Scenario] = {
         mesh=(2, 2), mp="fp64-reduce", layers=8, steps=4, bucket_bytes=8 << 10, stream_ordered=True
     ),
     "hsdp_2x1_replicate_only": Scenario(mesh=(2, 1)),
+    "fsdp_w2_pg_alloc": Scenario(mesh=(2,), pg_alloc=True, explicit_prefetch=True),
+    "fsdp_w4_pg_alloc_bf16": Scenario(mesh=(4,), pg_alloc=True, mp="bf16", reshard=2),
+    "hsdp_2x2_pg_alloc": Scenario(mesh=(2, 2), pg_alloc=True, reshard=False, clip=0.5),
+    "hsdp_2x2_pg_alloc_accumulate": Scenario(
+        mesh=(2, 2), pg_alloc=True, micro_batches=3, accumulate="no_all_reduce"
+    ),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
     "hsdp_2x2_shim_incompatible": Scenario(mesh=(2, 2), shim="incompatible"),
 }
@@ -236,6 +246,9 @@ def _build_sharded(s: Scenario, mesh, seed: int):
     if s.divide_factor is not None:
         for module in [*blocks, model]:
             module.set_gradient_divide_factor(s.divide_factor)
+    if s.pg_alloc:
+        for module in [*blocks, model]:
+            module.set_allocate_memory_from_process_group_for_comm(True)
     return model, make_optimizer(model.parameters(), s)
 
 
@@ -409,6 +422,13 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             "peak_held_bytes": peak_held,
             "shim_enabled": shim.is_enabled() if on_hsdp else None,
             "dispatched_all_reduces": dispatched_all_reduces if on_hsdp else None,
+            # communication buffers: pool calls (shm) and the double's allocations
+            "pooled_calls": sum(
+                hsdp_backend.buffer_stats(g)["pooled_calls"] for g in groups.values()
+            )
+            if on_hsdp
+            else None,
+            "inner_allocations": _inner_allocations(groups) if on_hsdp else None,
         }
     finally:
         _buckets.ordered_by_streams = original_ordering
@@ -418,6 +438,22 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             shim.enable(
                 bucket_bytes=config.resolve().fsdp_bucket_bytes
             )  # back to the defaults for the next scenario
+
+
+def _inner_allocations(groups: dict) -> int | None:
+    """Buffers the NCCL-contract double handed out (None on other engines)."""
+    import torch
+
+    from hsdp_backend import _C
+
+    if (
+        "nccl_contract"
+        not in _C.cpu_engine(groups[next(iter(groups))]._get_backend(torch.device("cpu")))[0]
+    ):
+        return None
+    return sum(
+        _C._nccl_contract_allocations(g._get_backend(torch.device("cpu"))) for g in groups.values()
+    )
 
 
 def _unwrapped(name: str) -> str:

@@ -37,6 +37,8 @@ NCCL_CONTRACT = [
     "hsdp_2x2_accumulate_no_all_reduce",
     "hsdp_2x2_divide_factor",
     "hsdp_2x2_stream_ordered",
+    "fsdp_w2_pg_alloc",
+    "hsdp_2x2_pg_alloc",
 ]
 BF16_VS_REFERENCE = dict(rtol=2e-2, atol=2e-3)
 BF16_VS_GLOO = dict(rtol=2e-3, atol=2e-4)
@@ -177,6 +179,13 @@ def test_fsdp_parity(launches, name):
         assert_same_training(hsdp, gloo, BF16_VS_GLOO if bf16 else FP32, "gloo")
     assert_comm_shape(name, s, hsdp)
     assert_shim_memory_bounded(s, hsdp)
+    if s.pg_alloc:
+        # FSDP2's buffers came from the pool on every rank: at least every
+        # step's reduce-scatters read peers' pool buffers (all-gathers too).
+        groups = fsdp_parity.num_param_groups(s)
+        assert hsdp["pooled_calls"] >= s.steps * groups * 2, hsdp["pooled_calls"]
+    else:
+        assert hsdp["pooled_calls"] == 0, hsdp["pooled_calls"]
     if (
         s.checkpoint_at is None
     ):  # (a reload makes new parameters, and their hooks are not registered)
@@ -212,3 +221,5 @@ def test_fsdp_parity_nccl_contract(launches, name):
     assert_same_training(got, launches.result(name, peer), BF16_VS_GLOO if bf16 else FP32, peer)
     assert_comm_shape(name, s, got)
     assert got["shim_enabled"]
+    # FSDP2's allocation reaches the inner backend (NCCL's pool on a GPU).
+    assert (got["inner_allocations"] > 0) == s.pg_alloc, got["inner_allocations"]
