@@ -1,6 +1,13 @@
 """all_gather_into_tensor / reduce_scatter_tensor / all_reduce, hsdp against
 gloo, per message size (default 2 and 4 ranks).
 
+For all_gather and reduce_scatter, a third contender, ``hsdp_pool``, runs
+hsdp on buffers from the group's ``allocate_tensor`` (the shared-memory
+pool: peers read them with plain loads), as FSDP2 does with
+``set_allocate_memory_from_process_group_for_comm(True)``; ``pool gain`` is
+hsdp's time on ordinary buffers / its time on pool buffers. Every timed
+pool call must take the pooled path (checked with ``buffer_stats``).
+
 For every (op, size) point: each backend runs the op once on rank-dependent
 data and the result is compared with the exact answer (a fast wrong
 collective is not a result; a wrong one fails the run); then both backends
@@ -162,18 +169,28 @@ LATENCY_BYTES = 8  # the extra all_reduce latency row
 TIME_PER_POINT_S = (0.3, 0.1)
 
 
-def _make_buffers(op: str, numel: int, rank: int, world: int, dtype) -> dict:
-    """Buffers for one point, shared by both backends (FSDP2 forms)."""
+# The ops FSDP2 allocates buffers for (the all-gather's output, the
+# reduce-scatter's input), measured on pool buffers too.
+POOLED_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor")
+POOL = "hsdp_pool"
+
+
+def _make_buffers(op: str, numel: int, rank: int, world: int, dtype, comm=None) -> dict:
+    """Buffers for one point, shared by both backends (FSDP2 forms). With
+    ``comm`` (a c10d Backend), the buffer FSDP2 would allocate through
+    ``allocate_tensor`` comes from it."""
     import torch
 
+    def zeros(n):
+        if comm is None:
+            return torch.zeros(n, dtype=dtype)
+        return comm.allocate_tensor(n, dtype=dtype, device=torch.device("cpu")).zero_()
+
     if op == "all_gather_into_tensor":
-        out = torch.zeros(world * numel, dtype=dtype)
+        out = zeros(world * numel)
         return {"out": out, "in": out.narrow(0, rank * numel, numel)}  # in place, as FSDP2
     if op == "reduce_scatter_tensor":
-        return {
-            "out": torch.zeros(numel, dtype=dtype),
-            "in": torch.zeros(world * numel, dtype=dtype),
-        }
+        return {"out": torch.zeros(numel, dtype=dtype), "in": zeros(world * numel)}
     return {"t": torch.zeros(numel, dtype=dtype)}
 
 
@@ -232,6 +249,8 @@ TABLE_COLUMNS = [
     Column("hsdp GB/s", 9, lambda r: f"{r['hsdp']['busbw_gbps']:.3f}"),
     Column("gloo GB/s", 9, lambda r: f"{r['gloo']['busbw_gbps']:.3f}"),
     Column("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
+    Column("pool us", 9, lambda r: f"{r[POOL]['us']:.1f}" if POOL in r else "-"),
+    Column("pool gain", 9, lambda r: f"{r['pool_gain']:.2f}x" if POOL in r else "-"),
     Column("hsdp/memcpy", 11, lambda r: f"{r['hsdp_memcpy_fraction']:.3f}"),
     Column(
         "3xcopy us",
@@ -247,7 +266,8 @@ MEMCPY_COLUMNS = [
 ]
 LEGEND = """
 latency = max over ranks of each rank's median per-call time; busbw as in nccl-tests;
-speedup = gloo time / hsdp time; hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;
+speedup = gloo time / hsdp time; pool gain = hsdp time / hsdp time on pool buffers
+(allocate_tensor; all_gather and reduce_scatter); hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;
 3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only;
 spread = interquartile range / median of rank 0's samples, the noisier backend: ratios
 of rows with a large spread (say > 50%) are not to be trusted."""
@@ -340,14 +360,21 @@ class CollectivesSuite(Suite):
         self, ctx: RankContext, op: str, nbytes: int, numel: int, dtype, sampling: timing.Sampling
     ) -> dict:
         """Check, calibrate, measure interleaved; returns the point (same on every rank)."""
+        import torch
+
         import hsdp_backend
 
         bufs = _make_buffers(op, numel, ctx.rank, ctx.world, dtype)
         groups = {"hsdp": ctx.hsdp, "gloo": ctx.gloo}
         call = {b: OPS[op].bind(bufs, groups[b]) for b in BACKENDS}
+        buffers = dict.fromkeys(BACKENDS, bufs)
+        comm = ctx.hsdp._get_backend(torch.device("cpu"))
+        if op in POOLED_OPS and comm.supports_tensor_alloc(torch.device("cpu")):
+            buffers[POOL] = _make_buffers(op, numel, ctx.rank, ctx.world, dtype, comm)
+            call[POOL] = OPS[op].bind(buffers[POOL], ctx.hsdp)
 
-        for b in BACKENDS:
-            problem = _check_once(op, bufs, call[b], ctx.rank, ctx.world)
+        for b in call:
+            problem = _check_once(op, buffers[b], call[b], ctx.rank, ctx.world)
             if problem:
                 raise RuntimeError(
                     f"[rank {ctx.rank}/{ctx.world}] {b} {op} of {format_size(nbytes)} "
@@ -356,8 +383,15 @@ class CollectivesSuite(Suite):
 
         calls_per_sample = timing.calibrate(ctx.gloo, call, sampling)
         hsdp_backend.reset_comm_stats(ctx.hsdp)
+        pooled_before = hsdp_backend.buffer_stats(ctx.hsdp)["pooled_calls"]
         samples = timing.sample_interleaved(ctx.rank, ctx.gloo, call, calls_per_sample, sampling)
         stats = hsdp_backend.comm_stats(ctx.hsdp)
+        pooled = hsdp_backend.buffer_stats(ctx.hsdp)["pooled_calls"] - pooled_before
+        if POOL in call and pooled != len(samples[POOL]) * calls_per_sample:
+            raise RuntimeError(
+                f"[rank {ctx.rank}/{ctx.world}] {op} of {format_size(nbytes)}: {pooled} pooled "
+                f"calls, expected every timed call on pool buffers to take the pooled path"
+            )
         result = {"op": op, "bytes": nbytes, "numel": numel}
         result.update(timing.summarise(ctx.world, ctx.gloo, samples, calls_per_sample))
         result["hsdp"]["comm_stats"] = stats.get(op)
@@ -389,6 +423,10 @@ class CollectivesSuite(Suite):
                         algbw_gbps=total / secs / 1e9,
                         busbw_gbps=op.bus_factor(world) * total / secs / 1e9,
                     )
+                if POOL in p:
+                    secs = p[POOL]["us"] / 1e6
+                    row[POOL] = dict(p[POOL], busbw_gbps=op.bus_factor(world) * total / secs / 1e9)
+                    row["pool_gain"] = p["hsdp"]["us"] / p[POOL]["us"]
                 row["speedup"] = p["gloo"]["us"] / p["hsdp"]["us"]
                 row["spread"] = max(timing.spread(p[b]["rank0_samples_us"]) for b in BACKENDS)
                 mc = memcpy[p["bytes"]]

@@ -23,6 +23,10 @@ samples, max over ranks of the medians):
   hsdp and gloo (env:// rendezvous, rank from OMPI_COMM_WORLD_RANK /
   PMI_RANK) and alternate hsdp, gloo and MPI samples; mpi4py works on
   numpy views of the torch tensors.
+Every launch also measures ``hsdp_pool``: hsdp on buffers from the group's
+``allocate_tensor`` (the shared-memory pool, which peers read with plain
+loads; FSDP2's ``set_allocate_memory_from_process_group_for_comm``) for
+the all-gathers and the reduce-scatter, checked once like the others.
 A peer's ratio is taken against hsdp from the same launch:
 ``vs X`` = time(X) / time(hsdp), > 1 when hsdp is faster. ``hsdp/mc2`` =
 hsdp bus bandwidth (nccl-tests) / per-process bandwidth of two concurrent
@@ -68,16 +72,30 @@ COLUMN_PEERS = ("gloo", "ompi", "mpich", "deepspeed")
 IN_RUN_MEMCPY = "memcpy"
 
 
-def _buffers(op: str, numel: int, rank: int, world: int) -> dict:
+# hsdp on pool buffers (allocate_tensor), for the ops whose buffers FSDP2
+# allocates that way.
+POOL = "hsdp_pool"
+POOL_OPS = ("all_gather", "all_gather_inplace", "reduce_scatter")
+
+
+def _buffers(op: str, numel: int, rank: int, world: int, comm=None) -> dict:
+    """The op's buffers; with ``comm`` (a c10d Backend), the buffers peers
+    read (the all-gather's input, the reduce-scatter's input) come from its
+    allocate_tensor."""
     import torch
 
+    def zeros(n):
+        if comm is None:
+            return torch.zeros(n)
+        return comm.allocate_tensor(n, dtype=torch.float32, device=torch.device("cpu")).zero_()
+
     if op == "all_gather":
-        return {"out": torch.zeros(world * numel), "in": torch.zeros(numel)}
+        return {"out": torch.zeros(world * numel), "in": zeros(numel)}
     if op == "all_gather_inplace":
-        out = torch.zeros(world * numel)
+        out = zeros(world * numel)
         return {"out": out, "in": out.narrow(0, rank * numel, numel)}
     if op == "reduce_scatter":
-        return {"out": torch.zeros(numel), "in": torch.zeros(world * numel)}
+        return {"out": torch.zeros(numel), "in": zeros(world * numel)}
     return {"t": torch.zeros(numel)}
 
 
@@ -156,6 +174,8 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
     import torch
 
     sampling: timing.Sampling = config["sampling"]
+    comm = ctx.hsdp._get_backend(torch.device("cpu"))
+    pool = comm.supports_tensor_alloc(torch.device("cpu"))
     out = []
     gc.disable()  # no collector pauses inside timed regions
     try:
@@ -166,15 +186,20 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
                 "hsdp": _bind_torch(op, bufs, ctx.hsdp),
                 "gloo": _bind_torch(op, bufs, ctx.gloo),
             }
+            buffers = dict.fromkeys(calls, bufs)
+            if pool and op in POOL_OPS:
+                buffers[POOL] = _buffers(op, numel, ctx.rank, ctx.world, comm)
+                calls[POOL] = _bind_torch(op, buffers[POOL], ctx.hsdp)
             for name, bind in peers.items():
                 call = None if name in problems else bind(op, bufs)
                 if call is not None:
                     calls[name] = call
+                    buffers[name] = bufs
             for name in list(calls):
                 wrong = collectives._check_once(
-                    CHECK_NAME[op], bufs, calls[name], ctx.rank, ctx.world
+                    CHECK_NAME[op], buffers[name], calls[name], ctx.rank, ctx.world
                 )
-                if name in ("hsdp", "gloo") and wrong:
+                if name in ("hsdp", "gloo", POOL) and wrong:
                     raise RuntimeError(
                         f"[rank {ctx.rank}] {name} {op} {format_size(nbytes)}: wrong result: {wrong}"
                     )
@@ -198,7 +223,7 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
                 + "  ".join(f"{n} {r['us']:.1f}" for n, r in res["us"].items())
             )
             out.append(res)
-            del bufs, calls
+            del bufs, calls, buffers
             gc.collect()
     finally:
         gc.enable()

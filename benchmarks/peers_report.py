@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from benchmarks import collectives, report, timing
 from benchmarks.peer_env import MPI_PEERS
-from benchmarks.peers import CHECK_NAME, IN_RUN_MEMCPY
+from benchmarks.peers import CHECK_NAME, IN_RUN_MEMCPY, POOL
 from benchmarks.report import KIB, Column, format_size
 
 PEER_LABEL = {"gloo": "gloo", "ompi": "ompi", "mpich": "mpich", "deepspeed": "ds"}
@@ -61,6 +61,7 @@ def build_rows(config: dict, reference: dict, per_world: dict) -> tuple[list[dic
                 "bytes_per_rank": nbytes,
                 "numel_per_rank": p["numel"],
                 "hsdp": dict(p["us"]["hsdp"], busbw_gbps=busbw),
+                POOL: p["us"].get(POOL),
                 "peers": {},
                 "memcpy1_us": mc1["us"],
                 "memcpy2_us": mc2["us"],
@@ -93,7 +94,10 @@ def _peer_cell(peer: str, op: str, nbytes: int, st: dict, points: dict) -> dict:
     if pt is None or peer not in pt["us"]:
         return {"status": "missing", "reason": "not measured at this point"}
     us, hsdp_us = pt["us"][peer]["us"], pt["us"]["hsdp"]["us"]
+    pool = pt["us"].get(POOL)
     return {
+        # time(peer) / time(hsdp on pool buffers), same launch
+        "pool_speedup_vs": us / pool["us"] if pool else None,
         "status": "measured",
         "checked": True,
         "us": us,
@@ -137,11 +141,22 @@ def _ratio_cell(peer: str):
     return cell
 
 
+def _pool_ratio_cell(peer: str):
+    def cell(r: dict) -> str:
+        c = r["peers"].get(peer)
+        if c is None or c["status"] != "measured" or c.get("pool_speedup_vs") is None:
+            return "-"
+        return f"{c['pool_speedup_vs']:.2f}"
+
+    return cell
+
+
 def columns(peers: list[str]) -> list[Column]:
     cols = [
         Column("op", 18, lambda r: r["op"], left=True),
         Column("size", 7, lambda r: format_size(r["bytes_per_rank"])),
         Column("hsdp us", 9, lambda r: f"{r['hsdp']['us']:.1f}"),
+        Column("pool us", 9, lambda r: f"{r[POOL]['us']:.1f}" if r.get(POOL) else "-"),
     ]
     cols += [Column(f"{PEER_LABEL[p]} us", 9, _us_cell(p)) for p in peers]
     cols += [
@@ -149,6 +164,11 @@ def columns(peers: list[str]) -> list[Column]:
         Column("mc2 us", 8, lambda r: f"{r['memcpy2_us']:.1f}"),
     ]
     cols += [Column(f"vs {PEER_LABEL[p]}", 7, _ratio_cell(p)) for p in peers]
+    cols += [
+        Column(f"pool vs {PEER_LABEL[p]}", 11, _pool_ratio_cell(p))
+        for p in peers
+        if p != "deepspeed"
+    ]
     cols += [
         Column("hsdp/mc2", 8, lambda r: f"{r['hsdp_memcpy2_fraction']:.3f}"),
         Column("mcR us", 8, lambda r: f"{r['memcpy_in_run_us']:.1f}"),
@@ -162,7 +182,9 @@ LEGEND = """
 us = max over ranks of each rank's median per-call time (float32, per-rank size);
 hsdp us is hsdp in the main launch (with gloo and DeepSpeed); ompi / mpich ran in their own
 launch, interleaved with hsdp and gloo in the same processes;
-vs X = time(X) / time(hsdp in X's launch): > 1 means hsdp is faster;
+vs X = time(X) / time(hsdp in X's launch): > 1 means hsdp is faster; pool us = hsdp on
+buffers from allocate_tensor (its shared-memory pool), main launch; pool vs X = time(X) /
+time(hsdp on pool buffers in X's launch);
 mc1 / mc2 = single-thread memcpy of the per-rank size, 1 process / 2 concurrent processes
 (mc2 = the slower process); hsdp/mc2 = hsdp busbw (nccl-tests) / memcpy2 per-process GB/s;
 mcR = memcpy2 measured inside the main launch, interleaved with the collectives (every rank

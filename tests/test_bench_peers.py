@@ -25,7 +25,7 @@ def test_peers_suite_smallest(tmp_path):
         "--ranks",
         "2",
         "--ops",
-        "all_reduce",
+        "all_reduce,reduce_scatter",
         "--sizes",
         "64K",
         "--iters",
@@ -66,7 +66,16 @@ def test_peers_suite_smallest(tmp_path):
     assert [(r["op"], r["bytes_per_rank"]) for r in rows] == [
         ("all_reduce", 8),
         ("all_reduce", 65536),
+        ("reduce_scatter", 65536),
     ]
+    # hsdp on pool buffers: measured where FSDP2 allocates buffers, and each
+    # measured MPI peer's ratio to it taken in that peer's own launch.
+    assert rows[2]["hsdp_pool"]["us"] > 0, rows[2]
+    assert all(r["hsdp_pool"] is None for r in rows[:2])
+    for peer in ("ompi", "mpich"):
+        cell = rows[2]["peers"][peer]
+        if cell["status"] == "measured":
+            assert cell["pool_speedup_vs"] > 0, (peer, cell)
     for r in rows:
         assert math.isfinite(r["hsdp"]["us"]) and r["hsdp"]["us"] > 0
         assert r["memcpy1_us"] > 0 and r["memcpy2_us"] > 0
@@ -76,6 +85,8 @@ def test_peers_suite_smallest(tmp_path):
             cell = r["peers"][peer]
             if status[peer]["status"] == "missing":
                 assert cell["status"] == "missing" and cell["reason"], (peer, cell)
+            elif peer == "deepspeed" and r["op"] != "all_reduce":
+                assert cell["status"] == "n/a", (peer, cell)
             else:
                 assert cell["status"] == "measured" and cell["checked"], (peer, cell)
                 assert cell["speedup_vs"] == cell["us"] / cell["hsdp_us_same_launch"]

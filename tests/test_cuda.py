@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import torch.distributed as dist
 from harness import run_ranks
 
 GPUS = torch.cuda.device_count()
@@ -223,7 +224,11 @@ def test_one_gpu_flight_record_follows_the_device(tmp_path):
     run_ranks(trace_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
 
 
-def fsdp_one_rank_body(rank, world):
+def fsdp_one_rank_body(rank, world, comm=None):
+    """FSDP2 at world size 1 against a plain module; ``comm``: FSDP2's
+    buffers from the group's allocate_tensor ("pg_alloc": NCCL's pool through
+    hsdp) or from NCCL symmetric memory ("symm_mem": the inner NCCL is
+    registered under the hsdp group's name, and runs the collectives)."""
     import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -239,6 +244,11 @@ def fsdp_one_rank_body(rank, world):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    for m in model.modules():
+        if comm == "pg_alloc" and hasattr(m, "set_allocate_memory_from_process_group_for_comm"):
+            m.set_allocate_memory_from_process_group_for_comm(True)
+        if comm == "symm_mem" and hasattr(m, "set_symm_mem_for_comm"):
+            m.set_symm_mem_for_comm()
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
     for step in range(3):
         x = torch.randn(8, 16, device=dev, generator=torch.Generator(dev).manual_seed(step))
@@ -250,10 +260,36 @@ def fsdp_one_rank_body(rank, world):
         _check(p.full_tensor(), q.detach(), f"FSDP2 1-rank parameter {n}")
 
 
+def buffers_one_rank_body(rank, world):
+    """allocate_tensor on CUDA is the inner NCCL's: hsdp answers
+    supports_tensor_alloc as a plain nccl group does, and a collective on
+    the buffer it hands out is right."""
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    hsdp = dist.group.WORLD._get_backend(dev)
+    nccl = dist.new_group(backend="nccl")._get_backend(dev)
+    supported = nccl.supports_tensor_alloc(dev)
+    _check(hsdp.supports_tensor_alloc(dev), supported, "supports_tensor_alloc(cuda)")
+    if not supported:
+        return
+    t = hsdp.allocate_tensor(1024, dtype=torch.float32, device=dev)
+    _check(t.device, dev, "allocate_tensor's device")
+    t.fill_(3)
+    out = torch.empty(1024 * world, device=dev)
+    dist.all_gather_into_tensor(out, t)
+    _check(out, torch.full_like(out, 3), "all_gather on an allocated buffer")
+
+
 @one_gpu
-@pytest.mark.parametrize("body", [chained_ops_body, gpu_work_body, fsdp_one_rank_body])
+@pytest.mark.parametrize("body", [chained_ops_body, gpu_work_body, fsdp_one_rank_body, buffers_one_rank_body])
 def test_one_gpu(body):
     run_ranks(body, 1)
+
+
+@one_gpu
+@pytest.mark.parametrize("comm", ["pg_alloc", "symm_mem"])
+def test_one_gpu_fsdp_communication_buffers(comm):
+    run_ranks(fsdp_one_rank_body, 1, comm=comm)
 
 
 @one_gpu
