@@ -13,11 +13,14 @@
 // default 0: torch's tensors start at multiples of 64 bytes, and the direct
 // all-reduce is a third slower there than 16 bytes into a line) and gap_us
 // (the caller's own work between calls, busy; torch.distributed's path costs
-// about 4 us). Prints rank 0's median (and range) of 9 timed loops of ITERS
+// about 4 us), and pool (1: every buffer comes from the engine's pool, as
+// allocate_tensor hands them out, so calls take the pooled path; default
+// 0: ordinary memory). Prints rank 0's median (and range) of 9 timed loops of ITERS
 // calls, each loop after a barrier.
 
 #include "common/Config.hpp"
 #include "shm/Engine.hpp"
+#include "shm/Pool.hpp"
 
 #include <sys/wait.h>
 #include <unistd.h>
@@ -67,10 +70,22 @@ void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
   // Every buffer starts `page_offset` bytes into a page: the cost of some
   // paths depends on it, and torch's tensors start at multiples of 64.
   const size_t pageOffset = key(a, "page_offset", 0);
+  std::shared_ptr<Pool> pool;
+  if (key(a, "pool", 0) != 0) {
+    pool = std::make_shared<Pool>(size_t{1} << 36, size_t{64} << 20);
+    e.setPool(pool);
+  }
   auto buffer = [&](std::vector<char>& store, size_t bytes) {
-    store.assign(bytes + 2 * 4096, 0);
+    char* base = nullptr;
+    if (pool) {
+      base = static_cast<char*>(pool->allocate(bytes + 2 * 4096));
+      std::memset(base, 0, bytes + 2 * 4096);
+    } else {
+      store.assign(bytes + 2 * 4096, 0);
+      base = store.data();
+    }
     return reinterpret_cast<char*>(
-        (reinterpret_cast<uintptr_t>(store.data()) + 4095) / 4096 * 4096 + pageOffset % 4096);
+        (reinterpret_cast<uintptr_t>(base) + 4095) / 4096 * 4096 + pageOffset % 4096);
   };
   std::vector<char> outStore, inStore, dataStore;
   char* out = buffer(outStore, n * a.ranks);
@@ -115,6 +130,9 @@ void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
     us.push_back(dt.count() / a.iters);
   }
   std::sort(us.begin(), us.end());
+  if (pool && e.pooledCalls() == 0) {
+    throw std::runtime_error("pool=1 but no call took the pooled path");
+  }
   if (r == 0) {
     std::printf(
         "%s %zu B x %d ranks: median %.2f us per call (%.2f-%.2f over 9 loops of %d)\n",

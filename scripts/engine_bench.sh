@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=build/engine_bench
-src=(benchmarks/engine_bench.cpp csrc/common/Config.cpp csrc/shm/Engine.cpp csrc/shm/Wait.cpp
+src=(benchmarks/engine_bench.cpp csrc/common/Config.cpp csrc/shm/Engine.cpp csrc/shm/Wait.cpp csrc/shm/Pool.cpp
   csrc/shm/AllReduce.cpp csrc/shm/Segment.cpp
   csrc/shm/Reduce.cpp)
 if [[ ! -x $out ]] || [[ -n $(find "${src[@]}" csrc/shm csrc/common -newer "$out" -print -quit) ]]; then
