@@ -21,7 +21,10 @@ per configuration, odd repeats in reverse order. Reported per
 (configuration, model): the step time on 1 rank, gloo and hsdp; exposed
 communication per backend; gloo exposed / hsdp exposed (target >= 5 for the
 small model); communication share = exposed / step; the hsdp speedup of the
-whole step; hsdp's ``comm_stats`` of the last step. With more ranks than
+whole step; hsdp's ``comm_stats`` of the last step. Two more contenders run
+the same configuration: torch's fake backend (no communication: the
+limit) and ``hsdp_pool``, hsdp with FSDP2's buffers from the process group
+(``--comm-buffers group``), reported as pool step / hsdp step. With more ranks than
 cpus the ranks' compute slows down, the baseline under-estimates it and
 exposed communication includes that slowdown (a printed caveat).
 """
@@ -78,7 +81,11 @@ BASELINE_BACKEND = "gloo"
 # Each configuration runs on these; "fake" is torch's fake backend: the same
 # W ranks do all of FSDP2's own work and no communication at all, the step's
 # zero-cost-network limit (the examples' --backend fake).
-TRAINING_BACKENDS = (*BACKENDS, "fake")
+# "hsdp_pool" is hsdp with FSDP2's communication buffers from the group
+# (the examples' --comm-buffers group: set_allocate_memory_from_process_
+# group_for_comm, buffers in hsdp's shared-memory pool).
+POOL = "hsdp_pool"
+TRAINING_BACKENDS = (*BACKENDS, "fake", POOL)
 # hsdp's targets against that limit: (hsdp - fake) / (gloo - fake) at most
 # this, and on the small model hsdp / fake at most LIMIT_RATIO_TARGET.
 OVERHEAD_TARGET = 1 / 6
@@ -218,6 +225,9 @@ TABLE_COLUMNS = [
     report.Column("fake step", 9, lambda r: f"{r['fake']['step_ms']:.1f}"),
     report.Column("hsdp/fake", 9, lambda r: f"{r['hsdp_over_fake']:.2f}x"),
     report.Column("overhead", 8, lambda r: _overhead(r["overhead_vs_gloo"])),
+    report.Column("pool step", 9, lambda r: f"{r[POOL]['step_ms']:.1f}"),
+    report.Column("pool/off", 8, lambda r: f"{r['pool_over_off']:.2f}x"),
+    report.Column("pool/fake", 9, lambda r: f"{r['pool_over_fake']:.2f}x"),
     report.Column("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
 ]
 LEGEND = """
@@ -229,7 +239,10 @@ hsdp step / fake step; overhead = (hsdp step - fake step) / (gloo step - fake st
 cost above the limit as a fraction of gloo's; exp = exposed communication =
 f+b - compute; gloo/hsdp exp = gloo exp / hsdp exp; share = exp / step; step = forward +
 backward + optimizer step (local, over this rank's shard); speedup = gloo step / hsdp step;
-spread = interquartile range / median of the pooled steps, the noisiest of the three."""
+pool step = hsdp with FSDP2's buffers from the group (--comm-buffers group: hsdp's
+shared-memory pool); pool/off = pool step / hsdp step (< 1: the pool is faster); pool/fake =
+pool step / fake step; spread = interquartile range / median of the pooled steps, the
+noisiest contender."""
 
 
 def _overhead(x: float | None) -> str:
@@ -391,7 +404,7 @@ class TrainingSuite(Suite):
     def _command(config: dict, model: str, mesh: TrainingMesh, backend: str) -> list[str]:
         a = config["model_args"][model]
         flags = {
-            "--backend": backend,
+            "--backend": "hsdp" if backend == POOL else backend,
             "--steps": config["steps"][model],
             "--dim": a["dim"],
             "--layers": a["layers"],
@@ -402,6 +415,8 @@ class TrainingSuite(Suite):
             "--mixed-precision": "none",
             "--seed": config["seed"],
         }
+        if backend == POOL:
+            flags["--comm-buffers"] = "group"
         script = os.path.join(config["examples"], mesh.script)
         args = [str(x) for kv in flags.items() for x in kv]
         return [
@@ -566,6 +581,8 @@ class TrainingSuite(Suite):
                     g["exposed_ms"] / h["exposed_ms"] if h["exposed_ms"] > 0 else None
                 )
                 row["speedup"] = g["step_ms"] / h["step_ms"]
+                row["pool_over_off"] = row[POOL]["step_ms"] / h["step_ms"]
+                row["pool_over_fake"] = row[POOL]["step_ms"] / f["step_ms"]
                 row["hsdp_over_fake"], row["overhead_vs_gloo"] = timing.against_limit(
                     h["step_ms"], g["step_ms"], f["step_ms"]
                 )

@@ -318,7 +318,9 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> None:
+def apply_fsdp(
+    model: Transformer, mesh: DeviceMesh, mixed_precision: str, comm_buffers: str = "fsdp"
+) -> None:
     """Shards ``model`` in place with FSDP2: each block, then the root.
 
     On a 1-D mesh this is FSDP; on a 2-D (replicate, shard) mesh it is HSDP:
@@ -330,6 +332,10 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> No
         model: the unsharded model, identical on every rank.
         mesh: 1-D or 2-D CPU device mesh.
         mixed_precision: see :func:`mixed_precision_policy`.
+        comm_buffers: ``"fsdp"`` (FSDP2 allocates its all-gather and
+            reduce-scatter buffers itself) or ``"group"`` (from the process
+            group: ``set_allocate_memory_from_process_group_for_comm``; on
+            hsdp, CPU buffers its peers read directly, NCCL's pool on CUDA).
     """
     mp_policy = mixed_precision_policy(mixed_precision)
     layers = list(model.layers.values())
@@ -343,6 +349,9 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, mixed_precision: str) -> No
         )
     # The root picks up what no block owns: embedding, final norm, output head.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if comm_buffers == "group":
+        for module in [*layers, model]:
+            module.set_allocate_memory_from_process_group_for_comm(True)
 
 
 # ---------------------------------------------------------------------------
@@ -445,7 +454,7 @@ def train(
             file=prose,
             flush=True,
         )
-    apply_fsdp(model, mesh, args.mixed_precision)
+    apply_fsdp(model, mesh, args.mixed_precision, args.comm_buffers)
     # Built after fully_shard so the optimizer holds the sharded DTensors.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = SyntheticData(args.vocab, args.seq_len, args.batch_size, args.seed, rank)
@@ -552,6 +561,13 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "bf16-reduce: gradients reduced in bf16 too",
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
+    parser.add_argument(
+        "--comm-buffers",
+        choices=("fsdp", "group"),
+        default="fsdp",
+        help="where FSDP2's all-gather and reduce-scatter buffers come from: fsdp (its own) "
+        "or group (the process group's allocate_tensor; on hsdp, memory its peers read directly)",
+    )
     parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),

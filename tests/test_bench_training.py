@@ -58,15 +58,19 @@ def test_training_suite_quick(tmp_path):
     assert section["models"]["tiny"]["fsdp_groups"] == 11
     assert 50_000 < section["models"]["tiny"]["params"] < 80_000
 
-    # Four runs, interleaved: the baseline (two 1-rank copies), then hsdp,
-    # gloo and the fake backend (the no-communication limit) on 2 ranks.
+    # Five runs, interleaved: the baseline (two 1-rank copies), then hsdp,
+    # gloo, the fake backend (the no-communication limit) and hsdp with
+    # FSDP2's buffers from the group (--comm-buffers group) on 2 ranks.
     runs = section["runs"]
     assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
         (1, 2, "gloo"),
         (2, 1, "hsdp"),
         (2, 1, "gloo"),
         (2, 1, "fake"),
+        (2, 1, "hsdp_pool"),
     ]
+    assert "--comm-buffers" in runs[-1]["command"]
+    assert "--comm-buffers" not in runs[1]["command"]
     assert all("--flush-denormal" in r["command"] for r in runs)
     for r in runs:
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
@@ -74,7 +78,7 @@ def test_training_suite_quick(tmp_path):
 
     [row] = section["results"]
     assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
-    for key in ("baseline", "hsdp", "gloo", "fake"):
+    for key in ("baseline", "hsdp", "gloo", "fake", "hsdp_pool"):
         for ms in (row[key]["step_ms"], row[key]["fwd_bwd_ms"]):
             assert math.isfinite(ms) and ms > 0, (key, row)
     for b in ("hsdp", "gloo"):
@@ -92,6 +96,10 @@ def test_training_suite_quick(tmp_path):
     assert "hsdp/fake" in proc.stdout and "overhead" in proc.stdout
     # Same work on both backends: fp32 losses agree.
     assert row["hsdp"]["final_loss"] == pytest.approx(row["gloo"]["final_loss"], rel=1e-5)
+    # Pool buffers change where bytes live, not the arithmetic.
+    assert row["hsdp_pool"]["final_loss"] == row["hsdp"]["final_loss"]
+    assert row["pool_over_off"] == pytest.approx(row["hsdp_pool"]["step_ms"] / h)
+    assert "pool/off" in proc.stdout
     # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
     stats = row["hsdp_comm_stats_last_step"]["fsdp"]
     assert stats["all_gather_into_tensor"]["calls"] >= 11, row
