@@ -281,7 +281,9 @@ def buffers_one_rank_body(rank, world):
 
 
 @one_gpu
-@pytest.mark.parametrize("body", [chained_ops_body, gpu_work_body, fsdp_one_rank_body, buffers_one_rank_body])
+@pytest.mark.parametrize(
+    "body", [chained_ops_body, gpu_work_body, fsdp_one_rank_body, buffers_one_rank_body]
+)
 def test_one_gpu(body):
     run_ranks(body, 1)
 

@@ -66,6 +66,11 @@ void Engine::allReduce(
     Scale scale) {
   auto op = begin(name, Kind::AllReduce, n, dtype, redop, -1);
   auto* buf = static_cast<char*>(data);
+  if (const PoolRef mine = pooled(buf, n * dtypeSize(dtype), n * dtypeSize(dtype))) {
+    if (allReducePooled(op, mine, buf, n, dtype, redop, scale)) {
+      return;
+    }
+  }
   switch (selectAllReduce(n * dtypeSize(dtype), slotBytes(), config_, directReads_)) {
     case AllReduceAlgorithm::OneShot:
       return allReduceOneShot(op, buf, n, dtype, redop, scale);
@@ -74,6 +79,37 @@ void Engine::allReduce(
     case AllReduceAlgorithm::Slots:
       return allReduceSlots(op, buf, n, dtype, redop, scale);
   }
+}
+
+bool Engine::allReducePooled(
+    OpState& op,
+    const PoolRef& mine,
+    char* buf,
+    size_t n,
+    DType dtype,
+    RedOp redop,
+    Scale scale) {
+  const size_t es = dtypeSize(dtype);
+  const Parts parts(n, es, n * es, size_); // one step: the whole message
+  return pooledStep(
+      op, mine, buf, n * es, [&](const std::vector<const char*>& buffers, uint64_t s) {
+        // Part q of my buffer is read by rank q alone (and written by me
+        // alone, in place, from sources in rank order as every algorithm
+        // reduces): nobody else reads it before `reduced`.
+        const size_t b = parts.begin(0, rank_), e = parts.begin(0, rank_ + 1);
+        std::vector<const void*> srcs(size_);
+        for (int q = 0; q < size_; ++q) {
+          srcs[q] = buffers[q] + b * es;
+        }
+        reduce(buf + b * es, srcs.data(), size_, e - b, dtype, redop, scale);
+        publish(Counter::Reduced, s);
+        waitAll(op, Counter::Reduced, s);
+        for (int i = 1; i < size_; ++i) {
+          const int q = (rank_ + i) % size_;
+          const size_t qb = parts.begin(0, q), qe = parts.begin(0, q + 1);
+          copyBytes(buf + qb * es, buffers[q] + qb * es, (qe - qb) * es);
+        }
+      });
 }
 
 // One round: every rank reduces all of it from every slot.

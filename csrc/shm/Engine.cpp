@@ -440,8 +440,9 @@ int Engine::post(OpState& op, uint64_t& step, const std::function<void(char*)>& 
   return slot;
 }
 
-PoolRef Engine::pooled(const void* p, size_t bytes) const {
-  return pool_ && directReads_ && bytes > 0 ? pool_->find(p, bytes) : PoolRef{};
+PoolRef Engine::pooled(const void* p, size_t bytes, size_t perRank) const {
+  return pool_ && readsDirectly(perRank, config_.directReadBytes) ? pool_->find(p, bytes)
+                                                                  : PoolRef{};
 }
 
 const char* Engine::peerBuffer(const OpState& op, int q, const PoolRef& ref, size_t bytes) {
@@ -487,7 +488,7 @@ bool Engine::pooledStep(
     const PoolRef& mine,
     const char* own,
     size_t bytes,
-    const std::function<void(const std::vector<const char*>&)>& use) {
+    const std::function<void(const std::vector<const char*>&, uint64_t)>& use) {
   uint64_t s = step_ + 1;
   op.sig.pool = mine;
   const int slot = post(op, s, nullptr);
@@ -502,7 +503,7 @@ bool Engine::pooledStep(
     }
   }
   if (all) {
-    use(buffers);
+    use(buffers, s);
     pooledCalls_.fetch_add(1, std::memory_order_relaxed);
   }
   publish(Counter::Done, s);
@@ -521,11 +522,11 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   auto* out = static_cast<char*>(output);
   // FSDP2 gathers in place: the input is this rank's slice of the output.
   const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
-  if (const PoolRef mine = pooled(in, n)) {
+  if (const PoolRef mine = pooled(in, n, n)) {
     if (!inPlace) {
       copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
     }
-    if (pooledStep(op, mine, in, n, [&](const std::vector<const char*>& inputs) {
+    if (pooledStep(op, mine, in, n, [&](const std::vector<const char*>& inputs, uint64_t) {
           for (int i = 1; i < size_; ++i) {
             const int q = (rank_ + i) % size_;
             copyBytes(out + static_cast<size_t>(q) * n, inputs[q], n);
@@ -591,10 +592,10 @@ void Engine::reduceScatter(
   const auto* in = static_cast<const char*>(input);
   auto* out = static_cast<char*>(output);
   const size_t inputBytes = static_cast<size_t>(size_) * n * es;
-  if (const PoolRef mine = pooled(in, inputBytes)) {
+  if (const PoolRef mine = pooled(in, inputBytes, n * es)) {
     // Every rank's chunk of mine is read straight from my input: one pass,
     // in rank order as below, so the result is bitwise the same.
-    if (pooledStep(op, mine, in, inputBytes, [&](const std::vector<const char*>& inputs) {
+    if (pooledStep(op, mine, in, inputBytes, [&](const std::vector<const char*>& inputs, uint64_t) {
           std::vector<const void*> srcs(size_);
           for (int r = 0; r < size_; ++r) {
             srcs[r] = inputs[r] + rank_ * n * es;
@@ -635,6 +636,15 @@ void Engine::reduceScatter(
 void Engine::broadcast(const char* name, void* data, size_t n, int root) {
   auto op = begin(name, Kind::Broadcast, n, DType::U8, RedOp::Sum, root);
   auto* buf = static_cast<char*>(data);
+  if (const PoolRef mine = pooled(buf, n, n)) {
+    if (pooledStep(op, mine, buf, n, [&](const std::vector<const char*>& buffers, uint64_t) {
+          if (rank_ != root) {
+            copyBytes(buf, buffers[root], n);
+          }
+        })) {
+      return;
+    }
+  }
   if (readsDirectly(n, config_.directReadBytes)) {
     directStep(op, buf, [&](int q, uint64_t address) {
       if (q == root) {

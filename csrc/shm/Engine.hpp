@@ -166,10 +166,11 @@ class Engine {
   }
 
   // The pool this rank's communication buffers come from (Pool.hpp). With
-  // direct reads enabled, an all-gather or reduce-scatter whose input is a
-  // pool buffer on every rank reads peers' inputs through mappings of their
-  // chunks: plain loads, one pass, no staging. When only some ranks' inputs
-  // are pool buffers, every rank takes the ordinary path (one extra empty
+  // direct reads enabled, a collective whose buffer (all-gather and
+  // reduce-scatter: the input; all-reduce and broadcast: the data) is a pool
+  // buffer on every rank reads peers' buffers through mappings of their
+  // chunks: plain loads, one pass, no staging. When only some ranks' are
+  // pool buffers, every rank takes the ordinary path (one extra empty
   // step). Results are bitwise those of the ordinary path.
   void setPool(std::shared_ptr<const Pool> pool) {
     pool_ = std::move(pool);
@@ -244,19 +245,25 @@ class Engine {
   // its own buffer is ordinary closes that step and posts again at the next
   // one: `step` is then one more than it was.
   int post(OpState& op, uint64_t& step, const std::function<void(char*)>& fill);
-  // My pool buffer holding [p, p + bytes), if pool reads are possible.
-  PoolRef pooled(const void* p, size_t bytes) const;
+  // My pool buffer holding [p, p + bytes), if the call may read pool
+  // buffers: direct reads on and `perRank` bytes a rank at least the
+  // direct-read threshold (below it the pooled step's final wait for every
+  // peer costs more than the slots' copy: 2.3 against 1.4-1.9 us up to
+  // 4 KiB at 2 ranks, 2.7 against 4.8 at 8 KiB; benchmarks/engine_bench).
+  // A pure function of the call and rank 0's settings on every rank, so
+  // ranks whose buffers are pool buffers agree on trying.
+  PoolRef pooled(const void* p, size_t bytes, size_t perRank) const;
   // Posts my pool buffer `mine` alone as the call's first step. When every
-  // rank posted one, calls `use(buffers)` (buffers[q]: rank q's buffer,
-  // `bytes` long, mapped; mine is `own`), waits until every peer is done
-  // reading mine and returns true. Else closes the step and returns false:
-  // the caller takes its ordinary path, as every rank does.
+  // rank posted one, calls `use(buffers, step)` (buffers[q]: rank q's
+  // buffer, `bytes` long, mapped; mine is `own`), waits until every peer is
+  // done reading mine and returns true. Else closes the step and returns
+  // false: the caller takes its ordinary path, as every rank does.
   bool pooledStep(
       OpState& op,
       const PoolRef& mine,
       const char* own,
       size_t bytes,
-      const std::function<void(const std::vector<const char*>&)>& use);
+      const std::function<void(const std::vector<const char*>&, uint64_t)>& use);
   // Rank q's pool buffer `ref`, `bytes` long, in this process (maps its
   // chunk on first use); fails the op on a reference hsdp never writes.
   const char* peerBuffer(const OpState& op, int q, const PoolRef& ref, size_t bytes);
@@ -304,6 +311,17 @@ class Engine {
   void allReduceOneShot(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
   void allReduceSlots(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
   void allReduceDirect(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
+  // Every rank's buffer in its pool (pooledStep): rank q reduces part q of
+  // every rank's buffer into its own, `reduced`, then copies the other
+  // parts from their owners. False: the call takes an ordinary algorithm.
+  bool allReducePooled(
+      OpState& op,
+      const PoolRef& mine,
+      char* buf,
+      size_t n,
+      DType dtype,
+      RedOp redop,
+      Scale scale);
 
   Segment segment_;
   const int rank_;

@@ -12,7 +12,9 @@
  *              the engine rejects larger values as corruption (loadCounter).
  * Not modelled: the direct all-reduce (several steps of part-wise direct
  * reads and one final wait for every done), which combines REDUCE and
- * DIRECT below.
+ * DIRECT below, and the pooled all-reduce, which combines REDUCE and
+ * POOLED the same way (its reduced round runs inside its pooled step, on
+ * the ranks' own buffers instead of their slots).
  * Each -D switch below breaks one rule of the protocol; the script checks
  * that spin then finds a violation, so the assertions are known to bite:
  *   NO_REDUCED_WAIT - read reduced parts without waiting for every reduced;
@@ -28,8 +30,14 @@
  * so that slot safety does not rest on that order alone; the done counter
  * is what direct steps need (NO_DIRECT_WAIT).
  *
- * Modelled: W ranks, two slots each, and a sequence of K steps whose kinds
- * are chosen nondeterministically (spin explores every sequence):
+ * With -DPOOL (checked too):
+ *   NO_POOL_WAIT    - return from a pooled call before every peer is done;
+ *   NO_POOL_RETRY   - a rank whose buffer is ordinary reads the slots of a
+ *                     step in which a peer posted its pool buffer alone.
+ *
+ * Modelled: W ranks, two slots each, and a sequence of K calls whose kinds
+ * are chosen nondeterministically (spin explores every sequence); every
+ * call but a mixed POOLED one is one step:
  *   SLOTS  - post, read every peer's slot, done (all-gather, broadcast,
  *            reduce-scatter, one-shot all-reduce, barrier);
  *   REDUCE - post, reduce my part of every slot into my own slot, reduced,
@@ -37,7 +45,14 @@
  *            done (the two-round all-reduce);
  *   DIRECT - my buffer is written by my caller, post its address, read every
  *            peer's buffer, done, wait for every done before returning (the
- *            caller may then overwrite it): direct reads.
+ *            caller may then overwrite it): direct reads;
+ *   POOLED - (-DPOOL) each rank's buffer is a pool buffer or not (every
+ *            subset): a rank with one posts it alone (no slot data), one
+ *            without fills its slot as for SLOTS; when every rank posted a
+ *            pool buffer, read every peer's buffer, done, wait for every
+ *            done (Engine::pooledStep); when none did, the step is SLOTS;
+ *            else every rank closes the step and the call goes through the
+ *            slots at the next step (Engine::post's retry).
  * A counter and the data it guards become visible together (release/acquire
  * in the engine); spin's interleaving semantics is sequentially consistent.
  */
@@ -58,15 +73,18 @@
 #define SLOTS 0
 #define REDUCE 1
 #define DIRECT 2
+#define POOLED 3
 #define WRITING 255
 
-byte kind[K + 1];             /* kind of step s, 1..K (0 unused) */
+byte kind[K + 1];             /* kind of call c, 1..K (0 unused) */
 byte posted[W];
 byte reduced[W];
 byte done[W];
 byte ver[W * 2];              /* step whose data slot (r, i) holds */
 byte part[W * 2 * W];         /* part p of slot (r, i): 2s raw, 2s+1 reduced */
 byte buf[W];                  /* step whose data rank r's own buffer holds */
+bool sigpool[W * 2];          /* slot (r, i)'s signature: r posted a pool buffer alone */
+bool pool[(K + 1) * W];       /* POOLED call c: rank r's buffer is a pool buffer */
 bool chosen = false;
 
 #ifdef ONE_SLOT
@@ -98,83 +116,138 @@ inline readPart(s, p, v) {
 }
 
 proctype Rank(byte me) {
-  byte s = 1;
+  byte c = 1;   /* call */
+  byte s = 1;   /* step */
+  byte k;       /* kind of step s */
   byte q;
   byte p;
+  bool mine;    /* POOLED: my buffer is a pool buffer, posted alone */
+  bool all;
+  bool any;
+  bool more;    /* the call takes another step */
   (chosen);
   do
-  :: s > LAST(me) -> break
+  :: c > LAST(me) -> break
   :: else ->
+    k = kind[c];
+    mine = (k == POOLED && pool[c * W + me]);
     if
-    :: kind[s] == DIRECT ->
-      /* The caller writes the buffer for this step: legal only once every
+    :: k == DIRECT || mine ->
+      /* The caller writes the buffer for this call: legal only once every
          peer finished reading it for the last one (the wait at the end). */
       buf[me] = WRITING;
       buf[me] = s
     :: else -> skip
     fi;
-    /* 1. the overwrite rule: slot s % 2 was last read in step s - 2 */
-#ifndef NO_REUSE_WAIT
-    if
-    :: s > 2 -> waitAll(done, s - 2)
-    :: else -> skip
-    fi;
-#endif
-    /* 2. fill my slot, then post */
-    ver[SLOT(me, s)] = WRITING;
-    p = 0;
+    more = true;
     do
-    :: p < W -> part[PART(me, s, p)] = 2 * s; p++
-    :: else -> break
-    od;
-    ver[SLOT(me, s)] = s;
-    posted[me] = s;
-    /* 3. wait for every rank's post */
-    waitAll(posted, s);
-    /* 4. read */
-    if
-    :: kind[s] == SLOTS ->
-      q = 0;
-      do
-      :: q < W -> readSlot(s); q++
-      :: else -> break
-      od
-    :: kind[s] == REDUCE ->
-      q = 0;
-      do
-      :: q < W -> readPart(s, me, 2 * s); q++
-      :: else -> break
-      od;
-      part[PART(me, s, me)] = 2 * s + 1;
-      reduced[me] = s;
+    :: !more -> break
+    :: else ->
+      more = false;
+      /* 1. the overwrite rule: slot s % 2 was last read in step s - 2 */
+#ifndef NO_REUSE_WAIT
+      if
+      :: s > 2 -> waitAll(done, s - 2)
+      :: else -> skip
+      fi;
+#endif
+      /* 2. fill my slot (not when I post a pool buffer alone), then post;
+         the signature says whether I posted a pool buffer */
+      if
+      :: mine -> skip
+      :: else ->
+        ver[SLOT(me, s)] = WRITING;
+        p = 0;
+        do
+        :: p < W -> part[PART(me, s, p)] = 2 * s; p++
+        :: else -> break
+        od;
+        ver[SLOT(me, s)] = s
+      fi;
+      sigpool[SLOT(me, s)] = mine;
+      posted[me] = s;
+      /* 3. wait for every rank's post */
+      waitAll(posted, s);
+      /* A pooled call reads pool buffers only if every rank posted one;
+         else every rank closes this step, which nobody reads, and the call
+         goes through the slots from the next step. */
+      all = true;
+      any = false;
+      if
+      :: k == POOLED ->
+        q = 0;
+        do
+        :: q < W -> all = all && sigpool[SLOT(q, s)]; any = any || sigpool[SLOT(q, s)]; q++
+        :: else -> break
+        od
+      :: else -> skip
+      fi;
+      /* 4. read */
+      if
+      :: k == POOLED && all ->
+        q = 0;
+        do
+        :: q < W ->
+          assert(buf[q] == s);
+          skip; /* the plain loads from q's mapped buffer */
+          assert(buf[q] == s);
+          q++
+        :: else -> break
+        od
+#ifdef NO_POOL_RETRY
+      :: k == POOLED && any && !all && mine -> more = true; mine = false; k = SLOTS
+      :: k == POOLED && any && !all && !mine -> k = SLOTS; goto slots
+#else
+      :: k == POOLED && any && !all -> more = true; mine = false; k = SLOTS
+#endif
+      :: k == SLOTS || (k == POOLED && !any) ->
+slots:
+        q = 0;
+        do
+        :: q < W -> readSlot(s); q++
+        :: else -> break
+        od
+      :: k == REDUCE ->
+        q = 0;
+        do
+        :: q < W -> readPart(s, me, 2 * s); q++
+        :: else -> break
+        od;
+        part[PART(me, s, me)] = 2 * s + 1;
+        reduced[me] = s;
 #ifndef NO_REDUCED_WAIT
-      waitAll(reduced, s);
+        waitAll(reduced, s);
 #endif
-      q = 0;
-      do
-      :: q < W -> readPart(s, q, 2 * s + 1); q++
-      :: else -> break
-      od
-    :: kind[s] == DIRECT ->
-      q = 0;
-      do
-      :: q < W ->
-        assert(buf[q] == s);
-        skip;
-        assert(buf[q] == s);
-        q++
-      :: else -> break
-      od
-    fi;
-    /* 5. done */
-    done[me] = s;
+        q = 0;
+        do
+        :: q < W -> readPart(s, q, 2 * s + 1); q++
+        :: else -> break
+        od
+      :: k == DIRECT ->
+        q = 0;
+        do
+        :: q < W ->
+          assert(buf[q] == s);
+          skip;
+          assert(buf[q] == s);
+          q++
+        :: else -> break
+        od
+      fi;
+      /* 5. done */
+      done[me] = s;
+      if
 #ifndef NO_DIRECT_WAIT
-    if
-    :: kind[s] == DIRECT -> waitAll(done, s)
-    :: else -> skip
-    fi;
+      :: k == DIRECT -> waitAll(done, s)
 #endif
-    s++
+#ifndef NO_POOL_WAIT
+      :: k == POOLED && all -> waitAll(done, s)
+#endif
+      :: else -> skip
+      fi;
+      s++
+    od;
+    c++
   od
 }
 
@@ -188,6 +261,20 @@ init {
     :: kind[s] = SLOTS
     :: kind[s] = REDUCE
     :: kind[s] = DIRECT
+#ifdef POOL
+    :: kind[s] = POOLED;
+      /* which ranks' buffers are pool buffers: any subset */
+      r = 0;
+      do
+      :: r < W ->
+        if
+        :: pool[s * W + r] = true
+        :: pool[s * W + r] = false
+        fi;
+        r++
+      :: else -> break
+      od
+#endif
     fi;
     s++
   :: else -> break

@@ -8,6 +8,7 @@
 // mutator (HSDP_FUZZ_TRIALS trials, default 120; HSDP_FUZZ_SEED to replay).
 
 #include "group.hpp"
+#include "shm/Pool.hpp"
 
 #include <gtest/gtest.h>
 
@@ -38,6 +39,22 @@ void gatherPieces(Engine& e, size_t pieces = 3) {
     }
   }
   e.allGatherPieces("all_gather_coalesced", inputs, outputs);
+}
+
+// An all-gather or reduce-scatter whose inputs are pool buffers on every
+// rank (each rank's engine gets a pool of its own on first use here).
+void pooled(Engine& e, bool reduceScatter) {
+  auto pool = std::make_shared<Pool>(8 << 20, 2 << 20);
+  e.setPool(pool);
+  const size_t n = 256;
+  auto* in = static_cast<float*>(pool->allocate(n * e.size() * sizeof(float)));
+  std::fill(in, in + n * e.size(), 1.0f);
+  std::vector<float> out(n * e.size());
+  if (reduceScatter) {
+    e.reduceScatter("reduce_scatter", in, out.data(), n, DType::F32, RedOp::Sum, Scale{});
+  } else {
+    e.allGather("all_gather", in, out.data(), n * sizeof(float));
+  }
 }
 
 void allReduceOnce(Engine& e) {
@@ -119,6 +136,16 @@ std::vector<Case> cases() {
        },
        [](Segment& s, uint64_t step) { signature(s, step).sourceAddress = 1ull << 63; },
        "Bad address"},
+      {"PoolChunkReplaced",
+       true,
+       [](Engine& e) { pooled(e, /*reduceScatter=*/true); },
+       [](Segment& s, uint64_t step) { signature(s, step).pool.inode += 1; },
+       "is not the pool chunk its owner published"},
+      {"PoolChunkIndexOutOfRange",
+       true,
+       [](Engine& e) { pooled(e, /*reduceScatter=*/false); },
+       [](Segment& s, uint64_t step) { signature(s, step).pool.chunk = UINT32_MAX; },
+       "rank 1's pool buffer (chunk 4294967295"},
       {"FailureRecordOutOfRange",
        false,
        allReduceOnce,
@@ -214,6 +241,12 @@ void runOp(Engine& e, int which) {
     case 5:
       e.barrier("barrier");
       break;
+    case 7:
+      pooled(e, /*reduceScatter=*/false);
+      break;
+    case 8:
+      pooled(e, /*reduceScatter=*/true);
+      break;
     default:
       if (e.directReads()) {
         gatherPieces(e, 2);
@@ -269,7 +302,7 @@ std::string mutate(Segment& s, int victim, uint64_t step, std::mt19937_64& rng) 
 #endif
     return v;
   };
-  switch (rng() % 12) {
+  switch (rng() % 14) {
     case 0:
       c.posted.store(counter(c.posted.load()));
       return "posted";
@@ -306,6 +339,32 @@ std::string mutate(Segment& s, int victim, uint64_t step, std::mt19937_64& rng) 
       table[word] = word % 2 == 0 ? address() : value(table[word]);
       return "piece table word " + std::to_string(word);
     }
+    case 11: {
+      // A pool reference names a descriptor in its owner's process: here
+      // ranks are threads of one process, so only values no chunk has are
+      // drawn for fd and inode (the size and offset checks bound the rest).
+      const uint64_t bad[] = {0, 1, UINT32_MAX, 1ull << 40};
+      switch (rng() % 5) {
+        case 0:
+          sig.pool.chunk = static_cast<uint32_t>(value(sig.pool.chunk));
+          return "pool chunk";
+        case 1:
+          sig.pool.fd = static_cast<int32_t>(bad[rng() % 4]) | 1 << 30;
+          return "pool fd";
+        case 2:
+          sig.pool.inode = bad[rng() % 4];
+          return "pool inode";
+        case 3:
+          sig.pool.chunkBytes = value(sig.pool.chunkBytes);
+          return "pool chunk bytes";
+        default:
+          sig.pool.offset = value(sig.pool.offset);
+          return "pool offset";
+      }
+    }
+    case 12:
+      sig.pool = PoolRef{};
+      return "pool reference cleared";
     default:
       s.header().brokenBy.store(static_cast<uint32_t>(value(0)));
       return "failure record";
@@ -325,7 +384,7 @@ TEST(CorruptionFuzz, EveryRankReturnsOrEveryRankFailsClearly) {
     const int W = 2 + static_cast<int>(rng() % 3);
     const bool direct = rng() % 2 == 0;
     const int victim = static_cast<int>(rng() % W);
-    const int which = static_cast<int>(rng() % 7);
+    const int which = static_cast<int>(rng() % 9);
     const int warmup = static_cast<int>(rng() % 4);
     Group g(W, testConfig(milliseconds(200)), direct);
     expectNoErrors(g.run([&](Engine& e) {

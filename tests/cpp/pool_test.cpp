@@ -122,6 +122,8 @@ void checkPooledCalls(int size, const std::function<bool(int)>& pooled, bool exp
   expectNoErrors(g.run([&](Engine& e) {
     const int W = e.size(), me = e.rank();
     const bool mine = pooled(me);
+    // Floats a rank: below the direct-read threshold (testConfig: 512 bytes)
+    // the pooled path is not tried.
     for (size_t n : {size_t{1}, size_t{37}, size_t{1000}, size_t{5000}}) {
       // reduce-scatter, float, AVG as SUM and one division
       const auto in = values(me, W * n);
@@ -150,11 +152,36 @@ void checkPooledCalls(int size, const std::function<bool(int)>& pooled, bool exp
       if (out != expect || std::memcmp(flat, expect.data(), W * bytes) != 0) {
         throw std::runtime_error("all_gather of " + std::to_string(bytes) + " bytes differs");
       }
+      // all-reduce in place, AVG (n elements: one-shot and two-round sizes)
+      std::vector<float> ordinary = values(me, n);
+      auto* data = reinterpret_cast<float*>(buffer(me, bytes, mine));
+      std::memcpy(data, ordinary.data(), bytes);
+      e.allReduce("ar_ordinary", ordinary.data(), n, DType::F32, RedOp::Sum, avg);
+      e.allReduce("ar_pooled", data, n, DType::F32, RedOp::Sum, avg);
+      if (std::memcmp(data, ordinary.data(), bytes) != 0) {
+        throw std::runtime_error("all_reduce of " + std::to_string(n) + " differs");
+      }
+      // broadcast from every root
+      for (int root = 0; root < W; ++root) {
+        char* b = buffer(me, bytes, mine);
+        const auto rootValues = values(root, n);
+        std::memset(b, 0, bytes);
+        if (me == root) {
+          std::memcpy(b, rootValues.data(), bytes);
+        }
+        e.broadcast("broadcast_pooled", b, bytes, root);
+        if (std::memcmp(b, rootValues.data(), bytes) != 0) {
+          throw std::runtime_error("broadcast from " + std::to_string(root) + " differs");
+        }
+      }
     }
   }));
   for (int r = 0; r < size; ++r) {
-    // Three pooled calls per size on every rank, or none at all.
-    EXPECT_EQ(g.engine(r).pooledCalls(), expectPooledPath ? 12u : 0u) << "rank " << r;
+    // Per size from the direct-read threshold on (1000 and 5000 floats),
+    // 3 all-gathers and reduce-scatters, 1 all-reduce and W broadcasts
+    // pooled on every rank, or none at all.
+    const uint64_t pooledPerSize = 4 + static_cast<uint64_t>(size);
+    EXPECT_EQ(g.engine(r).pooledCalls(), expectPooledPath ? 2 * pooledPerSize : 0u) << "rank " << r;
   }
 }
 
