@@ -22,7 +22,7 @@ import json
 import statistics
 import sys
 
-from benchmarks.training import MODELS
+from benchmarks.training import BATCH_SIZE, MODELS, SEQ_LEN
 
 # Profiler event names (prefixes: FSDP2 appends the module's name).
 COPIES = {
@@ -46,9 +46,9 @@ def _rank(rank: int, world: int, model: str, steps: int, warmup: int, comm_buffe
 
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
-    args = get_parser().parse_args(
-        [f"--{k}={v}" for k, v in MODELS[model].items()] + ["--backend", "hsdp"]
-    )
+    # The training suite's models and batches.
+    flags = {**MODELS[model], "seq-len": SEQ_LEN, "batch-size": BATCH_SIZE}
+    args = get_parser().parse_args([f"--{k}={v}" for k, v in flags.items()] + ["--backend", "hsdp"])
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     net = build_model(args)
     apply_fsdp(net, mesh, "none", comm_buffers)

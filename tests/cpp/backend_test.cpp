@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
+#include <c10/core/CPUAllocator.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "backend/ProcessGroupHSDP.hpp"
@@ -80,6 +81,20 @@ class FakeInner : public c10d::Backend {
 
   std::vector<std::string> calls;
   bool sawNonContiguous = false;
+
+  // Communication buffers, when `allocates` (as the NCCL double on CPU).
+  bool allocates = false;
+  int allocations = 0;
+  bool supportsTensorAlloc(c10::DeviceIndex index) override {
+    return allocates && index == -1;
+  }
+  at::Tensor allocateTensor(long size, at::TensorOptions options) override {
+    ++allocations;
+    return at::empty({size}, options);
+  }
+  std::shared_ptr<c10::Allocator> getMemAllocator() override {
+    return std::shared_ptr<c10::Allocator>(c10::GetCPUAllocator(), [](c10::Allocator*) {});
+  }
 
   c10::intrusive_ptr<c10d::Work>
   allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
@@ -348,6 +363,47 @@ TEST(Backend, EachCollectiveCountsOnceInTheSequence) {
   // Two inner collectives for the first call (two dtypes): still one c10d collective.
   EXPECT_EQ(g.fake->calls.size(), 3u);
   EXPECT_EQ(g.pg->getSequenceNumberForGroup(), 2u);
+}
+
+// Communication buffers come from the route their collectives take: with
+// no shared memory, the inner backend's (NCCL's pool on a GPU), else none.
+TEST(Buffers, WithoutAPoolAllocationIsTheInnerBackends) {
+  Group g(kNative);
+  g.fake->allocates = true;
+  EXPECT_TRUE(g.pg->supportsTensorAlloc(-1));
+  EXPECT_FALSE(g.pg->supportsTensorAlloc(0)); // no CUDA route
+  const at::Tensor t =
+      g.pg->allocateTensor(8, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  EXPECT_EQ(t.numel(), 8);
+  EXPECT_EQ(t.scalar_type(), at::kFloat);
+  EXPECT_EQ(g.fake->allocations, 1);
+  EXPECT_EQ(g.pg->getMemAllocator().get(), c10::GetCPUAllocator());
+}
+
+TEST(Buffers, ARouteWithoutBuffersRefusesNamingTheRankAndTheOp) {
+  Group g(kPacking);
+  EXPECT_FALSE(g.pg->supportsTensorAlloc(-1));
+  auto refusal = [&](const at::TensorOptions& options) -> std::string {
+    try {
+      g.pg->allocateTensor(8, options);
+    } catch (const c10::Error& e) {
+      return e.what();
+    }
+    return "(allocated)";
+  };
+  const std::string cpu = refusal(at::TensorOptions().dtype(at::kFloat).device(at::kCPU));
+  EXPECT_NE(
+      cpu.find("[rank 1/4] allocate_tensor: this group has no communication buffers on cpu"),
+      std::string::npos)
+      << cpu;
+  const std::string none = refusal(at::TensorOptions().dtype(at::kFloat));
+  EXPECT_NE(
+      none.find("[rank 1/4] allocate_tensor: the tensor options name no device"), std::string::npos)
+      << none;
+  const std::string cuda =
+      refusal(at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, 0)));
+  EXPECT_NE(cuda.find("created without CUDA"), std::string::npos) << cuda;
+  EXPECT_EQ(g.fake->allocations, 0);
 }
 
 } // namespace
