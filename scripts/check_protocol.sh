@@ -43,6 +43,6 @@ check violation -DW=3 -DK=4 -DONE_SLOT
 check violation -DW=3 -DK=4 -DSKIP_STEP
 # Pooled calls (every subset of ranks with a pool buffer), with the others.
 check safe -DW=3 -DK=2 -DPOOL
-check safe -DW=2 -DK=4 -DPOOL
+check safe -DW=2 -DK=3 -DPOOL
 check violation -DW=2 -DK=3 -DPOOL -DNO_POOL_WAIT
 check violation -DW=2 -DK=3 -DPOOL -DNO_POOL_RETRY

@@ -127,9 +127,6 @@ SCENARIOS: dict[str, Scenario] = {
     "fsdp_w2_pg_alloc": Scenario(mesh=(2,), pg_alloc=True, explicit_prefetch=True),
     "fsdp_w4_pg_alloc_bf16": Scenario(mesh=(4,), pg_alloc=True, mp="bf16", reshard=2),
     "hsdp_2x2_pg_alloc": Scenario(mesh=(2, 2), pg_alloc=True, reshard=False, clip=0.5),
-    "hsdp_2x2_pg_alloc_accumulate": Scenario(
-        mesh=(2, 2), pg_alloc=True, micro_batches=3, accumulate="no_all_reduce"
-    ),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
     "hsdp_2x2_shim_incompatible": Scenario(mesh=(2, 2), shim="incompatible"),
 }
