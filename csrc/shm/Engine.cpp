@@ -226,10 +226,12 @@ void Engine::fail(const OpState& op, const std::string& what) {
   throw CommError(prefix(op.name) + what);
 }
 
-void Engine::checkSignatures(const OpState& op, uint64_t step) {
+bool Engine::checkSignatures(const OpState& op, uint64_t step) {
   const int slot = static_cast<int>(step % kSlots);
+  bool pooled = false;
   for (int q = 0; q < size_; ++q) {
     const Signature s = segment_.control(q).sig[slot];
+    pooled = pooled || static_cast<bool>(s.pool);
     const Signature& mine = op.sig;
     // Rank q posted `step`, so its slot's signature is for `step` and was
     // written by hsdp: anything else was written by something else.
@@ -251,6 +253,7 @@ void Engine::checkSignatures(const OpState& op, uint64_t step) {
               ", this rank called " + describe(expected) + ". " + whereEveryRankIs());
     }
   }
+  return pooled;
 }
 
 void Engine::failedRead(const OpState& op, int q, int32_t pid, const std::string& what) {
@@ -413,7 +416,7 @@ int Engine::post(OpState& op, uint64_t& step, const std::function<void(char*)>& 
   posted_ = step;
   publish(Counter::Posted, step);
   waitAll(op, Counter::Posted, step);
-  checkSignatures(op, step);
+  const bool anyPooled = checkSignatures(op, step);
   if (pids_.empty()) {
     // Every rank published its pid before its first post: from here on the
     // pids are this rank's own copy, which nothing in the segment can change.
@@ -423,11 +426,7 @@ int Engine::post(OpState& op, uint64_t& step, const std::function<void(char*)>& 
     }
     pids_ = std::move(pids);
   }
-  bool peerPooled = false;
-  for (int q = 0; q < size_; ++q) {
-    peerPooled = peerPooled || static_cast<bool>(segment_.control(q).sig[slot].pool);
-  }
-  if (op.stepIndex == 1 && !op.sig.pool && peerPooled) {
+  if (op.stepIndex == 1 && !op.sig.pool && anyPooled) {
     // A peer posted its pool buffer alone (pooledStep) and will find mine
     // ordinary: every rank closes this step, which nobody reads, and takes
     // the ordinary path from the next one.

@@ -276,7 +276,9 @@ class Engine {
   // completes, from this rank's own copy after that.
   int32_t peerPid(int q) const;
   void waitAll(OpState& op, Counter which, uint64_t target);
-  void checkSignatures(const OpState& op, uint64_t step);
+  // Fails the op unless every rank's signature for `step` matches mine;
+  // returns whether any rank posted a pool buffer (pooledStep).
+  bool checkSignatures(const OpState& op, uint64_t step);
   [[noreturn]] void fail(const OpState& op, const std::string& what);
   // Records the first failure of the group (later ones keep the first).
   void markBroken(const std::string& reason);
