@@ -138,6 +138,15 @@ def spread(samples: list[float]) -> float:
     return (q3 - q1) / q2 if q2 > 0 else 0.0
 
 
+def quartiles(samples: list[float]) -> tuple[float, float]:
+    """The first and third quartile of some samples (both the sample itself
+    when there is one)."""
+    if len(samples) < 2:
+        return samples[0], samples[0]
+    q1, _, q3 = statistics.quantiles(samples, n=4)
+    return q1, q3
+
+
 def calibrate(gloo, calls: dict[str, Callable[[], None]], sampling: Sampling) -> int:
     """Warms every contender up; returns the calls per sample, the same on every rank.
 

@@ -23,8 +23,11 @@ communication per backend; gloo exposed / hsdp exposed (target >= 5 for the
 small model); communication share = exposed / step; the hsdp speedup of the
 whole step; hsdp's ``comm_stats`` of the last step. Two more contenders run
 the same configuration: torch's fake backend (no communication: the
-limit) and ``hsdp_pool``, hsdp with FSDP2's buffers from the process group
-(``--comm-buffers group``), reported as pool step / hsdp step. With more ranks than
+limit) and ``hsdp_pool``, hsdp with FSDP2's buffers from the process group on
+every other step (``--comm-buffers alternate``: odd steps on the group's buffers,
+even steps on FSDP2's own), reported as the median over the run's pairs of
+steps of pool step / the next step without: a paired comparison, which run-to-run
+noise (process placement, the other ranks) does not blur. With more ranks than
 cpus the ranks' compute slows down, the baseline under-estimates it and
 exposed communication includes that slowdown (a printed caveat).
 """
@@ -82,8 +85,9 @@ BASELINE_BACKEND = "gloo"
 # W ranks do all of FSDP2's own work and no communication at all, the step's
 # zero-cost-network limit (the examples' --backend fake).
 # "hsdp_pool" is hsdp with FSDP2's communication buffers from the group
-# (the examples' --comm-buffers group: set_allocate_memory_from_process_
-# group_for_comm, buffers in hsdp's shared-memory pool).
+# (set_allocate_memory_from_process_group_for_comm, buffers in hsdp's
+# shared-memory pool) on odd steps and FSDP2's own on even steps (the
+# examples' --comm-buffers alternate).
 POOL = "hsdp_pool"
 TRAINING_BACKENDS = (*BACKENDS, "fake", POOL)
 # hsdp's targets against that limit: (hsdp - fake) / (gloo - fake) at most
@@ -158,6 +162,7 @@ def parse_steps(stdout: str) -> dict:
         "fwd_bwd_ms": [s["fwd_bwd_ms"] for s in steps],
         "losses": [s["loss"] for s in steps],
         "tokens_per_s": [s["tokens_per_s"] for s in steps],
+        "comm_buffers": [s.get("comm_buffers", "fsdp") for s in steps],
         "comm_stats_last_step": steps[-1].get("comm_stats"),
         "final_loss": steps[-1]["loss"],
     }
@@ -227,6 +232,7 @@ TABLE_COLUMNS = [
     report.Column("overhead", 8, lambda r: _overhead(r["overhead_vs_gloo"])),
     report.Column("pool step", 9, lambda r: f"{r[POOL]['step_ms']:.1f}"),
     report.Column("pool/off", 8, lambda r: f"{r['pool_over_off']:.2f}x"),
+    report.Column("quartiles", 11, lambda r: "{:.2f}-{:.2f}".format(*r["pool_over_off_quartiles"])),
     report.Column("pool/fake", 9, lambda r: f"{r['pool_over_fake']:.2f}x"),
     report.Column("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
 ]
@@ -239,8 +245,10 @@ hsdp step / fake step; overhead = (hsdp step - fake step) / (gloo step - fake st
 cost above the limit as a fraction of gloo's; exp = exposed communication =
 f+b - compute; gloo/hsdp exp = gloo exp / hsdp exp; share = exp / step; step = forward +
 backward + optimizer step (local, over this rank's shard); speedup = gloo step / hsdp step;
-pool step = hsdp with FSDP2's buffers from the group (--comm-buffers group: hsdp's
-shared-memory pool); pool/off = pool step / hsdp step (< 1: the pool is faster); pool/fake =
+pool step = hsdp with FSDP2's buffers from the group (hsdp's shared-memory pool), on the odd
+steps of runs that alternate (--comm-buffers alternate); pool/off = median over those runs'
+pairs of steps of pool step / the next step (FSDP2's buffers, < 1: the pool is faster), with
+its quartiles; pool/fake =
 pool step / fake step; spread = interquartile range / median of the pooled steps, the
 noisiest contender."""
 
@@ -416,7 +424,7 @@ class TrainingSuite(Suite):
             "--seed": config["seed"],
         }
         if backend == POOL:
-            flags["--comm-buffers"] = "group"
+            flags["--comm-buffers"] = "alternate"
         script = os.path.join(config["examples"], mesh.script)
         args = [str(x) for kv in flags.items() for x in kv]
         return [
@@ -487,6 +495,19 @@ class TrainingSuite(Suite):
             warm = config["warmup_steps"]
             measured = [ms for c in copies for ms in c["step_ms"][warm:]]
             measured_fwd_bwd = [ms for c in copies for ms in c["fwd_bwd_ms"][warm:]]
+            buffers = [b for c in copies for b in c["comm_buffers"][warm:]]
+            if backend == POOL:
+                # The run's steps on the group's buffers are the contender's
+                # samples; each, over the step after it (on FSDP2's), a pair.
+                pairs = [
+                    measured[i] / measured[i + 1]
+                    for i in range(len(measured) - 1)
+                    if (buffers[i], buffers[i + 1]) == ("group", "fsdp")
+                ]
+                measured_fwd_bwd = [ms for ms, b in zip(measured_fwd_bwd, buffers) if b == "group"]
+                measured = [ms for ms, b in zip(measured, buffers) if b == "group"]
+                if not pairs:
+                    raise BenchFailure(f"{what}: no pair of steps with and without pool buffers")
             if not measured:
                 raise BenchFailure(
                     f"{what}: {len(parsed['step_ms'])} steps, none after the {warm} warm-up steps"
@@ -504,6 +525,7 @@ class TrainingSuite(Suite):
                 "measured_fwd_bwd_ms": measured_fwd_bwd,
                 "median_ms": statistics.median(measured),
                 "median_fwd_bwd_ms": statistics.median(measured_fwd_bwd),
+                **({"pool_over_off_pairs": pairs} if backend == POOL else {}),
                 **parsed,
             }
             print(
@@ -581,7 +603,10 @@ class TrainingSuite(Suite):
                     g["exposed_ms"] / h["exposed_ms"] if h["exposed_ms"] > 0 else None
                 )
                 row["speedup"] = g["step_ms"] / h["step_ms"]
-                row["pool_over_off"] = row[POOL]["step_ms"] / h["step_ms"]
+                pairs = [x for r in runs_of(m, mesh.name, POOL) for x in r["pool_over_off_pairs"]]
+                row["pool_over_off"] = statistics.median(pairs)
+                row["pool_over_off_pairs"] = len(pairs)
+                row["pool_over_off_quartiles"] = timing.quartiles(pairs)
                 row["pool_over_fake"] = row[POOL]["step_ms"] / f["step_ms"]
                 row["hsdp_over_fake"], row["overhead_vs_gloo"] = timing.against_limit(
                     h["step_ms"], g["step_ms"], f["step_ms"]

@@ -320,8 +320,9 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
 
 def apply_fsdp(
     model: Transformer, mesh: DeviceMesh, mixed_precision: str, comm_buffers: str = "fsdp"
-) -> None:
-    """Shards ``model`` in place with FSDP2: each block, then the root.
+) -> list[nn.Module]:
+    """Shards ``model`` in place with FSDP2: each block, then the root;
+    returns the FSDP modules (the blocks, then the root).
 
     On a 1-D mesh this is FSDP; on a 2-D (replicate, shard) mesh it is HSDP:
     parameters are sharded along the last dimension and replicated along the
@@ -336,6 +337,7 @@ def apply_fsdp(
             reduce-scatter buffers itself) or ``"group"`` (from the process
             group: ``set_allocate_memory_from_process_group_for_comm``; on
             hsdp, CPU buffers its peers read directly, NCCL's pool on CUDA).
+            ``"alternate"`` starts as ``"fsdp"``; :func:`train` switches.
     """
     mp_policy = mixed_precision_policy(mixed_precision)
     layers = list(model.layers.values())
@@ -349,9 +351,17 @@ def apply_fsdp(
         )
     # The root picks up what no block owns: embedding, final norm, output head.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    modules = [*layers, model]
     if comm_buffers == "group":
-        for module in [*layers, model]:
-            module.set_allocate_memory_from_process_group_for_comm(True)
+        set_comm_buffers(modules, "group")
+    return modules
+
+
+def set_comm_buffers(modules: list[nn.Module], source: str) -> None:
+    """Where the FSDP modules' next collectives get their buffers: ``"group"``
+    (the process group's ``allocate_tensor``) or ``"fsdp"`` (FSDP2's own)."""
+    for module in modules:
+        module.set_allocate_memory_from_process_group_for_comm(source == "group")
 
 
 # ---------------------------------------------------------------------------
@@ -454,7 +464,7 @@ def train(
             file=prose,
             flush=True,
         )
-    apply_fsdp(model, mesh, args.mixed_precision, args.comm_buffers)
+    fsdp_modules = apply_fsdp(model, mesh, args.mixed_precision, args.comm_buffers)
     # Built after fully_shard so the optimizer holds the sharded DTensors.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     data = SyntheticData(args.vocab, args.seq_len, args.batch_size, args.seed, rank)
@@ -464,6 +474,12 @@ def train(
     loss_avg = float("nan")
     metrics: list[dict[str, float]] = []
     for step in range(1, args.steps + 1):
+        buffers = args.comm_buffers
+        if buffers == "alternate":
+            # Odd steps on the group's buffers, even steps on FSDP2's: a
+            # comparison of the two within one run, step by step.
+            buffers = "group" if step % 2 else "fsdp"
+            set_comm_buffers(fsdp_modules, buffers)
         inputs, labels = data.next_batch()
         if device is not None:
             inputs, labels = inputs.to(device), labels.to(device)
@@ -498,6 +514,7 @@ def train(
             "step_ms": elapsed * 1e3,
             "fwd_bwd_ms": fwd_bwd * 1e3,
             "tokens_per_s": tokens_per_step / elapsed,
+            "comm_buffers": buffers,
         }
         if comms is not None:
             m["comm_stats"] = comms
@@ -563,10 +580,11 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
     parser.add_argument(
         "--comm-buffers",
-        choices=("fsdp", "group"),
+        choices=("fsdp", "group", "alternate"),
         default="fsdp",
         help="where FSDP2's all-gather and reduce-scatter buffers come from: fsdp (its own) "
-        "or group (the process group's allocate_tensor; on hsdp, memory its peers read directly)",
+        "or group (the process group's allocate_tensor; on hsdp, memory its peers read directly); "
+        "alternate: group on odd steps, fsdp on even ones (a paired comparison in one run)",
     )
     parser.add_argument(
         "--device",

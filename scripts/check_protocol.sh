@@ -3,7 +3,7 @@
 # the protocol must be safe and deadlock-free, the overwrite rule must be
 # implied by the order of steps (NO_REUSE_WAIT safe), and each broken rule
 # must be caught. Exits non-zero otherwise. Needs spin and gcc (Debian's
-# spin: scripts/setup.sh installs it). About a minute and 1 GB of memory.
+# spin: scripts/setup.sh installs it). About three minutes and 1 GB of memory.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 model=$PWD/csrc/shm/protocol.pml
@@ -46,3 +46,6 @@ check safe -DW=3 -DK=2 -DPOOL
 check safe -DW=2 -DK=3 -DPOOL
 check violation -DW=2 -DK=3 -DPOOL -DNO_POOL_WAIT
 check violation -DW=2 -DK=3 -DPOOL -DNO_POOL_RETRY
+# Pooled all-reduces: two rounds on the ranks' own buffers.
+check safe -DW=3 -DK=2 -DPOOL -DPOOL_REDUCE
+check violation -DW=2 -DK=2 -DPOOL -DPOOL_REDUCE -DNO_POOL_REDUCED_WAIT

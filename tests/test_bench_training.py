@@ -60,7 +60,8 @@ def test_training_suite_quick(tmp_path):
 
     # Five runs, interleaved: the baseline (two 1-rank copies), then hsdp,
     # gloo, the fake backend (the no-communication limit) and hsdp with
-    # FSDP2's buffers from the group (--comm-buffers group) on 2 ranks.
+    # FSDP2's buffers from the group on every other step (--comm-buffers
+    # alternate) on 2 ranks.
     runs = section["runs"]
     assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
         (1, 2, "gloo"),
@@ -69,12 +70,21 @@ def test_training_suite_quick(tmp_path):
         (2, 1, "fake"),
         (2, 1, "hsdp_pool"),
     ]
-    assert "--comm-buffers" in runs[-1]["command"]
+    pool_cmd = runs[-1]["command"]
+    assert pool_cmd[pool_cmd.index("--comm-buffers") + 1] == "alternate"
     assert "--comm-buffers" not in runs[1]["command"]
     assert all("--flush-denormal" in r["command"] for r in runs)
-    for r in runs:
+    for r in runs[:-1]:
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
+        assert r["comm_buffers"] == ["fsdp"] * 4
+    for r in runs:
         assert all(0 < f <= s for f, s in zip(r["fwd_bwd_ms"], r["step_ms"])), r
+    # The pool run: steps 2-4 measured (one warm-up step); step 3 on the
+    # group's buffers is the contender's sample, paired with step 4.
+    pool = runs[-1]
+    assert pool["comm_buffers"] == ["group", "fsdp", "group", "fsdp"]
+    assert pool["measured_ms"] == [pool["step_ms"][2]]
+    assert pool["pool_over_off_pairs"] == [pool["step_ms"][2] / pool["step_ms"][3]]
 
     [row] = section["results"]
     assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
@@ -98,7 +108,8 @@ def test_training_suite_quick(tmp_path):
     assert row["hsdp"]["final_loss"] == pytest.approx(row["gloo"]["final_loss"], rel=1e-5)
     # Pool buffers change where bytes live, not the arithmetic.
     assert row["hsdp_pool"]["final_loss"] == row["hsdp"]["final_loss"]
-    assert row["pool_over_off"] == pytest.approx(row["hsdp_pool"]["step_ms"] / h)
+    assert row["pool_over_off"] == pytest.approx(pool["step_ms"][2] / pool["step_ms"][3])
+    assert row["pool_over_off_pairs"] == 1
     assert "pool/off" in proc.stdout
     # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
     stats = row["hsdp_comm_stats_last_step"]["fsdp"]

@@ -24,8 +24,10 @@ def test_step_protocol_model_checks():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-8000:]
     lines = [line for line in out.splitlines() if line.startswith("[protocol]")]
-    # 5 safe runs (2 with pooled calls), 6 broken rules caught (2 of the pool).
-    assert len(lines) == 11, out
-    assert sum("safe, no deadlock" in line for line in lines) == 5, out
-    assert sum("violation found" in line for line in lines) == 6, out
-    assert sum("-DPOOL" in line for line in lines) == 4, out
+    # 6 safe runs (3 with pooled calls, one of them pooled all-reduces),
+    # 7 broken rules caught (3 of the pool).
+    assert len(lines) == 13, out
+    assert sum("safe, no deadlock" in line for line in lines) == 6, out
+    assert sum("violation found" in line for line in lines) == 7, out
+    assert sum("-DPOOL" in line for line in lines) == 6, out
+    assert sum("-DPOOL_REDUCE" in line for line in lines) == 2, out

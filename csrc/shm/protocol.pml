@@ -12,9 +12,7 @@
  *              the engine rejects larger values as corruption (loadCounter).
  * Not modelled: the direct all-reduce (several steps of part-wise direct
  * reads and one final wait for every done), which combines REDUCE and
- * DIRECT below, and the pooled all-reduce, which combines REDUCE and
- * POOLED the same way (its reduced round runs inside its pooled step, on
- * the ranks' own buffers instead of their slots).
+ * DIRECT below.
  * Each -D switch below breaks one rule of the protocol; the script checks
  * that spin then finds a violation, so the assertions are known to bite:
  *   NO_REDUCED_WAIT - read reduced parts without waiting for every reduced;
@@ -34,6 +32,12 @@
  *   NO_POOL_WAIT    - return from a pooled call before every peer is done;
  *   NO_POOL_RETRY   - a rank whose buffer is ordinary reads the slots of a
  *                     step in which a peer posted its pool buffer alone.
+ * With -DPOOL -DPOOL_REDUCE (checked too), a pooled call is the pooled
+ * all-reduce (Engine::allReducePooled), and its mixed form retries as
+ * REDUCE:
+ *   NO_POOL_REDUCED_WAIT - copy the reduced parts into my buffer without
+ *                     waiting for every reduced: a peer may still be
+ *                     reducing that part of my buffer.
  *
  * Modelled: W ranks, two slots each, and a sequence of K calls whose kinds
  * are chosen nondeterministically (spin explores every sequence); every
@@ -52,7 +56,11 @@
  *            pool buffer, read every peer's buffer, done, wait for every
  *            done (Engine::pooledStep); when none did, the step is SLOTS;
  *            else every rank closes the step and the call goes through the
- *            slots at the next step (Engine::post's retry).
+ *            slots at the next step (Engine::post's retry). With
+ *            POOL_REDUCE, "read every peer's buffer" is two rounds on the
+ *            ranks' buffers: reduce part me of every buffer into part me
+ *            of mine, reduced, wait for every reduced, copy part q of
+ *            rank q's buffer into part q of mine.
  * A counter and the data it guards become visible together (release/acquire
  * in the engine); spin's interleaving semantics is sequentially consistent.
  */
@@ -83,6 +91,10 @@ byte done[W];
 byte ver[W * 2];              /* step whose data slot (r, i) holds */
 byte part[W * 2 * W];         /* part p of slot (r, i): 2s raw, 2s+1 reduced */
 byte buf[W];                  /* step whose data rank r's own buffer holds */
+#ifdef POOL_REDUCE
+byte bufpart[W * W];          /* part p of rank r's buffer: 2s raw, 2s+1 reduced */
+#define BUFPART(r, p) ((r) * W + (p))
+#endif
 bool sigpool[W * 2];          /* slot (r, i)'s signature: r posted a pool buffer alone */
 bool pool[(K + 1) * W];       /* POOLED call c: rank r's buffer is a pool buffer */
 bool chosen = false;
@@ -114,6 +126,14 @@ inline readPart(s, p, v) {
   skip;
   assert(part[PART(q, s, p)] == v)
 }
+#ifdef POOL_REDUCE
+/* Reads part p of rank q's pool buffer, which must hold version v. */
+inline readBufPart(p, v) {
+  assert(bufpart[BUFPART(q, p)] == v);
+  skip;
+  assert(bufpart[BUFPART(q, p)] == v)
+}
+#endif
 
 proctype Rank(byte me) {
   byte c = 1;   /* call */
@@ -136,6 +156,13 @@ proctype Rank(byte me) {
       /* The caller writes the buffer for this call: legal only once every
          peer finished reading it for the last one (the wait at the end). */
       buf[me] = WRITING;
+#ifdef POOL_REDUCE
+      p = 0;
+      do
+      :: p < W -> bufpart[BUFPART(me, p)] = 2 * s; p++
+      :: else -> break
+      od;
+#endif
       buf[me] = s
     :: else -> skip
     fi;
@@ -182,9 +209,40 @@ proctype Rank(byte me) {
         od
       :: else -> skip
       fi;
+#ifdef POOL_REDUCE
+      /* an all-reduce with no pool buffer: the ordinary two rounds */
+      if
+      :: k == POOLED && !any -> k = REDUCE
+      :: else -> skip
+      fi;
+#endif
       /* 4. read */
       if
       :: k == POOLED && all ->
+#ifdef POOL_REDUCE
+        /* my part of every rank's buffer, reduced into mine in place */
+        q = 0;
+        do
+        :: q < W -> readBufPart(me, 2 * s); q++
+        :: else -> break
+        od;
+        bufpart[BUFPART(me, me)] = 2 * s + 1;
+        reduced[me] = s;
+#ifndef NO_POOL_REDUCED_WAIT
+        waitAll(reduced, s);
+#endif
+        /* every other part from its owner's buffer into mine */
+        q = 0;
+        do
+        :: q < W && q != me ->
+          readBufPart(q, 2 * s + 1);
+          bufpart[BUFPART(me, q)] = WRITING;
+          bufpart[BUFPART(me, q)] = 2 * s + 1;
+          q++
+        :: q == me -> q++
+        :: else -> break
+        od
+#else
         q = 0;
         do
         :: q < W ->
@@ -194,9 +252,12 @@ proctype Rank(byte me) {
           q++
         :: else -> break
         od
+#endif
 #ifdef NO_POOL_RETRY
       :: k == POOLED && any && !all && mine -> more = true; mine = false; k = SLOTS
       :: k == POOLED && any && !all && !mine -> k = SLOTS; goto slots
+#elif defined(POOL_REDUCE)
+      :: k == POOLED && any && !all -> more = true; mine = false; k = REDUCE
 #else
       :: k == POOLED && any && !all -> more = true; mine = false; k = SLOTS
 #endif
