@@ -245,6 +245,7 @@ hsdp step / fake step; overhead = (hsdp step - fake step) / (gloo step - fake st
 cost above the limit as a fraction of gloo's; exp = exposed communication =
 f+b - compute; gloo/hsdp exp = gloo exp / hsdp exp; share = exp / step; step = forward +
 backward + optimizer step (local, over this rank's shard); speedup = gloo step / hsdp step;
+hsdp = hsdp's defaults (on these CPU meshes FSDP2's buffers come from the groups' pools);
 pool step = hsdp with FSDP2's buffers from the group (hsdp's shared-memory pool), on the odd
 steps of runs that alternate (--comm-buffers alternate); pool/off = median over those runs'
 pairs of steps of pool step / the next step (FSDP2's buffers, < 1: the pool is faster), with

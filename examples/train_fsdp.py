@@ -319,7 +319,7 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(
-    model: Transformer, mesh: DeviceMesh, mixed_precision: str, comm_buffers: str = "fsdp"
+    model: Transformer, mesh: DeviceMesh, mixed_precision: str, comm_buffers: str = "default"
 ) -> list[nn.Module]:
     """Shards ``model`` in place with FSDP2: each block, then the root;
     returns the FSDP modules (the blocks, then the root).
@@ -334,10 +334,12 @@ def apply_fsdp(
         mesh: 1-D or 2-D CPU device mesh.
         mixed_precision: see :func:`mixed_precision_policy`.
         comm_buffers: ``"fsdp"`` (FSDP2 allocates its all-gather and
-            reduce-scatter buffers itself) or ``"group"`` (from the process
+            reduce-scatter buffers itself), ``"group"`` (from the process
             group: ``set_allocate_memory_from_process_group_for_comm``; on
-            hsdp, CPU buffers its peers read directly, NCCL's pool on CUDA).
-            ``"alternate"`` starts as ``"fsdp"``; :func:`train` switches.
+            hsdp, CPU buffers its peers read directly, NCCL's pool on CUDA)
+            or ``"default"`` (the backend's choice: on hsdp's CPU shared-
+            memory groups the group's, else FSDP2's). ``"alternate"``:
+            :func:`train` switches every step.
     """
     mp_policy = mixed_precision_policy(mixed_precision)
     layers = list(model.layers.values())
@@ -352,8 +354,8 @@ def apply_fsdp(
     # The root picks up what no block owns: embedding, final norm, output head.
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     modules = [*layers, model]
-    if comm_buffers == "group":
-        set_comm_buffers(modules, "group")
+    if comm_buffers in ("fsdp", "group"):
+        set_comm_buffers(modules, comm_buffers)
     return modules
 
 
@@ -580,11 +582,12 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the data")
     parser.add_argument(
         "--comm-buffers",
-        choices=("fsdp", "group", "alternate"),
-        default="fsdp",
-        help="where FSDP2's all-gather and reduce-scatter buffers come from: fsdp (its own) "
-        "or group (the process group's allocate_tensor; on hsdp, memory its peers read directly); "
-        "alternate: group on odd steps, fsdp on even ones (a paired comparison in one run)",
+        choices=("default", "fsdp", "group", "alternate"),
+        default="default",
+        help="where FSDP2's all-gather and reduce-scatter buffers come from: fsdp (its own), "
+        "group (the process group's allocate_tensor; on hsdp, memory its peers read directly) or "
+        "default (the backend's choice: group on hsdp's CPU shared-memory groups); alternate: "
+        "group on odd steps, fsdp on even ones (a paired comparison in one run)",
     )
     parser.add_argument(
         "--device",

@@ -183,3 +183,36 @@ def pool_suite(rank, world):
     buffers_return_to_the_pool(rank, world)
     ordinary_memory_on_some_ranks_is_served_alike(rank, world)
     another_groups_buffer_is_ordinary_memory_there(rank, world)
+
+
+def fsdp_buffers(rank, world, expected):
+    """FSDP2 param groups on a 1-D mesh over the default group: ``expected``
+    says whose buffers the shim leaves them with ("group": the pool, then
+    one training step reads peers' pool buffers; "fsdp": FSDP2's own). A
+    module's own choice after fully_shard wins either way; a mesh of gloo
+    groups keeps FSDP2's own."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def comms(module):
+        group = module._get_fsdp_state()._fsdp_param_group
+        return type(group._all_gather_comm).__name__, type(group._reduce_scatter_comm).__name__
+
+    pool = ("ProcessGroupAllocAllGather", "ProcessGroupAllocReduceScatter")
+    own = ("DefaultAllGather", "DefaultReduceScatter")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    assert comms(model) == (pool if expected == "group" else own), comms(model)
+    before = hsdp_backend.buffer_stats()["pooled_calls"]
+    model(torch.randn(4, 128)).sum().backward()
+    pooled_calls = hsdp_backend.buffer_stats()["pooled_calls"] - before
+    # 8 KiB a rank and more (the direct-read threshold): an all-gather and a
+    # reduce-scatter of 66 KB.
+    assert (pooled_calls >= 2) if expected == "group" else (pooled_calls == 0), pooled_calls
+    model.set_allocate_memory_from_process_group_for_comm(expected != "group")
+    assert comms(model) == (own if expected == "group" else pool), comms(model)
+
+    gloo_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
+    other = fully_shard(torch.nn.Linear(128, 128), mesh=gloo_mesh)
+    assert comms(other) == own, comms(other)

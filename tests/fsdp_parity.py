@@ -52,8 +52,11 @@ class Scenario:
             streams and events, all-reduces on its all-reduce stream) on
             CPU, where streams and events are no-ops.
         pg_alloc: set_allocate_memory_from_process_group_for_comm(True) on
-            every module: FSDP2's all-gather outputs and reduce-scatter
-            inputs come from the group's allocate_tensor.
+            every module after fully_shard: FSDP2's all-gather outputs and
+            reduce-scatter inputs come from the group's allocate_tensor;
+            False: the same call with False (FSDP2's own buffers); None:
+            neither (on hsdp's CPU shared-memory groups the shim's default
+            is the group's buffers).
     """
 
     mesh: tuple[int, ...]
@@ -70,7 +73,7 @@ class Scenario:
     shim: str = "auto"
     bucket_bytes: int | None = None
     stream_ordered: bool = False
-    pg_alloc: bool = False
+    pg_alloc: bool | None = None
     dim: int = 32
     layers: int = 3
     heads: int = 2
@@ -86,7 +89,8 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    "fsdp_w2": Scenario(mesh=(2,), explicit_prefetch=True),
+    # FSDP2's own buffers, chosen by the user over the shim's default.
+    "fsdp_w2": Scenario(mesh=(2,), explicit_prefetch=True, pg_alloc=False),
     "fsdp_w2_bf16": Scenario(mesh=(2,), mp="bf16"),
     # vocab 127: the embedding and output rows do not split evenly (FSDP2 pads dim 0).
     "fsdp_w4_reshard_int": Scenario(mesh=(4,), reshard=2, vocab=127),
@@ -243,9 +247,9 @@ def _build_sharded(s: Scenario, mesh, seed: int):
     if s.divide_factor is not None:
         for module in [*blocks, model]:
             module.set_gradient_divide_factor(s.divide_factor)
-    if s.pg_alloc:
+    if s.pg_alloc is not None:
         for module in [*blocks, model]:
-            module.set_allocate_memory_from_process_group_for_comm(True)
+            module.set_allocate_memory_from_process_group_for_comm(s.pg_alloc)
     return model, make_optimizer(model.parameters(), s)
 
 

@@ -76,7 +76,7 @@ def test_training_suite_quick(tmp_path):
     assert all("--flush-denormal" in r["command"] for r in runs)
     for r in runs[:-1]:
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
-        assert r["comm_buffers"] == ["fsdp"] * 4
+        assert r["comm_buffers"] == ["default"] * 4
     for r in runs:
         assert all(0 < f <= s for f, s in zip(r["fwd_bwd_ms"], r["step_ms"])), r
     # The pool run: steps 2-4 measured (one warm-up step); step 3 on the

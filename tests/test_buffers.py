@@ -38,3 +38,19 @@ def test_no_pool_says_why(env):
 
 def test_nccl_contract_allocation_reaches_the_inner_backend():
     run_ranks(buffer_cases.the_nccl_double_allocates, 2, env={"HSDP_ENGINE": "nccl_contract"})
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [
+        ({}, "group"),
+        ({"HSDP_FSDP_COMM_BUFFERS": "fsdp"}, "fsdp"),
+        ({"HSDP_FSDP": "off"}, "fsdp"),
+        ({"HSDP_TEST_HOSTS": "a,a,b,b"}, "fsdp"),
+    ],
+    ids=["default", "setting_fsdp", "shim_off", "hierarchical"],
+)
+def test_fsdp_param_groups_take_the_pool_by_default(env, expected):
+    # The shim's default on one host's shared-memory groups only.
+    world = 4 if "HSDP_TEST_HOSTS" in env else 2
+    run_ranks(buffer_cases.fsdp_buffers, world, env=env, expected=expected)

@@ -64,6 +64,17 @@ the device is neither CPU nor CUDA, a user all-reduce hook is set, the reduce dt
 fp16 (FSDP2 pre-divides to avoid overflow), parameters are offloaded, or the
 mesh mixes hsdp with another backend (warned once).
 
+Communication buffers: on CPU, when a param group's all-gather and
+reduce-scatter groups both run on hsdp's one-host shared-memory engine with
+a pool, the shim (wrapping ``FSDPParamGroup.__init__``) turns on FSDP2's
+process-group allocation for it, as
+``set_allocate_memory_from_process_group_for_comm(True)`` would: its
+all-gather output and reduce-scatter input then come from the pool, which
+peers read in place (measured faster in training: docs/buffers.md). A
+module's own call to that method after ``fully_shard`` decides instead;
+``HSDP_FSDP_COMM_BUFFERS=fsdp`` keeps FSDP2's own buffers; CUDA param groups
+keep FSDP2's default.
+
 The shim is installed automatically once an hsdp process group exists and
 ``torch.distributed.fsdp`` is imported, in either order (``HSDP_FSDP=off``
 disables it), or explicitly with :func:`enable`; :func:`disable`

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsdp_backend import config
+from hsdp_backend import _C, config
 from hsdp_backend.fsdp._buckets import ReplicateBuckets, Streams
 
 # The shim installs once this package is imported: the proof needs all of it.
@@ -71,6 +71,7 @@ class _Shim:
         self.original = None  # FSDP2's foreach_reduce while the shim is installed
         self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
         self.original_reset_iter_state = None  # FSDPModule.reset_iter_state, likewise
+        self.original_param_group_init = None  # FSDPParamGroup.__init__, likewise
         self.warned: set[str] = set()
         self.buckets = ReplicateBuckets()  # its bucket_bytes: 0 until the first install
         # Why the proof failed, until disable(): later installs do not prove again.
@@ -142,6 +143,9 @@ def _patch(module) -> None:
     if hasattr(param_group, "_init_mp_dtypes"):
         _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
         param_group._init_mp_dtypes = _init_mp_dtypes
+    if hasattr(param_group, "set_allocate_memory_from_process_group"):
+        _shim.original_param_group_init = param_group.__init__
+        param_group.__init__ = _init_param_group
     fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
     if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
         _warn_once(
@@ -162,6 +166,9 @@ def _unpatch(module) -> None:
     if _shim.original_init_mp_dtypes is not None:
         module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
         _shim.original_init_mp_dtypes = None
+    if _shim.original_param_group_init is not None:
+        module.FSDPParamGroup.__init__ = _shim.original_param_group_init
+        _shim.original_param_group_init = None
     if _shim.original_reset_iter_state is not None:
         sys.modules[
             _FULLY_SHARD_MODULE
@@ -371,6 +378,32 @@ def _reset_iter_state(self, *args, **kwargs):
     backward that never reached its final callback)."""
     _shim.buckets.abandon()
     return _shim.original_reset_iter_state(self, *args, **kwargs)
+
+
+def _init_param_group(self, *args, **kwargs):
+    """FSDP2's param group; on a CPU mesh of hsdp shared-memory groups it
+    takes its communication buffers from the groups' pools (fully_shard
+    builds the group, so a module's own set_allocate_memory_from_process_
+    group_for_comm call afterwards still decides)."""
+    _shim.original_param_group_init(self, *args, **kwargs)
+    if _group_buffers_by_default(self):
+        self.set_allocate_memory_from_process_group(True)
+
+
+def _group_buffers_by_default(param_group) -> bool:
+    if param_group.device.type != "cpu" or not config.resolve().fsdp_comm_buffers:
+        return False
+    for group in {param_group._all_gather_process_group, param_group._reduce_scatter_process_group}:
+        if dist.get_backend(group) != "hsdp":
+            return False
+        backend = group._get_backend(param_group.device)
+        # One host's shared-memory engine with a pool (where it was measured
+        # faster; not hierarchical groups, not gloo or the test double).
+        if _C.cpu_engine(backend)[0] != "shm" or not backend.supports_tensor_alloc(
+            param_group.device
+        ):
+            return False
+    return True
 
 
 def _init_mp_dtypes(self, *args, **kwargs):
