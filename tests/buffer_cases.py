@@ -216,3 +216,13 @@ def fsdp_buffers(rank, world, expected):
     gloo_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
     other = fully_shard(torch.nn.Linear(128, 128), mesh=gloo_mesh)
     assert comms(other) == own, comms(other)
+
+    # replicate() builds FSDP2 param groups with no shard group: left alone.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    replicated = replicate(
+        torch.nn.Linear(128, 128),
+        mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",)),
+    )
+    replicated(torch.randn(4, 128)).sum().backward()
+    assert comms(replicated) == own, comms(replicated)

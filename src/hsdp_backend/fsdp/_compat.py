@@ -393,7 +393,11 @@ def _init_param_group(self, *args, **kwargs):
 def _group_buffers_by_default(param_group) -> bool:
     if param_group.device.type != "cpu" or not config.resolve().fsdp_comm_buffers:
         return False
-    for group in {param_group._all_gather_process_group, param_group._reduce_scatter_process_group}:
+    try:
+        groups = {param_group._all_gather_process_group, param_group._reduce_scatter_process_group}
+    except (AssertionError, AttributeError):
+        return False  # a param group without shard groups (replicate()'s): FSDP2's default
+    for group in groups:
         if dist.get_backend(group) != "hsdp":
             return False
         backend = group._get_backend(param_group.device)
