@@ -177,6 +177,19 @@ def the_nccl_double_allocates(rank, world):
     assert torch.equal(got, ref)
     assert _C._nccl_contract_allocations(b) == before + 1
 
+    # The double's own clause (ProcessGroupNCCL 2.14.1's allocateTensor): a
+    # request on a device of another kind is refused, not served (CPU
+    # stands for the communicator's CUDA device): a route that handed NCCL
+    # another device's request would fail there, not here.
+    double = _C._nccl_contract_create(gloo._get_backend(CPU), rank, world)
+    try:
+        double.allocate_tensor(8, dtype=torch.float32, device=torch.device("cuda", 0))
+    except ValueError as e:
+        assert "NCCL tensor allocator expects a CUDA device" in str(e), e
+    else:
+        raise AssertionError("the double served a request on another device")
+    assert double.allocate_tensor(8, dtype=torch.float32, device=CPU).numel() == 8
+
 
 def pool_suite(rank, world):
     collectives_match_gloo(rank, world)
