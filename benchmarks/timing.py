@@ -130,14 +130,6 @@ def time_calls(fn: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def spread(samples: list[float]) -> float:
-    """Interquartile range / median of some samples: how noisy a point was."""
-    if len(samples) < 2:
-        return 0.0
-    q1, q2, q3 = statistics.quantiles(samples, n=4)
-    return (q3 - q1) / q2 if q2 > 0 else 0.0
-
-
 def quartiles(samples: list[float]) -> tuple[float, float]:
     """The first and third quartile of some samples (both the sample itself
     when there is one)."""
@@ -145,6 +137,15 @@ def quartiles(samples: list[float]) -> tuple[float, float]:
         return samples[0], samples[0]
     q1, _, q3 = statistics.quantiles(samples, n=4)
     return q1, q3
+
+
+def spread(samples: list[float]) -> float:
+    """Interquartile range / median of some samples: how noisy a point was."""
+    if len(samples) < 2:
+        return 0.0
+    q1, q3 = quartiles(samples)
+    median = statistics.median(samples)
+    return (q3 - q1) / median if median > 0 else 0.0
 
 
 def calibrate(gloo, calls: dict[str, Callable[[], None]], sampling: Sampling) -> int:
