@@ -34,6 +34,11 @@ single-thread memcpy processes (memcpy2) of the per-rank size, measured in
 the parent on warm buffers; ``hsdp/mcR`` = the same against memcpy2 measured
 inside the main launch as one more interleaved contender (every rank copies
 its per-rank size at once), whose caches are as cold as the collectives'.
+For reduce_scatter the main launch also measures ``reduce`` (rdR): every
+rank sums world private rows of the per-rank size into one, with no
+communication; at 2 ranks that is one pass over exactly the bytes a
+one-pass reduce-scatter reads and writes, so ``hsdp/rdR`` bounds what any
+buffer scheme can gain over hsdp on this machine.
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ COLUMN_PEERS = ("gloo", "ompi", "mpich", "deepspeed")
 # The contender that copies the per-rank size on every rank at once (memcpy2
 # measured inside the run, interleaved with the collectives).
 IN_RUN_MEMCPY = "memcpy"
+# The reduce-scatter's zero-communication limit, measured the same way:
+# every rank reduces world private rows of its per-rank size into one.
+IN_RUN_REDUCE = "reduce"
 
 
 # hsdp on pool buffers (allocate_tensor), for the ops whose buffers FSDP2
@@ -97,6 +105,17 @@ def _buffers(op: str, numel: int, rank: int, world: int, comm=None) -> dict:
     if op == "reduce_scatter":
         return {"out": torch.zeros(numel), "in": zeros(world * numel)}
     return {"t": torch.zeros(numel)}
+
+
+def _reduce_rows(rows, out) -> None:
+    """out = sum of rows in rank order. At 2 ranks one pass (read both
+    rows, write out once), what a one-pass reduce-scatter must move with no
+    communication at all; above 2 ranks world-1 passes, an upper estimate."""
+    import torch
+
+    torch.add(rows[0], rows[1], out=out)
+    for r in range(2, rows.shape[0]):
+        out.add_(rows[r])
 
 
 def _bind_torch(op: str, bufs: dict, group) -> Callable[[], None]:
@@ -214,6 +233,9 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
             # buffers). A reference, not a peer: nothing to check.
             src, dst = torch.ones(numel), torch.empty(numel)
             calls[IN_RUN_MEMCPY] = functools.partial(dst.copy_, src)
+            if op == "reduce_scatter" and ctx.world > 1:
+                rows, reduced = torch.ones(ctx.world, numel), torch.empty(numel)
+                calls[IN_RUN_REDUCE] = functools.partial(_reduce_rows, rows, reduced)
             per_call = timing.calibrate(ctx.gloo, calls, sampling)
             samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_call, sampling)
             res = {"op": op, "bytes": nbytes, "numel": numel, "checked": sorted(calls)}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from benchmarks import collectives, report, timing
 from benchmarks.peer_env import MPI_PEERS
-from benchmarks.peers import CHECK_NAME, IN_RUN_MEMCPY, POOL
+from benchmarks.peers import CHECK_NAME, IN_RUN_MEMCPY, IN_RUN_REDUCE, POOL
 from benchmarks.report import KIB, Column, format_size
 
 PEER_LABEL = {"gloo": "gloo", "ompi": "ompi", "mpich": "mpich", "deepspeed": "ds"}
@@ -72,6 +72,7 @@ def build_rows(config: dict, reference: dict, per_world: dict) -> tuple[list[dic
                 "memcpy_in_run_us": mcr_us,
                 "memcpy_in_run_gbps": mcr_gbps,
                 "hsdp_memcpy_in_run_fraction": busbw / mcr_gbps,
+                "reduce_in_run_us": (p["us"].get(IN_RUN_REDUCE) or {}).get("us"),
                 "spread": max(timing.spread(r["rank0_samples_us"]) for r in p["us"].values()),
                 "by_launch": {
                     name: {c: r["us"] for c, r in pts[(op, nbytes)]["us"].items()}
@@ -173,9 +174,21 @@ def columns(peers: list[str]) -> list[Column]:
         Column("hsdp/mc2", 8, lambda r: f"{r['hsdp_memcpy2_fraction']:.3f}"),
         Column("mcR us", 8, lambda r: f"{r['memcpy_in_run_us']:.1f}"),
         Column("hsdp/mcR", 8, lambda r: f"{r['hsdp_memcpy_in_run_fraction']:.3f}"),
+        Column("rdR us", 8, lambda r: _us(r["reduce_in_run_us"])),
+        Column("hsdp/rdR", 8, lambda r: _over_reduce(r, r["hsdp"])),
+        Column("pool/rdR", 8, lambda r: _over_reduce(r, r.get(POOL))),
         Column("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
     ]
     return cols
+
+
+def _us(us) -> str:
+    return "-" if us is None else f"{us:.1f}"
+
+
+def _over_reduce(row: dict, contender) -> str:
+    limit = row["reduce_in_run_us"]
+    return "-" if limit is None or not contender else f"{contender['us'] / limit:.2f}"
 
 
 LEGEND = """
@@ -189,6 +202,10 @@ mc1 / mc2 = single-thread memcpy of the per-rank size, 1 process / 2 concurrent 
 (mc2 = the slower process); hsdp/mc2 = hsdp busbw (nccl-tests) / memcpy2 per-process GB/s;
 mcR = memcpy2 measured inside the main launch, interleaved with the collectives (every rank
 copies its per-rank size at once: caches as cold as theirs); hsdp/mcR = hsdp busbw / its GB/s;
+rdR = reduce_scatter's zero-communication limit in the main launch (every rank sums world
+private rows of its per-rank size into one: at 2 ranks one pass over the bytes a one-pass
+reduce-scatter moves); hsdp/rdR, pool/rdR = time / that limit (the most any buffer scheme
+could gain over hsdp is hsdp/rdR);
 '-' = not applicable (DeepSpeed's shm op is all-reduce only); missing: see the reasons below;
 spread = interquartile range / median of rank 0's samples, the noisiest contender of the main
 launch."""

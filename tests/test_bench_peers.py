@@ -72,6 +72,10 @@ def test_peers_suite_smallest(tmp_path):
     # measured MPI peer's ratio to it taken in that peer's own launch.
     assert rows[2]["hsdp_pool"]["us"] > 0, rows[2]
     assert all(r["hsdp_pool"] is None for r in rows[:2])
+    # The reduce-scatter's zero-communication limit, in the same launch.
+    assert rows[2]["reduce_in_run_us"] > 0, rows[2]
+    assert all(r["reduce_in_run_us"] is None for r in rows[:2])
+    assert "hsdp/rdR" in proc.stdout, proc.stdout
     for peer in ("ompi", "mpich"):
         cell = rows[2]["peers"][peer]
         if cell["status"] == "measured":

@@ -124,18 +124,83 @@ inline A combine(A a, A b) {
   }
 }
 
-// Processes `count` elements in blocks through a local accumulator, which
-// keeps the loops vectorisable although dst may alias a source.
+// Integers scale as int64 (truncating, as torch does): a divisor wider than
+// the element type must not be narrowed into it.
+template <typename T>
+using Factor =
+    std::conditional_t<std::is_integral_v<typename Acc<T>::type>, int64_t, typename Acc<T>::type>;
+
+// Scales a combined value and narrows it to storage: the result's one rounding.
+template <typename T, Scale::Kind kind>
+__attribute__((always_inline)) inline T finish(typename Acc<T>::type v, Factor<T> factor) {
+  using A = typename Acc<T>::type;
+  if constexpr (kind == Scale::Kind::Multiply) {
+    v = static_cast<A>(v * factor);
+  } else if constexpr (kind == Scale::Kind::Divide) {
+    v = static_cast<A>(v / factor); // integers: truncation toward zero
+  }
+  return Acc<T>::store(v);
+}
+
+// Every element is s0 op s1 op ... in rank order, then scaled and stored
+// once, whichever loop computes it, so results are bitwise the same for any
+// number of sources and any split of the count.
+//
+// dst may be one of the sources (in-place all-reduce, a reduce-scatter whose
+// output is its own chunk), never a shifted view of one: element i of dst
+// depends only on element i of the sources, read before it is written, so
+// no loop below carries a dependence (ivdep lets them vectorise without the
+// alias checks that would send an in-place call down the scalar loop).
+// Two sources (two ranks; a pair of hosts) take one pass over memory;
+// more go through an accumulator block in L1, the first two and the last
+// fused into its first and last pass: nsrcs - 1 passes over the block.
+template <typename T, RedOp op, Scale::Kind kind>
+__attribute__((always_inline)) inline void
+reduceFused(T* dst, const T* const* srcs, int nsrcs, size_t count, Factor<T> factor) {
+  using A = typename Acc<T>::type;
+  const T* s0 = srcs[0];
+  const T* s1 = srcs[1];
+  if (nsrcs == 2) {
+#pragma GCC ivdep
+    for (size_t i = 0; i < count; ++i) {
+      dst[i] = finish<T, kind>(combine<op, A>(Acc<T>::load(s0[i]), Acc<T>::load(s1[i])), factor);
+    }
+    return;
+  }
+  constexpr size_t kBlock = 512;
+  A acc[kBlock];
+  const T* last = srcs[nsrcs - 1];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t n = std::min(kBlock, count - base);
+    for (size_t i = 0; i < n; ++i) {
+      acc[i] = combine<op, A>(Acc<T>::load(s0[base + i]), Acc<T>::load(s1[base + i]));
+    }
+    for (int r = 2; r < nsrcs - 1; ++r) {
+      const T* s = srcs[r] + base;
+      for (size_t i = 0; i < n; ++i) {
+        acc[i] = combine<op, A>(acc[i], Acc<T>::load(s[i]));
+      }
+    }
+    T* d = dst + base;
+    const T* z = last + base;
+#pragma GCC ivdep
+    for (size_t i = 0; i < n; ++i) {
+      d[i] = finish<T, kind>(combine<op, A>(acc[i], Acc<T>::load(z[i])), factor);
+    }
+  }
+}
+
+// The same order and rounding for any op and source count: `count` elements
+// in blocks through a local accumulator, which keeps the loops vectorisable
+// although dst may alias a source, at the cost of a pass over the block per
+// source plus the store.
 template <typename T, RedOp op>
 __attribute__((always_inline)) inline void
-reduceBlocks(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale) {
+reduceGeneric(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale) {
   using A = typename Acc<T>::type;
   constexpr size_t kBlock = 512;
   A acc[kBlock];
-  // Integers divide as int64 (truncating, as torch does): a divisor wider
-  // than the element type must not be narrowed into it.
-  using Factor = std::conditional_t<std::is_integral_v<A>, int64_t, A>;
-  const Factor factor = static_cast<Factor>(scale.value);
+  const auto factor = static_cast<Factor<T>>(scale.value);
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t n = std::min(kBlock, count - base);
     const T* s0 = srcs[0] + base;
@@ -160,6 +225,29 @@ reduceBlocks(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale)
     T* d = dst + base;
     for (size_t i = 0; i < n; ++i) {
       d[i] = Acc<T>::store(acc[i]);
+    }
+  }
+}
+
+// SUM (every FSDP2 reduction) takes the fused loops above; the other ops,
+// rare in training, the generic ones, which keep this file quick to build.
+template <typename T, RedOp op>
+__attribute__((always_inline)) inline void
+reduceBlocks(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale) {
+  if constexpr (op != RedOp::Sum) {
+    return reduceGeneric<T, op>(dst, srcs, nsrcs, count, scale);
+  } else {
+    if (nsrcs < 2) {
+      return reduceGeneric<T, op>(dst, srcs, nsrcs, count, scale);
+    }
+    const auto factor = static_cast<Factor<T>>(scale.value);
+    switch (scale.kind) {
+      case Scale::Kind::None:
+        return reduceFused<T, op, Scale::Kind::None>(dst, srcs, nsrcs, count, factor);
+      case Scale::Kind::Multiply:
+        return reduceFused<T, op, Scale::Kind::Multiply>(dst, srcs, nsrcs, count, factor);
+      case Scale::Kind::Divide:
+        return reduceFused<T, op, Scale::Kind::Divide>(dst, srcs, nsrcs, count, factor);
     }
   }
 }
