@@ -7,7 +7,7 @@
 // OP: all_gather, all_gather_inplace, reduce_scatter, all_reduce (fp32 SUM),
 // broadcast, barrier; BYTES per rank. Keys set EngineConfig fields:
 // spin_us, yield_us, one_shot_bytes, direct_read_bytes,
-// direct_all_reduce_bytes, slot_bytes (defaults: hsdp::Config's, the
+// direct_all_reduce_bytes, stream_store_bytes, slot_bytes (defaults: hsdp::Config's, the
 // package's only copy of them, for a group of RANKS on this machine); two
 // keys shape the caller: page_offset (where every buffer starts in its page;
 // default 0: torch's tensors start at multiples of 64 bytes, and the direct
@@ -63,6 +63,7 @@ void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
   c.oneShotBytes = key(a, "one_shot_bytes", c.oneShotBytes);
   c.directReadBytes = key(a, "direct_read_bytes", c.directReadBytes);
   c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", c.directAllReduceBytes);
+  c.streamStoreBytes = key(a, "stream_store_bytes", c.streamStoreBytes);
   Engine e(Segment::open(name, a.ranks, slotBytes), r, c);
   e.barrier("start");
   e.enableDirectReads(); // every rank of one machine may read every other (same user)

@@ -110,6 +110,7 @@ PYBIND11_MODULE(_C, m) {
   checkedField(config, "one_shot_bytes", &hsdp::Config::oneShotBytes);
   checkedField(config, "direct_read_bytes", &hsdp::Config::directReadBytes);
   checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);
+  checkedField(config, "stream_store_bytes", &hsdp::Config::streamStoreBytes);
   checkedField(config, "pool_bytes", &hsdp::Config::poolBytes);
   checkedField(config, "pool_chunk_bytes", &hsdp::Config::poolChunkBytes);
   checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);

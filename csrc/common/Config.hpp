@@ -42,6 +42,10 @@ struct Config {
   // direct, 1 MiB 136-143 / 146-158 us, 1.25 MiB 194-197 / 166-169 us
   // (benchmarks/engine_bench.cpp).
   int64_t directAllReduceBytes = 1152 << 10;
+  // Reduce-scatters whose output per rank is at least this many bytes write
+  // it around the cache (shm::Store::Streaming); unset: auto (see
+  // streamStoreBytesFor()); 0: never.
+  std::optional<int64_t> streamStoreBytes;
   // Communication buffers handed out by allocateTensor (shm/Pool.hpp): at
   // most poolBytes per rank and group, in chunks of at least
   // poolChunkBytes; 0 turns the pool off.
@@ -66,6 +70,15 @@ struct Config {
 
   // Spinning only helps when every rank has a core to spin on.
   std::chrono::nanoseconds spin(int groupSize) const;
+  // Non-temporal stores only pay once the call's data cannot stay in the
+  // last-level cache anyway: each of the host's ranks reads its chunk of
+  // every rank's input and writes its output, groupSize x (groupSize + 1)
+  // outputs' worth. Auto: that cache / (groupSize x (groupSize + 1)); 0 when
+  // the cache's size is unknown.
+  size_t streamStoreBytesFor(int groupSize) const;
+  // The largest cache cpu0 shares, from sysfs (what a VM's guest really
+  // shares; sysconf can report the whole host's); 0 if unknown.
+  static size_t lastLevelCacheBytes();
   // The shared-memory engine's settings for a group of `groupSize` ranks
   // whose c10d timeout is `groupTimeout`: the one mapping from this table
   // to them.

@@ -591,6 +591,10 @@ void Engine::reduceScatter(
   const auto* in = static_cast<const char*>(input);
   auto* out = static_cast<char*>(output);
   const size_t inputBytes = static_cast<size_t>(size_) * n * es;
+  // An output past the cache is written around it (see streamStoreBytes).
+  const Store store = config_.streamStoreBytes > 0 && n * es >= config_.streamStoreBytes
+      ? Store::Streaming
+      : Store::Cached;
   if (const PoolRef mine = pooled(in, inputBytes, n * es)) {
     // Every rank's chunk of mine is read straight from my input: one pass,
     // in rank order as below, so the result is bitwise the same.
@@ -599,7 +603,7 @@ void Engine::reduceScatter(
           for (int r = 0; r < size_; ++r) {
             srcs[r] = inputs[r] + rank_ * n * es;
           }
-          reduce(out, srcs.data(), size_, n, dtype, redop, scale);
+          reduce(out, srcs.data(), size_, n, dtype, redop, scale, store);
         })) {
       return;
     }
@@ -626,7 +630,7 @@ void Engine::reduceScatter(
       srcs[r] =
           r == rank_ ? in + (rank_ * n + off) * es : segment_.slot(r, slot) + rank_ * len * es;
     }
-    reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale);
+    reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale, store);
     publish(Counter::Done, s);
     step_ = s;
   }

@@ -95,6 +95,10 @@ struct EngineConfig {
   // crossover differs: an all-gather gains from a few KiB, an all-reduce,
   // whose reduce half still goes through the slots, from hundreds.
   size_t directAllReduceBytes = 0;
+  // Reduce-scatters whose output per rank is at least this many bytes write
+  // it with non-temporal stores (Store::Streaming). 0 disables. A rank's own
+  // choice: it changes how its output is written, not the protocol.
+  size_t streamStoreBytes = 0;
   // Whether any op may read directly (then rendezvous probes for it).
   bool wantsDirectReads() const {
     return directReadBytes > 0 || directAllReduceBytes > 0;

@@ -1,8 +1,13 @@
 #include "shm/Reduce.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 namespace hsdp::shm {
 
@@ -142,6 +147,48 @@ __attribute__((always_inline)) inline T finish(typename Acc<T>::type v, Factor<T
   return Acc<T>::store(v);
 }
 
+// Writes dst[i] = value(i) for i < count. Streaming: whole 64-byte lines
+// with non-temporal stores, each computed into a line-sized buffer first
+// (kept in registers) so that loads and stores stay interleaved, as they
+// must for the stores to overlap the loads; the unaligned head and the tail
+// through the cache.
+template <typename T, Store store, typename Value>
+__attribute__((always_inline)) inline void storeEach(T* dst, size_t count, Value value) {
+#if defined(__x86_64__)
+  if constexpr (store == Store::Streaming) {
+    constexpr size_t kLine = 64 / sizeof(T);
+    const size_t misaligned = reinterpret_cast<uintptr_t>(dst) % 64;
+    size_t i = 0;
+    if (misaligned % sizeof(T) == 0) {
+      const size_t head = std::min(count, misaligned == 0 ? 0 : (64 - misaligned) / sizeof(T));
+      for (; i < head; ++i) {
+        dst[i] = value(i);
+      }
+      for (; i + kLine <= count; i += kLine) {
+        alignas(64) T line[kLine];
+        for (size_t j = 0; j < kLine; ++j) {
+          line[j] = value(i + j);
+        }
+        auto* out = reinterpret_cast<__m128i*>(dst + i);
+        const auto* in = reinterpret_cast<const __m128i*>(line);
+        _mm_stream_si128(out, _mm_load_si128(in));
+        _mm_stream_si128(out + 1, _mm_load_si128(in + 1));
+        _mm_stream_si128(out + 2, _mm_load_si128(in + 2));
+        _mm_stream_si128(out + 3, _mm_load_si128(in + 3));
+      }
+    }
+    for (; i < count; ++i) {
+      dst[i] = value(i);
+    }
+    return;
+  }
+#endif
+#pragma GCC ivdep
+  for (size_t i = 0; i < count; ++i) {
+    dst[i] = value(i);
+  }
+}
+
 // Every element is s0 op s1 op ... in rank order, then scaled and stored
 // once, whichever loop computes it, so results are bitwise the same for any
 // number of sources and any split of the count.
@@ -154,17 +201,16 @@ __attribute__((always_inline)) inline T finish(typename Acc<T>::type v, Factor<T
 // Two sources (two ranks; a pair of hosts) take one pass over memory;
 // more go through an accumulator block in L1, the first two and the last
 // fused into its first and last pass: nsrcs - 1 passes over the block.
-template <typename T, RedOp op, Scale::Kind kind>
+template <typename T, RedOp op, Scale::Kind kind, Store store>
 __attribute__((always_inline)) inline void
 reduceFused(T* dst, const T* const* srcs, int nsrcs, size_t count, Factor<T> factor) {
   using A = typename Acc<T>::type;
   const T* s0 = srcs[0];
   const T* s1 = srcs[1];
   if (nsrcs == 2) {
-#pragma GCC ivdep
-    for (size_t i = 0; i < count; ++i) {
-      dst[i] = finish<T, kind>(combine<op, A>(Acc<T>::load(s0[i]), Acc<T>::load(s1[i])), factor);
-    }
+    storeEach<T, store>(dst, count, [&](size_t i) {
+      return finish<T, kind>(combine<op, A>(Acc<T>::load(s0[i]), Acc<T>::load(s1[i])), factor);
+    });
     return;
   }
   constexpr size_t kBlock = 512;
@@ -181,12 +227,10 @@ reduceFused(T* dst, const T* const* srcs, int nsrcs, size_t count, Factor<T> fac
         acc[i] = combine<op, A>(acc[i], Acc<T>::load(s[i]));
       }
     }
-    T* d = dst + base;
     const T* z = last + base;
-#pragma GCC ivdep
-    for (size_t i = 0; i < n; ++i) {
-      d[i] = finish<T, kind>(combine<op, A>(acc[i], Acc<T>::load(z[i])), factor);
-    }
+    storeEach<T, store>(dst + base, n, [&](size_t i) {
+      return finish<T, kind>(combine<op, A>(acc[i], Acc<T>::load(z[i])), factor);
+    });
   }
 }
 
@@ -229,52 +273,71 @@ reduceGeneric(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale
   }
 }
 
+template <typename T, RedOp op, Store store>
+__attribute__((always_inline)) inline void
+reduceFusedScaled(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale) {
+  const auto factor = static_cast<Factor<T>>(scale.value);
+  switch (scale.kind) {
+    case Scale::Kind::None:
+      return reduceFused<T, op, Scale::Kind::None, store>(dst, srcs, nsrcs, count, factor);
+    case Scale::Kind::Multiply:
+      return reduceFused<T, op, Scale::Kind::Multiply, store>(dst, srcs, nsrcs, count, factor);
+    case Scale::Kind::Divide:
+      return reduceFused<T, op, Scale::Kind::Divide, store>(dst, srcs, nsrcs, count, factor);
+  }
+}
+
 // SUM (every FSDP2 reduction) takes the fused loops above; the other ops,
 // rare in training, the generic ones, which keep this file quick to build.
 template <typename T, RedOp op>
 __attribute__((always_inline)) inline void
-reduceBlocks(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale) {
+reduceBlocks(T* dst, const T* const* srcs, int nsrcs, size_t count, Scale scale, Store store) {
   if constexpr (op != RedOp::Sum) {
     return reduceGeneric<T, op>(dst, srcs, nsrcs, count, scale);
   } else {
     if (nsrcs < 2) {
       return reduceGeneric<T, op>(dst, srcs, nsrcs, count, scale);
     }
-    const auto factor = static_cast<Factor<T>>(scale.value);
-    switch (scale.kind) {
-      case Scale::Kind::None:
-        return reduceFused<T, op, Scale::Kind::None>(dst, srcs, nsrcs, count, factor);
-      case Scale::Kind::Multiply:
-        return reduceFused<T, op, Scale::Kind::Multiply>(dst, srcs, nsrcs, count, factor);
-      case Scale::Kind::Divide:
-        return reduceFused<T, op, Scale::Kind::Divide>(dst, srcs, nsrcs, count, factor);
+    // Streaming for the floating types gradients come in; integer outputs
+    // go through the cache (half the instances to build).
+    if constexpr (std::is_floating_point_v<typename Acc<T>::type>) {
+      if (store == Store::Streaming) {
+        return reduceFusedScaled<T, op, Store::Streaming>(dst, srcs, nsrcs, count, scale);
+      }
     }
+    return reduceFusedScaled<T, op, Store::Cached>(dst, srcs, nsrcs, count, scale);
   }
 }
 
 template <typename T>
-__attribute__((always_inline)) inline void
-reduceTyped(void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) {
+__attribute__((always_inline)) inline void reduceTyped(
+    void* dst,
+    const void* const* srcs,
+    int nsrcs,
+    size_t count,
+    RedOp op,
+    Scale scale,
+    Store store) {
   auto* d = static_cast<T*>(dst);
   auto* s = reinterpret_cast<const T* const*>(srcs);
   switch (op) {
     case RedOp::Sum:
-      return reduceBlocks<T, RedOp::Sum>(d, s, nsrcs, count, scale);
+      return reduceBlocks<T, RedOp::Sum>(d, s, nsrcs, count, scale, store);
     case RedOp::Prod:
-      return reduceBlocks<T, RedOp::Prod>(d, s, nsrcs, count, scale);
+      return reduceBlocks<T, RedOp::Prod>(d, s, nsrcs, count, scale, store);
     case RedOp::Min:
-      return reduceBlocks<T, RedOp::Min>(d, s, nsrcs, count, scale);
+      return reduceBlocks<T, RedOp::Min>(d, s, nsrcs, count, scale, store);
     case RedOp::Max:
-      return reduceBlocks<T, RedOp::Max>(d, s, nsrcs, count, scale);
+      return reduceBlocks<T, RedOp::Max>(d, s, nsrcs, count, scale, store);
     default:
       if constexpr (std::is_integral_v<T>) {
         if (op == RedOp::BAnd) {
-          return reduceBlocks<T, RedOp::BAnd>(d, s, nsrcs, count, scale);
+          return reduceBlocks<T, RedOp::BAnd>(d, s, nsrcs, count, scale, store);
         }
         if (op == RedOp::BOr) {
-          return reduceBlocks<T, RedOp::BOr>(d, s, nsrcs, count, scale);
+          return reduceBlocks<T, RedOp::BOr>(d, s, nsrcs, count, scale, store);
         }
-        return reduceBlocks<T, RedOp::BXor>(d, s, nsrcs, count, scale);
+        return reduceBlocks<T, RedOp::BXor>(d, s, nsrcs, count, scale, store);
       }
   }
 }
@@ -290,8 +353,14 @@ reduceTyped(void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp o
 #endif
 #define HSDP_KERNEL(NAME, T)                                                                       \
   HSDP_MULTIVERSION void NAME(                                                                     \
-      void* dst, const void* const* srcs, int nsrcs, size_t count, RedOp op, Scale scale) {        \
-    reduceTyped<T>(dst, srcs, nsrcs, count, op, scale);                                            \
+      void* dst,                                                                                   \
+      const void* const* srcs,                                                                     \
+      int nsrcs,                                                                                   \
+      size_t count,                                                                                \
+      RedOp op,                                                                                    \
+      Scale scale,                                                                                 \
+      Store store) {                                                                               \
+    reduceTyped<T>(dst, srcs, nsrcs, count, op, scale, store);                                     \
   }
 
 HSDP_KERNEL(reduceF32, float)
@@ -307,6 +376,37 @@ HSDP_KERNEL(reduceI64, int64_t)
 #undef HSDP_KERNEL
 #undef HSDP_MULTIVERSION
 
+void reduceDtype(
+    void* dst,
+    const void* const* srcs,
+    int nsrcs,
+    size_t count,
+    DType dtype,
+    RedOp op,
+    Scale scale,
+    Store store) {
+  switch (dtype) {
+    case DType::F32:
+      return reduceF32(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::F64:
+      return reduceF64(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::BF16:
+      return reduceBF16(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::F16:
+      return reduceF16(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::I8:
+      return reduceI8(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::U8:
+      return reduceU8(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::I16:
+      return reduceI16(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::I32:
+      return reduceI32(dst, srcs, nsrcs, count, op, scale, store);
+    case DType::I64:
+      return reduceI64(dst, srcs, nsrcs, count, op, scale, store);
+  }
+}
+
 } // namespace
 
 void reduce(
@@ -316,27 +416,16 @@ void reduce(
     size_t count,
     DType dtype,
     RedOp op,
-    Scale scale) {
-  switch (dtype) {
-    case DType::F32:
-      return reduceF32(dst, srcs, nsrcs, count, op, scale);
-    case DType::F64:
-      return reduceF64(dst, srcs, nsrcs, count, op, scale);
-    case DType::BF16:
-      return reduceBF16(dst, srcs, nsrcs, count, op, scale);
-    case DType::F16:
-      return reduceF16(dst, srcs, nsrcs, count, op, scale);
-    case DType::I8:
-      return reduceI8(dst, srcs, nsrcs, count, op, scale);
-    case DType::U8:
-      return reduceU8(dst, srcs, nsrcs, count, op, scale);
-    case DType::I16:
-      return reduceI16(dst, srcs, nsrcs, count, op, scale);
-    case DType::I32:
-      return reduceI32(dst, srcs, nsrcs, count, op, scale);
-    case DType::I64:
-      return reduceI64(dst, srcs, nsrcs, count, op, scale);
+    Scale scale,
+    Store store) {
+  reduceDtype(dst, srcs, nsrcs, count, dtype, op, scale, store);
+#if defined(__x86_64__)
+  if (store == Store::Streaming) {
+    // Non-temporal stores are weakly ordered: fence them before whatever
+    // publishes the result (a release store on x86 does not order them).
+    _mm_sfence();
   }
+#endif
 }
 
 } // namespace hsdp::shm

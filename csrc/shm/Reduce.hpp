@@ -16,6 +16,13 @@
 
 namespace hsdp::shm {
 
+// How the result is written. Streaming: with non-temporal stores, around the
+// cache (SUM of floating types; the rest writes through it), for an output too large to stay
+// in the cache until it is used: each line is written without first being
+// read, and the sources' lines are not evicted for it. The stores are fenced
+// before reduce returns.
+enum class Store : uint8_t { Cached, Streaming };
+
 void reduce(
     void* dst,
     const void* const* srcs,
@@ -23,7 +30,8 @@ void reduce(
     size_t count,
     DType dtype,
     RedOp op,
-    Scale scale);
+    Scale scale,
+    Store store = Store::Cached);
 
 // Whether the kernels implement `op` on `dtype` (bitwise ops: integers only).
 bool reduceSupported(DType dtype, RedOp op);

@@ -119,6 +119,13 @@ _TABLE = [
     Var("HSDP_SHM_DIRECT_ALLREDUCE_BYTES", "engine", "direct_all_reduce_bytes", parse_int, str,
         "all-reduces of at least this many bytes per rank gather the reduced parts directly "
         "from their owners' buffers (`process_vm_readv`), as above; `0` disables"),
+    Var("HSDP_SHM_STREAM_STORE_BYTES", "engine", "stream_store_bytes", _int_or("auto"),
+        _shown_or("auto"),
+        "reduce-scatters whose output per rank is at least this many bytes write it with "
+        "non-temporal stores, around the cache (SUM of floating types); `auto`: the "
+        "last-level cache cpu0 shares (sysfs) / (ranks x (ranks + 1)), the size past which "
+        "the call's data cannot stay in that cache (2 ranks, 32 MiB: 5.3 MiB), off when the "
+        "cache is unknown; `0`: never"),
     Var("HSDP_SHM_POOL_BYTES", "engine", "pool_bytes", parse_int, str,
         "bytes of communication buffers each rank of a shared-memory group may hand out through "
         "`allocate_tensor` (FSDP2's `set_allocate_memory_from_process_group_for_comm`): memory "

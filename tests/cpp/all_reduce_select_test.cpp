@@ -1,10 +1,13 @@
 // selectAllReduce, the all-reduce's choice of algorithm, as a table: the
 // sizes on each side of every threshold, and the settings that switch a
-// path off.
+// path off; and the reduce-scatter's choice of stores.
 
+#include "common/Config.hpp"
 #include "shm/Engine.hpp"
 
 #include <gtest/gtest.h>
+
+#include <fstream>
 
 namespace {
 
@@ -47,6 +50,27 @@ TEST(AllReduceSelection, EachSideOfEveryThreshold) {
         << r.bytes << " bytes, slot " << r.slotBytes << ", one shot " << r.oneShotBytes
         << ", direct " << r.directBytes << (r.directReads ? "" : ", no direct reads");
   }
+}
+
+// Reduce-scatters write around the cache from Config's threshold: the
+// setting when given (0: never), else the last-level cache over the bytes
+// a call touches per output byte on the host.
+TEST(StreamStoreSelection, SettingOrTheCacheOverTheCallsFootprint) {
+  hsdp::Config c;
+  const size_t cache = hsdp::Config::lastLevelCacheBytes();
+  if (std::ifstream("/sys/devices/system/cpu/cpu0/cache/index0/size")) {
+    EXPECT_GE(cache, size_t{32} * KiB); // at least an L1's worth where sysfs has caches
+  }
+  for (int ranks : {1, 2, 3, 8}) {
+    const size_t w = static_cast<size_t>(ranks);
+    EXPECT_EQ(c.streamStoreBytesFor(ranks), cache / (w * (w + 1))) << ranks << " ranks";
+    EXPECT_EQ(
+        c.engineConfig(ranks, std::chrono::seconds(1)).streamStoreBytes, cache / (w * (w + 1)));
+  }
+  c.streamStoreBytes = 12345;
+  EXPECT_EQ(c.engineConfig(2, std::chrono::seconds(1)).streamStoreBytes, 12345u);
+  c.streamStoreBytes = 0;
+  EXPECT_EQ(c.engineConfig(8, std::chrono::seconds(1)).streamStoreBytes, 0u);
 }
 
 } // namespace

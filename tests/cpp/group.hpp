@@ -27,6 +27,9 @@ inline EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::
   c.oneShotBytes = 256;
   c.directReadBytes = 512;
   c.directAllReduceBytes = 512;
+  // Reduce-scatters from 256 bytes a rank write around the cache: the bitwise
+  // checks cover both stores (all-reduces always write through the cache).
+  c.streamStoreBytes = 256;
   return c;
 }
 
