@@ -35,10 +35,11 @@ the parent on warm buffers; ``hsdp/mcR`` = the same against memcpy2 measured
 inside the main launch as one more interleaved contender (every rank copies
 its per-rank size at once), whose caches are as cold as the collectives'.
 For reduce_scatter the main launch also measures ``reduce`` (rdR): every
-rank sums world private rows of the per-rank size into one, with no
-communication; at 2 ranks that is one pass over exactly the bytes a
-one-pass reduce-scatter reads and writes, so ``hsdp/rdR`` bounds what any
-buffer scheme can gain over hsdp on this machine.
+rank sums world private rows of the per-rank size into one with the
+engine's own kernel (one pass, storing around the cache where hsdp's
+reduce-scatter does), with no communication: exactly the bytes a one-pass
+reduce-scatter reads and writes, so ``hsdp/rdR`` bounds what any buffer
+scheme can gain over hsdp on this machine.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ COLUMN_PEERS = ("gloo", "ompi", "mpich", "deepspeed")
 # measured inside the run, interleaved with the collectives).
 IN_RUN_MEMCPY = "memcpy"
 # The reduce-scatter's zero-communication limit, measured the same way:
-# every rank reduces world private rows of its per-rank size into one.
+# every rank reduces world private rows of its per-rank size into one with
+# the engine's own kernel, storing as its reduce-scatter would.
 IN_RUN_REDUCE = "reduce"
 
 
@@ -105,17 +107,6 @@ def _buffers(op: str, numel: int, rank: int, world: int, comm=None) -> dict:
     if op == "reduce_scatter":
         return {"out": torch.zeros(numel), "in": zeros(world * numel)}
     return {"t": torch.zeros(numel)}
-
-
-def _reduce_rows(rows, out) -> None:
-    """out = sum of rows in rank order. At 2 ranks one pass (read both
-    rows, write out once), what a one-pass reduce-scatter must move with no
-    communication at all; above 2 ranks world-1 passes, an upper estimate."""
-    import torch
-
-    torch.add(rows[0], rows[1], out=out)
-    for r in range(2, rows.shape[0]):
-        out.add_(rows[r])
 
 
 def _bind_torch(op: str, bufs: dict, group) -> Callable[[], None]:
@@ -192,7 +183,11 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
     ``problems`` collects {peer: reason} of peers that went wrong (dropped)."""
     import torch
 
+    from hsdp_backend import _C
+    from hsdp_backend import config as settings
+
     sampling: timing.Sampling = config["sampling"]
+    stream_from = settings.resolve().stream_store_bytes_for(ctx.world) or float("inf")
     comm = ctx.hsdp._get_backend(torch.device("cpu"))
     pool = comm.supports_tensor_alloc(torch.device("cpu"))
     out = []
@@ -235,7 +230,8 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
             calls[IN_RUN_MEMCPY] = functools.partial(dst.copy_, src)
             if op == "reduce_scatter" and ctx.world > 1:
                 rows, reduced = torch.ones(ctx.world, numel), torch.empty(numel)
-                calls[IN_RUN_REDUCE] = functools.partial(_reduce_rows, rows, reduced)
+                streaming = nbytes >= stream_from
+                calls[IN_RUN_REDUCE] = functools.partial(_C._reduce_rows, reduced, rows, streaming)
             per_call = timing.calibrate(ctx.gloo, calls, sampling)
             samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_call, sampling)
             res = {"op": op, "bytes": nbytes, "numel": numel, "checked": sorted(calls)}

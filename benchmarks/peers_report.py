@@ -203,9 +203,9 @@ mc1 / mc2 = single-thread memcpy of the per-rank size, 1 process / 2 concurrent 
 mcR = memcpy2 measured inside the main launch, interleaved with the collectives (every rank
 copies its per-rank size at once: caches as cold as theirs); hsdp/mcR = hsdp busbw / its GB/s;
 rdR = reduce_scatter's zero-communication limit in the main launch (every rank sums world
-private rows of its per-rank size into one: at 2 ranks one pass over the bytes a one-pass
-reduce-scatter moves); hsdp/rdR, pool/rdR = time / that limit (the most any buffer scheme
-could gain over hsdp is hsdp/rdR);
+private rows of its per-rank size into one with hsdp's own kernel, storing as its
+reduce-scatter does: one pass over the bytes a one-pass reduce-scatter moves); hsdp/rdR,
+pool/rdR = time / that limit (the most any buffer scheme could gain over hsdp is hsdp/rdR);
 '-' = not applicable (DeepSpeed's shm op is all-reduce only); missing: see the reasons below;
 spread = interquartile range / median of rank 0's samples, the noisiest contender of the main
 launch."""

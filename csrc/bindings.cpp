@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/ProcessGroupHSDP.hpp"
+#include "shm/Reduce.hpp"
 #ifdef HSDP_BUILD_TESTING
 #include "testing/NcclContractBackend.hpp"
 #endif
@@ -122,6 +123,40 @@ PYBIND11_MODULE(_C, m) {
   checkedField(config, "run_backend_map", &hsdp::Config::runBackendMap);
   checkedField(config, "run_verbose", &hsdp::Config::runVerbose);
   checkedField(config, "test_hosts", &hsdp::Config::testHosts);
+  config.def(
+      "stream_store_bytes_for",
+      &hsdp::Config::streamStoreBytesFor,
+      py::arg("group_size"),
+      "Output bytes per rank from which a reduce-scatter of group_size ranks on one host "
+      "writes around the cache (0: never).");
+
+  // Benchmarks: the engine's own SUM kernel on private memory, out = rows[0]
+  // + rows[1] + ... in one pass, storing as a reduce-scatter would: the
+  // reduce-scatter's zero-communication limit (benchmarks/peers.py).
+  m.def("_reduce_rows", [](at::Tensor& out, const at::Tensor& rows, bool streaming) {
+    TORCH_CHECK_VALUE(
+        rows.dim() == 2 && rows.size(0) >= 1 && rows.is_contiguous() && out.is_contiguous() &&
+            rows.device().is_cpu() && out.device().is_cpu() && rows.scalar_type() == at::kFloat &&
+            out.scalar_type() == at::kFloat && out.numel() == rows.size(1),
+        "_reduce_rows: expected contiguous float32 CPU rows [k, n] and out [n], got rows ",
+        rows.sizes(),
+        " and out ",
+        out.sizes());
+    std::vector<const void*> srcs;
+    for (int64_t r = 0; r < rows.size(0); ++r) {
+      srcs.push_back(rows[r].data_ptr());
+    }
+    py::gil_scoped_release nogil;
+    hsdp::shm::reduce(
+        out.data_ptr(),
+        srcs.data(),
+        static_cast<int>(srcs.size()),
+        static_cast<size_t>(out.numel()),
+        hsdp::shm::DType::F32,
+        hsdp::shm::RedOp::Sum,
+        hsdp::shm::Scale{},
+        streaming ? hsdp::shm::Store::Streaming : hsdp::shm::Store::Cached);
+  });
 
   m.def(
       "create_backend",

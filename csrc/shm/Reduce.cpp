@@ -376,37 +376,6 @@ HSDP_KERNEL(reduceI64, int64_t)
 #undef HSDP_KERNEL
 #undef HSDP_MULTIVERSION
 
-void reduceDtype(
-    void* dst,
-    const void* const* srcs,
-    int nsrcs,
-    size_t count,
-    DType dtype,
-    RedOp op,
-    Scale scale,
-    Store store) {
-  switch (dtype) {
-    case DType::F32:
-      return reduceF32(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::F64:
-      return reduceF64(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::BF16:
-      return reduceBF16(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::F16:
-      return reduceF16(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::I8:
-      return reduceI8(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::U8:
-      return reduceU8(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::I16:
-      return reduceI16(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::I32:
-      return reduceI32(dst, srcs, nsrcs, count, op, scale, store);
-    case DType::I64:
-      return reduceI64(dst, srcs, nsrcs, count, op, scale, store);
-  }
-}
-
 } // namespace
 
 void reduce(
@@ -418,7 +387,36 @@ void reduce(
     RedOp op,
     Scale scale,
     Store store) {
-  reduceDtype(dst, srcs, nsrcs, count, dtype, op, scale, store);
+  auto* kernel = reduceF32;
+  switch (dtype) {
+    case DType::F32:
+      break;
+    case DType::F64:
+      kernel = reduceF64;
+      break;
+    case DType::BF16:
+      kernel = reduceBF16;
+      break;
+    case DType::F16:
+      kernel = reduceF16;
+      break;
+    case DType::I8:
+      kernel = reduceI8;
+      break;
+    case DType::U8:
+      kernel = reduceU8;
+      break;
+    case DType::I16:
+      kernel = reduceI16;
+      break;
+    case DType::I32:
+      kernel = reduceI32;
+      break;
+    case DType::I64:
+      kernel = reduceI64;
+      break;
+  }
+  kernel(dst, srcs, nsrcs, count, op, scale, store);
 #if defined(__x86_64__)
   if (store == Store::Streaming) {
     // Non-temporal stores are weakly ordered: fence them before whatever
