@@ -14,6 +14,15 @@ def test_pool_buffers(world):
     run_ranks(buffer_cases.pool_suite, world)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_reduce_scatters_that_write_around_the_cache(world):
+    # From 4 KiB a rank the outputs are written with non-temporal stores,
+    # pooled and ordinary alike: still gloo's bytes.
+    run_ranks(
+        buffer_cases.collectives_match_gloo, world, env={"HSDP_SHM_STREAM_STORE_BYTES": "4096"}
+    )
+
+
 def test_pool_buffers_on_a_hierarchical_group():
     # Pretended hosts: the pool is each host's; results are gloo's.
     run_ranks(
