@@ -187,7 +187,7 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
     from hsdp_backend import config as settings
 
     sampling: timing.Sampling = config["sampling"]
-    stream_from = settings.resolve().stream_store_bytes_for(ctx.world) or float("inf")
+    stream_from = settings.resolve().stream_store_bytes_for(ctx.world)
     comm = ctx.hsdp._get_backend(torch.device("cpu"))
     pool = comm.supports_tensor_alloc(torch.device("cpu"))
     out = []
@@ -230,8 +230,9 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
             calls[IN_RUN_MEMCPY] = functools.partial(dst.copy_, src)
             if op == "reduce_scatter" and ctx.world > 1:
                 rows, reduced = torch.ones(ctx.world, numel), torch.empty(numel)
-                streaming = nbytes >= stream_from
-                calls[IN_RUN_REDUCE] = functools.partial(_C._reduce_rows, reduced, rows, streaming)
+                calls[IN_RUN_REDUCE] = functools.partial(
+                    _C._reduce_rows, reduced, rows, stream_from
+                )
             per_call = timing.calibrate(ctx.gloo, calls, sampling)
             samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_call, sampling)
             res = {"op": op, "bytes": nbytes, "numel": numel, "checked": sorted(calls)}

@@ -131,9 +131,10 @@ PYBIND11_MODULE(_C, m) {
       "writes around the cache (0: never).");
 
   // Benchmarks: the engine's own SUM kernel on private memory, out = rows[0]
-  // + rows[1] + ... in one pass, storing as a reduce-scatter would: the
-  // reduce-scatter's zero-communication limit (benchmarks/peers.py).
-  m.def("_reduce_rows", [](at::Tensor& out, const at::Tensor& rows, bool streaming) {
+  // + rows[1] + ... in one pass, storing as a reduce-scatter whose
+  // streamStoreBytes is stream_from_bytes would: the reduce-scatter's
+  // zero-communication limit (benchmarks/peers.py).
+  m.def("_reduce_rows", [](at::Tensor& out, const at::Tensor& rows, size_t streamFromBytes) {
     TORCH_CHECK_VALUE(
         rows.dim() == 2 && rows.size(0) >= 1 && rows.is_contiguous() && out.is_contiguous() &&
             rows.device().is_cpu() && out.device().is_cpu() && rows.scalar_type() == at::kFloat &&
@@ -155,7 +156,7 @@ PYBIND11_MODULE(_C, m) {
         hsdp::shm::DType::F32,
         hsdp::shm::RedOp::Sum,
         hsdp::shm::Scale{},
-        streaming ? hsdp::shm::Store::Streaming : hsdp::shm::Store::Cached);
+        hsdp::shm::storeFor(out.nbytes(), streamFromBytes));
   });
 
   m.def(

@@ -592,9 +592,7 @@ void Engine::reduceScatter(
   auto* out = static_cast<char*>(output);
   const size_t inputBytes = static_cast<size_t>(size_) * n * es;
   // An output past the cache is written around it (see streamStoreBytes).
-  const Store store = config_.streamStoreBytes > 0 && n * es >= config_.streamStoreBytes
-      ? Store::Streaming
-      : Store::Cached;
+  const Store store = storeFor(n * es, config_.streamStoreBytes);
   if (const PoolRef mine = pooled(in, inputBytes, n * es)) {
     // Every rank's chunk of mine is read straight from my input: one pass,
     // in rank order as below, so the result is bitwise the same.

@@ -23,6 +23,11 @@ namespace hsdp::shm {
 // before reduce returns.
 enum class Store : uint8_t { Cached, Streaming };
 
+// Streaming from `streamFromBytes` of output on (EngineConfig::streamStoreBytes); 0: never.
+inline Store storeFor(size_t outputBytes, size_t streamFromBytes) {
+  return streamFromBytes > 0 && outputBytes >= streamFromBytes ? Store::Streaming : Store::Cached;
+}
+
 void reduce(
     void* dst,
     const void* const* srcs,
