@@ -1,29 +1,47 @@
 #!/usr/bin/env bash
-# Sets up the compatibility venv: .venv-torch2.13 with the oldest supported
-# torch (the local 2.13.0 CPU wheel; pip's find-links names its folder) and
-# the build and test tools, and hsdp_backend built against that torch in its
-# own build tree (build/torch2.13: never the main venv's build/{wheel_tag}).
-# tests/test_torch_versions.py runs it, then a subset of the suite in that
-# venv. Idempotent and quick on a second run, like scripts/setup.sh.
+# Sets up a venv with another supported torch and hsdp_backend built against
+# it: tests/test_torch_versions.py runs the quick tier there, once per
+# release in the table below. The main venv (scripts/setup.sh) has 2.14.
 #
-#   COMPAT_TORCH   the torch requirement (default torch==2.13.0+cpu)
-#   COMPAT_VENV    the venv's folder   (default .venv-torch2.13)
+#   bash scripts/setup_compat.sh 2.15     # prints the venv's python last
+#
+# The venvs live outside the clone (HSDP_VENV_CACHE, default
+# ~/.cache/hsdp-backend): a CUDA build of torch with its libraries is 5 GB
+# and a minute or two to install, so a second run (or a second clone) reuses
+# it. The package is rebuilt, in the clone's build/torch<version>, only when
+# its sources differ from those the venv's copy was built from.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv_steps.sh
 
-TORCH_REQ=${COMPAT_TORCH:-torch==2.13.0+cpu}
-TORCH_VERSION=${TORCH_REQ#torch==}
-TORCH_VERSION=${TORCH_VERSION%%+*}
-VENV=${COMPAT_VENV:-.venv-torch$(echo "$TORCH_VERSION" | cut -d. -f1,2)}
-BUILD_DIR=build/$(basename "$VENV" | sed 's/^\.venv-//')
+# The release of each minor version that is tested (docs/versions.md). 2.13
+# is the local CPU wheel (a CPU build of torch); the others come from PyPI as
+# CUDA builds, past this machine's pip cap (PIP_CONFIG_FILE=/dev/null below).
+declare -A TORCH_REQS=(
+  [2.11]=torch==2.11.0
+  [2.12]=torch==2.12.1
+  [2.13]=torch==2.13.0+cpu
+  [2.15]=torch==2.15.0
+)
+MINOR=${1:?usage: setup_compat.sh MINOR (one of: ${!TORCH_REQS[*]})}
+TORCH_REQ=${TORCH_REQS[$MINOR]:?"no tested release for torch $MINOR (known: ${!TORCH_REQS[*]})"}
+CACHE=${HSDP_VENV_CACHE:-$HOME/.cache/hsdp-backend}
+VENV=$CACHE/venv-torch$MINOR
 PY=$VENV/bin/python
 
+# A machine-wide pip configuration may cap torch or point at local indexes;
+# the releases here are exact pins from PyPI (2.13: the local wheel, which
+# pip's find-links names in the environment), so it is not read.
+export PIP_CONFIG_FILE=/dev/null
+mkdir -p "$CACHE"
 ensure_venv "$VENV"
 ensure_torch "$PY" "$TORCH_REQ"
 # scripts/setup.sh's tools less the benchmark's plotting and the formatter.
 ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,expecttest \
   "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy expecttest
-# Its own build tree: never the main venv's build/{wheel_tag}.
-build_package "$PY" "$BUILD_DIR/.setup-stamp" -C "build-dir=$BUILD_DIR" -C cmake.define.HSDP_BUILD_TESTING=ON
-echo "[setup-compat] ready: $VENV, $("$PY" -c 'import torch; print("torch", torch.__version__)')"
+# Its own build tree (never the main venv's build/{wheel_tag}); the stamp in
+# the venv, which is what the build went into.
+build_package "$PY" "$VENV/.hsdp-build-stamp" -C "build-dir=build/torch$MINOR" \
+  -C cmake.define.HSDP_BUILD_TESTING=ON >&2
+echo "[setup-compat] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')" >&2
+echo "$PY"

@@ -44,10 +44,23 @@ QUICK = (
 )
 
 
+# What runs on every supported torch besides the main venv's
+# (tests/test_torch_versions.py): the quick tier and the FSDP2 shim, whose
+# contact with FSDP2's internals is what differs most between releases.
+EVERY_TORCH = (
+    *QUICK,
+    "tests/test_fsdp_selfproof.py",
+    "tests/test_fsdp_buckets.py",
+    "tests/test_torch_contracts.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(QUICK):
             item.add_marker(pytest.mark.quick)
+        if item.nodeid.startswith(EVERY_TORCH):
+            item.add_marker(pytest.mark.every_torch)
 
 
 @pytest.fixture(scope="session", autouse=True)

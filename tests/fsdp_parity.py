@@ -349,7 +349,6 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     if on_hsdp and s.stream_ordered:
         _buckets.ordered_by_streams = lambda device: True
     if on_hsdp:
-        assert shim.is_enabled(), "the shim should be installed automatically on hsdp"
         if s.bucket_bytes is not None:
             shim.enable(bucket_bytes=s.bucket_bytes)
         if s.shim in ("off", "incompatible"):
@@ -365,6 +364,9 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             caught += [str(w.message) for w in record]
     try:
         model, optimizer = _build_sharded(s, mesh, s.seed)
+        if on_hsdp and s.shim not in ("off", "incompatible"):
+            # Installed, proved, at the first fully_shard (or by enable() above).
+            assert shim.is_enabled(), "the shim should be installed automatically on hsdp"
         if not on_hsdp:
             # gloo: SUM collectives and one division (torch versions whose gloo
             # AVG reduce-scatter sums would otherwise make a bad reference).

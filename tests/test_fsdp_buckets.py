@@ -12,8 +12,10 @@ class _Grad:
 
     def __init__(self, flat, finished):
         self.flat = flat
-        self.orig_dtype = None
         self._finished = finished
+
+    def views_flat(self):
+        return True
 
     def finish(self):
         self._finished.append(self.flat.clone())

@@ -84,13 +84,14 @@ def test_mesh_mixing_backends_warns_and_stays_correct():
 def test_torch_outside_the_supported_range_warns():
     from hsdp_backend.fsdp import _compat
 
-    assert _compat._check_torch_version("2.14.1+cu130")
-    assert _compat._check_torch_version("2.13.0+cpu")
-    _compat._shim.warned.discard("torch-version")
-    with pytest.warns(
-        UserWarning, match=r"torch 2\.12\.0 is outside the supported range 2\.13-2\.14"
-    ):
-        assert not _compat._check_torch_version("2.12.0")
+    for inside in ("2.11.0+cu130", "2.12.1", "2.13.0+cpu", "2.14.1+cu130", "2.15.0"):
+        assert _compat._check_torch_version(inside), inside
+    for outside, key in (("2.10.0", "2\\.10\\.0"), ("2.16.0", "2\\.16\\.0")):
+        _compat._shim.warned.discard("torch-version")
+        with pytest.warns(
+            UserWarning, match=rf"torch {key} is outside the supported range 2\.11 to 2\.15"
+        ):
+            assert not _compat._check_torch_version(outside)
     _compat._shim.warned.discard("torch-version")
     with pytest.warns(UserWarning, match="HSDP_FSDP=off"):
         assert not _compat._check_torch_version("3.0.0")
@@ -202,7 +203,7 @@ def nested_backward_body(rank, world):
             dist.group.WORLD, 1.0, torch.float32, 4, cpu, _buckets.Streams.of(cpu, None, None)
         )
         out.fill_(value)
-        buckets.add(key, _compat.PendingGrads([fsdp_param], [4], torch.float32, out), in_backward)
+        buckets.add(key, _compat.PendingGrads([fsdp_param], [4], [torch.float32], out), in_backward)
         params.append(param)
 
     class OuterThenNested(torch.autograd.Function):

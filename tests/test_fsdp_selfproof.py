@@ -9,6 +9,7 @@ import importlib
 import logging
 import os
 import re
+import sys
 import warnings
 
 import pytest
@@ -45,7 +46,8 @@ def fsdp2_functions():
     return (
         module.foreach_reduce,
         module.FSDPParamGroup._init_mp_dtypes,
-        FSDPModule.reset_iter_state,
+        module.FSDPParamGroup.__init__,
+        getattr(FSDPModule, "reset_iter_state", None),  # torch >= 2.13
     )
 
 
@@ -118,7 +120,7 @@ def _perturb_one_element(finish):
 
 def _widen_to_fp64(finish):
     def widened(self):
-        self.orig_dtype = torch.float64
+        self.grad_dtypes = [torch.float64] * len(self.grad_dtypes)
         finish(self)
 
     return widened
@@ -198,10 +200,13 @@ def test_the_proof_leaves_no_group_thread_or_segment(shim):
     assert segments_and_groups() == before
 
 
-def automatic_install_body(rank, world, fsdp_first: bool):
-    """Creates the world's hsdp group and imports FSDP2, in either order: the
-    shim installs automatically, proved, inside the default group's creation
-    (no default group yet) or after it, and the world is untouched."""
+def automatic_install_body(rank, world, order: str):
+    """Creates the world's hsdp group and imports what a script imports, in
+    the order ``order`` names, then uses FSDP2: the shim proves and installs
+    at the first fully_shard, never before, never inside an import, and the
+    world is untouched. ``import torch._dynamo`` (what DDP, DTensor,
+    functional collectives and torch.compile import) imports FSDP2 half-way
+    through its own body: the proof must not run there."""
     import torch.distributed as dist
 
     from hsdp_backend import fsdp as shim
@@ -212,27 +217,96 @@ def automatic_install_body(rank, world, fsdp_first: bool):
     log = logging.getLogger("hsdp_backend")
     log.addHandler(handler)
     log.setLevel(logging.DEBUG)
-    if fsdp_first:
-        importlib.import_module("torch.distributed.fsdp")
-    dist.init_process_group("hsdp", rank=rank, world_size=world)
-    importlib.import_module("torch.distributed.fsdp")  # imported by now if fsdp_first
-    from torch.distributed import distributed_c10d as c10d
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        if order == "fsdp_first":
+            importlib.import_module("torch.distributed.fsdp")
+        dist.init_process_group("hsdp", rank=rank, world_size=world)
+        if order == "dynamo_after_group":
+            importlib.import_module("torch._dynamo")
+        importlib.import_module("torch.distributed.fsdp")  # imported by now if fsdp_first
+        from torch.distributed import distributed_c10d as c10d
+        from torch.distributed.fsdp import fully_shard
 
-    ones = torch.ones(3)
-    dist.all_reduce(ones)
+        ones = torch.ones(3)
+        dist.all_reduce(ones)
+        before_use = {"enabled": shim.is_enabled(), "proofs": len(proofs)}
+        model = torch.nn.Linear(4, 4)
+        fully_shard(model)
+        model(torch.ones(2, 4)).sum().backward()
     return {
+        "before_use": before_use,
         "enabled": shim.is_enabled(),
         "proofs": [m for m in proofs if "proved against FSDP2's native path" in m],
+        "warnings": [str(w.message) for w in record if "hsdp" in str(w.message)],
         "groups": sorted(pg.group_name for pg in c10d._world.pg_map),
         "sum": ones.tolist(),
     }
 
 
-@pytest.mark.parametrize("fsdp_first", [True, False], ids=["fsdp_first", "group_first"])
-def test_the_proof_runs_on_automatic_install(fsdp_first):
-    results = run_ranks(automatic_install_body, 2, backend=None, fsdp_first=fsdp_first)
+@pytest.mark.parametrize("order", ["fsdp_first", "group_first", "dynamo_after_group"])
+def test_the_proof_runs_at_first_use_whatever_the_import_order(order):
+    results = run_ranks(automatic_install_body, 2, backend=None, order=order)
     for result in results:
+        assert result["before_use"] == {"enabled": False, "proofs": 0}, result
         assert result["enabled"], result
         assert len(result["proofs"]) == 1, result
+        assert result["warnings"] == [], result
         assert len(result["groups"]) == 1, result  # the world's group alone
         assert result["sum"] == [2.0] * 3, result
+
+
+def no_fsdp_use_body(rank, world):
+    """A script that never uses FSDP2, though DTensor and dynamo import it."""
+    import torch.distributed as dist
+
+    from hsdp_backend import fsdp as shim
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        dist.init_process_group("hsdp", rank=rank, world_size=world)
+        import torch._dynamo  # noqa: F401
+        import torch.distributed._functional_collectives as funcol
+
+        total = funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD)
+        total = total.wait() if hasattr(total, "wait") else total
+    return {
+        "enabled": shim.is_enabled(),
+        "proof imported": "hsdp_backend.fsdp._proof" in sys.modules,
+        "warnings": [str(w.message) for w in record if "hsdp" in str(w.message)],
+        "sum": total.tolist(),
+    }
+
+
+def test_a_script_that_never_uses_fsdp2_pays_nothing_and_sees_nothing():
+    for result in run_ranks(no_fsdp_use_body, 2, backend=None):
+        assert result == {
+            "enabled": False,
+            "proof imported": False,
+            "warnings": [],
+            "sum": [2.0, 2.0],
+        }, result
+
+
+def test_a_proof_that_cannot_run_is_not_blamed_on_the_shim(shim, monkeypatch):
+    from hsdp_backend.fsdp import _compat, _proof
+
+    def fsdp2_fails(case, mesh):
+        raise AttributeError(
+            "partially initialized module 'torch._dynamo' has no attribute 'disable'"
+        )
+
+    monkeypatch.setattr(_proof, "_train", fsdp2_fails)
+    _compat._shim.warned.discard("unproven")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        assert shim.enable() is False
+    messages = [str(w.message) for w in record if "hsdp_backend.fsdp" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert (
+        "could not run" in messages[0] and "says nothing about the shim's gradients" in messages[0]
+    )
+    assert "fp32" in messages[0] and "partially initialized module" in messages[0]
+    assert "are not FSDP2's" not in messages[0]
+    monkeypatch.undo()
+    assert shim.enable() is True  # an explicit enable() tries again

@@ -101,7 +101,7 @@ void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
   }
 }
 
-#if HSDP_TORCH_AT_LEAST_2_14
+#if HSDP_TORCH_HAS_VIRTUAL_SET_BOUND_DEVICE
 void ProcessGroupHSDP::setBoundDeviceId(std::optional<at::Device> device) {
   Backend::setBoundDeviceId(device);
   if (cuda_ && device && device->is_cuda()) {
@@ -175,17 +175,59 @@ bool ProcessGroupHSDP::supportsSplitting() const {
   return cpu_->backend().supportsSplitting() && (!cuda_ || cuda_->backend().supportsSplitting());
 }
 
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+bool ProcessGroupHSDP::isInitialized() {
+  return compat::isInitialized(cpu_->backend()) &&
+      (!cuda_ || compat::isInitialized(cuda_->backend()));
+}
+#endif
+
+#if HSDP_TORCH_HAS_TIME_ESTIMATE
+bool ProcessGroupHSDP::supportsTimeEstimation() const {
+  return cuda_ && cuda_->backend().supportsTimeEstimation();
+}
+
+void ProcessGroupHSDP::startTimeEstimate() {
+  HSDP_CHECK(
+      supportsTimeEstimation(),
+      ctx("startTimeEstimate"),
+      "time estimation needs an inner CUDA backend that has it (NCCL)");
+  cuda_->backend().startTimeEstimate();
+}
+
+float ProcessGroupHSDP::endTimeEstimate() {
+  HSDP_CHECK(
+      supportsTimeEstimation(),
+      ctx("endTimeEstimate"),
+      "time estimation needs an inner CUDA backend that has it (NCCL)");
+  return cuda_->backend().endTimeEstimate();
+}
+#endif
+
 c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
     const c10::intrusive_ptr<c10d::Store>& store,
     const std::vector<int>& ranks,
     const c10::intrusive_ptr<Options>& opts) {
   const auto c = ctx("split_group");
   HSDP_CHECK(supportsSplitting(), c, "an inner backend of this group cannot be split");
+  // A split is collective over the parent's communicator, which NCCL builds
+  // at its first collective: without one, NCCL's split would dereference
+  // nothing on the ranks that take no part. Every rank sees the same state
+  // (the same collectives ran on each), so every rank raises.
+  for (auto* route : {cpu_.get(), cuda_.get()}) {
+    HSDP_CHECK(
+        !route || compat::isInitialized(route->backend()),
+        c,
+        "the group's inner ",
+        route->backend().getBackendName(),
+        " backend has no communicator yet (it connects at its first collective): run a collective on this "
+        "group, or create it bound to its device (init_process_group(device_id=...)), before splitting it");
+  }
   for (int r : ranks) {
     checkRank(c, r, "member");
   }
   const auto timeout = opts ? opts->timeout : options_->timeout;
-#if !HSDP_TORCH_AT_LEAST_2_14
+#if !HSDP_TORCH_SPLITS_ONCE_PER_BACKEND
   const std::string groupName = opts ? opts->group_name : std::string();
   if (lastSplit_ && lastSplit_->groupName == groupName && lastSplit_->ranks == ranks) {
     if (lastSplit_->none) {

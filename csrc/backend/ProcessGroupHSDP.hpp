@@ -85,10 +85,22 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
   // context) and the child gets its own shared-memory rendezvous.
   bool supportsSplitting() const override;
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+  // Whether every inner backend has its communicator (NCCL's appears at its
+  // first collective or an eager connect): split() callers check it.
+  bool isInitialized() override;
+#endif
+#if HSDP_TORCH_HAS_TIME_ESTIMATE
+  // Collective time estimation, where the inner CUDA backend (NCCL) has it:
+  // the collectives issued between start and end are simulated, not run.
+  bool supportsTimeEstimation() const override;
+  void startTimeEstimate() override;
+  float endTimeEstimate() override;
+#endif
   // A default group bound to a GPU (init_process_group(device_id=...)):
   // NCCL connects eagerly and splits from the bound device.
 // Virtual since torch 2.14; on 2.13 the inner NCCL backend is not told the bound device.
-#if HSDP_TORCH_AT_LEAST_2_14
+#if HSDP_TORCH_HAS_VIRTUAL_SET_BOUND_DEVICE
   void setBoundDeviceId(std::optional<at::Device> device) override;
 #endif
   void eagerConnectSingleDevice(at::Device device) override;
@@ -292,7 +304,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<Options> options_;
   const Config config_;                           // what a split child is built with
   const std::optional<std::string> hostIdentity_; // tests: a pretended host
-#if !HSDP_TORCH_AT_LEAST_2_14
+#if !HSDP_TORCH_SPLITS_ONCE_PER_BACKEND
   // torch 2.13's ProcessGroup::splitGroup calls split() once per device type
   // the backend serves (cpu and cuda: the same backend), with the same store
   // prefix and ranks; a second rendezvous there races with the first one's

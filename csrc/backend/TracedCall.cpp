@@ -7,6 +7,8 @@
 
 #include <exception>
 
+#include "common/TorchCompat.hpp"
+
 namespace hsdp {
 
 namespace {
@@ -20,7 +22,7 @@ namespace {
 std::function<bool()> doneOnDevice(c10::Device device) {
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream stream = impl.getStream(device);
-  if (impl.isStreamCapturing(stream)) {
+  if (compat::isStreamCapturing(stream)) {
     return nullptr;
   }
   auto event = std::make_shared<c10::Event>(device.type());

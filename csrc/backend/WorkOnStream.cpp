@@ -8,6 +8,8 @@
 
 #include <thread>
 
+#include "common/TorchCompat.hpp"
+
 namespace hsdp {
 
 WorkOnStream::WorkOnStream(
@@ -24,7 +26,7 @@ WorkOnStream::WorkOnStream(
       outputs_(std::move(outputs)),
       keepAlive_(std::move(keepAlive)) {
   c10::impl::VirtualGuardImpl impl(stream.device_type());
-  captured_ = impl.isStreamCapturing(stream);
+  captured_ = compat::isStreamCapturing(stream);
   // The caching allocator must not hand these blocks to another stream
   // before the side stream is done with them, even if the caller drops
   // every reference first (as it may once it has waited).

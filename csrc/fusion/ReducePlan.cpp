@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include "common/TorchCompat.hpp"
+
 namespace hsdp {
 
 namespace {
@@ -61,9 +63,9 @@ DeferredScale DeferredScale::dividedBy(double divisor) const {
 c10d::ReduceOp DeferredScale::asPreMulSum(at::ScalarType dtype) const {
   switch (kind_) {
     case Kind::Divide:
-      return c10d::makePreMulSum(1.0 / value_);
+      return compat::makePreMulSum(1.0 / value_);
     case Kind::Multiply:
-      return c10d::makePreMulSum(value_);
+      return compat::makePreMulSum(value_);
     case Kind::MultiplyTensor:
       // NCCL reads a tensor factor on the device itself (ncclScalarDevice)
       // when the op runs, in the data's dtype ("PreMulSum factor type must
@@ -74,13 +76,13 @@ c10d::ReduceOp DeferredScale::asPreMulSum(at::ScalarType dtype) const {
       // returns, before NCCL's stream reads it: such a factor is read on the
       // host instead (one sync).
       if (callersTensor_ && tensor_.scalar_type() == dtype) {
-        return c10d::makePreMulSum(tensor_);
+        return compat::makePreMulSum(tensor_);
       }
-      return c10d::makePreMulSum(value());
+      return compat::makePreMulSum(value());
     case Kind::None:
       break;
   }
-  return c10d::makePreMulSum(1.0);
+  return compat::makePreMulSum(1.0);
 }
 
 void DeferredScale::apply(const at::Tensor& t) const {
@@ -145,7 +147,7 @@ planReduceOp(const OpContext& ctx, const c10d::ReduceOp& op, at::ScalarType dtyp
     case c10d::ReduceOp::PREMUL_SUM: {
       HSDP_CHECK_VALUE(
           isFloat, ctx, "ReduceOp.PREMUL_SUM needs a floating-point tensor, got ", dtype);
-      auto* supplement = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      auto* supplement = dynamic_cast<compat::PreMulSumSupplement*>(op.supplement_.get());
       HSDP_CHECK_VALUE(
           supplement != nullptr,
           ctx,

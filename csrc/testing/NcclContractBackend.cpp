@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "backend/WorkHSDP.hpp"
+#include "common/TorchCompat.hpp"
 #include "fusion/ReducePlan.hpp"
 
 namespace hsdp::testing {
@@ -270,7 +271,7 @@ thread_local bool integerAverage = false;
 c10d::ReduceOp
 NcclContractBackend::sumFor(const char* what, const c10d::ReduceOp& op, const at::Tensor& t) {
   auto* premul = op.op_ == c10d::ReduceOp::PREMUL_SUM
-      ? dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get())
+      ? dynamic_cast<hsdp::compat::PreMulSumSupplement*>(op.supplement_.get())
       : nullptr;
   const bool tensorFactor = premul && premul->tensor_factor.defined();
   {
@@ -319,6 +320,7 @@ WorkPtr NcclContractBackend::run(
     bool asyncOp,
     std::vector<at::Tensor> outputs,
     const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue) {
+  connected_ = true; // ProcessGroupNCCL builds its communicator at the first collective
   std::vector<at::Tensor> privates;
   for (const auto& t : outputs) {
     privates.push_back(t.clone(at::MemoryFormat::Contiguous));

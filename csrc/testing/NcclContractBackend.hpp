@@ -25,6 +25,10 @@
 //   * a split (a group created with ``split_from``, and a non-member's
 //     perform_nocolor_split) is collective over every rank of the parent:
 //     a rank that does not join blocks its peers until the timeout;
+//   * it has no communicator until its first collective or an eager connect
+//     (isInitialized() false: ProcessGroupNCCL::isInitialized, an empty
+//     devNCCLCommMap_; Backend::isInitialized from torch 2.15); a split's
+//     child has one from the start (ncclCommSplit builds it);
 //   * AVG and PREMUL_SUM are done inside the reduction: floating-point
 //     inputs are pre-multiplied by the factor rounded to their dtype, a
 //     tensor factor must have the data's dtype, integer AVG sums and then
@@ -34,6 +38,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/OpQueue.hpp"
+#include "common/TorchCompat.hpp"
 
 #include <atomic>
 #include <functional>
@@ -65,9 +70,24 @@ class NcclContractBackend final : public c10d::Backend {
       const std::vector<int>& ranks,
       const c10::intrusive_ptr<Options>& opts) override {
     auto child = gloo_->split(store, ranks, opts);
-    return child
-        ? c10::make_intrusive<NcclContractBackend>(child, child->getRank(), child->getSize())
-        : nullptr;
+    if (!child) {
+      return nullptr;
+    }
+    auto double_ =
+        c10::make_intrusive<NcclContractBackend>(child, child->getRank(), child->getSize());
+    double_->connected_ = true;
+    return double_;
+  }
+  // ProcessGroupNCCL::isInitialized (an override of Backend's from torch 2.15).
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+  bool isInitialized() override {
+#else
+  bool isInitialized() {
+#endif
+    return connected_;
+  }
+  void eagerConnectSingleDevice(at::Device device) override {
+    connected_ = true;
   }
   void setTimeout(std::chrono::milliseconds timeout) override {
     gloo_->setTimeout(timeout);
@@ -209,6 +229,7 @@ class NcclContractBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   std::mutex mutex_;
+  std::atomic<bool> connected_{false}; // a communicator exists (isInitialized)
   bool coalescing_ = false;
   std::vector<WorkPtr> held_; // calls made while coalescing
   bool heldAsync_ = false;

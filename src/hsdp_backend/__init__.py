@@ -36,12 +36,28 @@ def __getattr__(name):
     raise AttributeError(f"module 'hsdp_backend' has no attribute {name!r}")
 
 
+def _warn_if_unsupported() -> None:
+    # torch first: importing it runs the autoload entry point, which imports
+    # _torch_compat (whose own `import torch` must find torch under way, not
+    # start it).
+    import torch  # noqa: F401
+
+    from hsdp_backend import _torch_compat
+
+    problem = _torch_compat.unsupported()
+    if problem is not None:
+        import warnings
+
+        warnings.warn(problem, RuntimeWarning, stacklevel=3)
+
+
 def _register_on_import() -> None:
     # An exception here would also break `import torch` when torch imports
     # us through the autoload entry point, so a failure is reported, not
     # raised; init_process_group("hsdp") then fails with torch's own
     # "unknown backend" error after this warning.
     try:
+        _warn_if_unsupported()
         register()
     except Exception as exc:  # noqa: BLE001
         import warnings

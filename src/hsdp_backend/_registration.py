@@ -20,6 +20,9 @@ def register() -> None:
         return
     dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=DEVICES)
     _allow_new_group_beside_splitting()
+    from hsdp_backend import _torch_compat
+
+    _torch_compat.mark_self_recording(BACKEND_NAME)  # hsdp_backend.trace is its recorder
 
 
 def _allow_new_group_beside_splitting() -> None:
@@ -109,6 +112,14 @@ def _create_backend(opts, backend_options):
 
     import torch
     import torch.distributed as dist
+
+    from hsdp_backend import _torch_compat
+
+    problem = _torch_compat.unsupported()
+    if problem is not None:  # before the extension, built for another torch, fails to load
+        raise RuntimeError(
+            f"[rank {opts.group_rank}/{opts.group_size}] init_process_group: {problem}"
+        )
 
     from hsdp_backend import _C, config, fsdp
 

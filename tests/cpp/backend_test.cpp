@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "backend/ProcessGroupHSDP.hpp"
+#include "common/TorchCompat.hpp"
 
 #include <string>
 #include <vector>
@@ -55,7 +56,7 @@ void reduceEqual(const at::Tensor& t, const c10d::ReduceOp& op) {
     case c10d::ReduceOp::AVG:
       return;
     case c10d::ReduceOp::PREMUL_SUM: {
-      auto* s = dynamic_cast<c10d::PreMulSumSupplement*>(op.supplement_.get());
+      auto* s = dynamic_cast<hsdp::compat::PreMulSumSupplement*>(op.supplement_.get());
       t.mul_(
           s->tensor_factor.defined() ? s->tensor_factor.item<double>() * kSize
                                      : s->double_factor * kSize);

@@ -38,7 +38,7 @@ void waitOnCurrentStream(c10d::Work& w) {
   future->wait();
 }
 
-#if !HSDP_TORCH_AT_LEAST_2_14
+#if !HSDP_TORCH_HAS_OPTIONS_CLONE
 // Drops the one warning ProcessGroupGloo::split gives for options that are
 // not ProcessGroupGloo::Options ("... Falling back to default options."),
 // which splitWithOwnOptions asks for on purpose; passes on any other.
@@ -73,7 +73,7 @@ c10::intrusive_ptr<c10d::Backend> splitWithOwnOptions(
       opts.group_desc = *groupDesc;
     }
   };
-#if HSDP_TORCH_AT_LEAST_2_14
+#if HSDP_TORCH_HAS_OPTIONS_CLONE
   auto opts = inner.getBackendOptions()->clone();
   apply(*opts);
   return inner.split(store, ranks, opts);

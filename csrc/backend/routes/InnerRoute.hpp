@@ -30,11 +30,11 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/headeronly/version.h>
 
 #include "backend/OpQueue.hpp"
 #include "backend/WorkOnStream.hpp"
 #include "backend/routes/Route.hpp"
+#include "common/TorchCompat.hpp"
 
 #include <atomic>
 #include <chrono>
@@ -43,11 +43,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-// torch 2.14 added Backend::Options::clone() and made Backend::setBoundDeviceId
-// virtual; torch 2.13 has neither (the oldest torch supported, see docs/versions.md).
-#define HSDP_TORCH_AT_LEAST_2_14                                                                   \
-  (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 14))
 
 namespace hsdp {
 

@@ -75,10 +75,13 @@ module's own call to that method after ``fully_shard`` decides instead;
 ``HSDP_FSDP_COMM_BUFFERS=fsdp`` keeps FSDP2's own buffers; CUDA param groups
 keep FSDP2's default.
 
-The shim is installed automatically once an hsdp process group exists and
-``torch.distributed.fsdp`` is imported, in either order (``HSDP_FSDP=off``
-disables it), or explicitly with :func:`enable`; :func:`disable`
-undoes every patch it made. ``_compat`` is the one module that touches
+The shim is installed automatically once an hsdp process group exists, when
+FSDP2 is first used (the first ``fully_shard`` of a module with parameters,
+whatever was imported in which order; ``HSDP_FSDP=off`` disables it), or
+explicitly with :func:`enable`; :func:`disable` undoes every patch it made.
+When the proof itself cannot run (FSDP2 fails on the proof's model before
+the shim takes part), one warning says so, without blaming the shim's
+gradients, and FSDP2 keeps its native path. ``_compat`` is the one module that touches
 FSDP2's internals; ``_buckets`` plans and tracks the buckets without them;
 ``_proof`` runs FSDP2 through its public API only.
 """
@@ -124,8 +127,11 @@ def is_enabled() -> bool:
 
 def install_automatically(settings) -> None:
     """Called for every hsdp process group with its settings (a
-    ``config.resolve()``): enables the shim once FSDP2 is imported (now, or
-    when the process imports it), unless ``HSDP_FSDP=off``."""
+    ``config.resolve()``): enables the shim when FSDP2 is first used (the
+    first ``fully_shard`` of a module with parameters, once FSDP2 is
+    imported: now or later), unless ``HSDP_FSDP=off``. Never inside an
+    import, and a process that imports FSDP2 without using it pays
+    nothing (``_compat.arm``)."""
     if not settings.fsdp_shim:
         return
-    _post_import.when_imported(_compat.FSDP_PACKAGE, lambda _module: enable())
+    _post_import.when_imported(_compat.FSDP_PACKAGE, _compat.arm)

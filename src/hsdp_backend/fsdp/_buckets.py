@@ -28,7 +28,8 @@ class Pending(Protocol):
     """One param group's reduced shard, waiting for its bucket's all-reduce."""
 
     flat: torch.Tensor  # a slice of the bucket's buffer (repointed when it moves)
-    orig_dtype: torch.dtype | None  # what finish() casts to (None: no cast)
+
+    def views_flat(self) -> bool: ...  # whether finish() leaves gradients viewing flat
 
     def finish(self) -> None: ...
 
@@ -247,7 +248,7 @@ class ReplicateBuckets:
         pending, bucket.pending = bucket.pending, []
         for p in pending:
             p.finish()
-            if p.orig_dtype is None or p.orig_dtype == bucket.buffer.dtype:
+            if p.views_flat():
                 bucket.grads_alias = True
 
     def _finish_completed(self) -> None:

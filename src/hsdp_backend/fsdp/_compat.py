@@ -1,4 +1,4 @@
-"""The FSDP2 shim's one contact with FSDP2's internals (torch 2.13-2.14).
+"""The FSDP2 shim's one contact with FSDP2's internals (torch 2.11-2.15).
 
 Everything that names an FSDP2 internal lives here: the modules and the
 function the shim wraps (``foreach_reduce`` as ``_fsdp_param_group`` imports
@@ -8,13 +8,15 @@ FSDP2's padding of a shard, its allocation order inside ``foreach_reduce``
 and its gradient tail (cast, per-parameter views, ``.grad``, hooks:
 ``PendingGrads.finish``). The buckets (``_buckets``) see none of it; the
 proof at install (``_proof``) uses FSDP2's public API only, switching
-between FSDP2's path and the shim's through ``_installed_for_proof``.
+between FSDP2's path and the shim's through ``_installed_for_proof``. Where
+FSDP2 differs between torch releases, ``hsdp_backend._torch_compat`` says how.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import logging
 import math
 import sys
@@ -27,40 +29,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsdp_backend import _C, config
+from hsdp_backend import _C, _torch_compat, config
 from hsdp_backend.fsdp._buckets import ReplicateBuckets, Streams
 
 # The shim installs once this package is imported: the proof needs all of it.
 FSDP_PACKAGE = "torch.distributed.fsdp"
 _FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 
-# foreach_reduce's parameters as of torch 2.9-2.14; the shim calls the
-# original by these names.
-_FOREACH_REDUCE_PARAMS = (
-    "fsdp_params",
-    "unsharded_grads",
-    "reduce_scatter_group",
-    "reduce_scatter_stream",
-    "reduce_scatter_comm",
-    "orig_dtype",
-    "reduce_dtype",
-    "device",
-    "gradient_divide_factor",
-    "all_reduce_group",
-    "all_reduce_stream",
-    "all_reduce_grads",
-    "partial_reduce_output",
-    "all_reduce_hook",
-    "force_sum_reduction_for_comms",
-)
-TESTED_TORCH = "2.14"
-# FSDP2's custom-comm extension points, which foreach_reduce's signature above
-# assumes, arrived in 2.9; pyproject.toml requires the same.
-SUPPORTED_TORCH = ((2, 13), (2, 14))
+# foreach_reduce's parameters on this torch; the shim calls the original by these names.
+_FOREACH_REDUCE_PARAMS = _torch_compat.FOREACH_REDUCE_PARAMS
 # The proof's buckets: small, so its few gradients fill several (see _proof).
 _PROOF_BUCKET_BYTES = 64
 
 _log = logging.getLogger("hsdp_backend")
+
+
+class ProofCouldNotRun(RuntimeError):
+    """The proof failed before the shim took part (importing FSDP2, building
+    its groups and mesh, FSDP2's own run of a case): not a finding about
+    the shim's gradients."""
 
 
 class _Shim:
@@ -72,10 +59,14 @@ class _Shim:
         self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
         self.original_reset_iter_state = None  # FSDPModule.reset_iter_state, likewise
         self.original_param_group_init = None  # FSDPParamGroup.__init__, likewise
+        self.armed_init = None  # FSDPParamGroup.__init__ while armed (see arm)
         self.warned: set[str] = set()
         self.buckets = ReplicateBuckets()  # its bucket_bytes: 0 until the first install
         # Why the proof failed, until disable(): later installs do not prove again.
         self.disproof: str | None = None
+        # Why the proof could not run (not a finding about the shim), until
+        # the next enable(): automatic installs do not try again.
+        self.unproven: str | None = None
 
 
 def install(bucket_bytes: int | None) -> bool:
@@ -86,6 +77,7 @@ def install(bucket_bytes: int | None) -> bool:
     hsdp_backend.fsdp.enable."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
 
+    _disarm(module)  # before _patch reads FSDPParamGroup.__init__
     buckets = _shim.buckets
     if bucket_bytes is not None:
         buckets.bucket_bytes = int(bucket_bytes)
@@ -96,17 +88,30 @@ def install(bucket_bytes: int | None) -> bool:
             return True
         if _shim.disproof is not None:  # proved wrong in this process already
             return False
+        _shim.unproven = None
         _check_torch_version(torch.__version__)
         problem = _incompatibility(module)
         if problem is not None:
             _warn_once(
                 "incompatible",
-                f"hsdp_backend.fsdp: {problem} (the shim was written for torch {TESTED_TORCH}, this is "
-                f"torch {torch.__version__}). FSDP2 keeps its native reduction, which is correct on hsdp "
+                f"hsdp_backend.fsdp: {problem} (the shim was written for torch "
+                f"{_torch_compat.SUPPORTED_TEXT}, this is torch {torch.__version__}). FSDP2 keeps its native reduction, which is correct on hsdp "
                 "but all-reduces each param group separately and divides twice under HSDP.",
             )
             return False
-        _shim.disproof = _disproof(module)
+        try:
+            _shim.disproof = _disproof(module)
+        except ProofCouldNotRun as exc:
+            _shim.unproven = str(exc)
+            _warn_once(
+                "unproven",
+                f"hsdp_backend.fsdp: the shim's proof could not run on torch {torch.__version__}, so "
+                f"the shim is not installed: {exc}. This says nothing about the shim's gradients: FSDP2 "
+                "itself failed on the proof's tiny model before the shim was involved. FSDP2 keeps its "
+                "native reduction, which is correct on hsdp but all-reduces each param group "
+                "separately and divides twice under HSDP; hsdp_backend.fsdp.enable() tries again.",
+            )
+            return False
         if _shim.disproof is not None:
             _warn_once(
                 "disproved",
@@ -125,14 +130,75 @@ def uninstall() -> None:
     buckets are dropped."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
 
+    _disarm(module)
     _shim.buckets.abandon()
     with _shim.lock:
         _unpatch(module)
         _shim.disproof = None
+        _shim.unproven = None
 
 
 def installed() -> bool:
     return _shim.original is not None
+
+
+def arm(_package=None) -> None:
+    """Installs the shim when FSDP2 is first used in this process: at the
+    first ``FSDPParamGroup`` (what ``fully_shard`` builds for a module with
+    parameters), not when FSDP2 is imported. Importing FSDP2 happens inside
+    other imports (``import torch._dynamo`` imports it half-way through its
+    own body), where the proof, which needs all of FSDP2 and what it imports,
+    cannot run; and a process that imports FSDP2 without using it pays
+    nothing. Idempotent; a no-op once installed or proved wrong."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+
+    with _shim.lock:
+        if _shim.armed_init is not None or _shim.original is not None or _shim.disproof:
+            return
+        if _shim.unproven is not None:
+            return
+        param_group = module.FSDPParamGroup
+        _shim.armed_init = param_group.__init__
+
+        def first_param_group(self, *args, **kwargs):
+            if not _torch_import_in_progress():
+                _disarm(module)
+                install(None)
+            # The class's __init__ now: FSDP2's, or the shim's wrapper of it.
+            return _current_init(module, first_param_group)(self, *args, **kwargs)
+
+        param_group.__init__ = first_param_group
+
+
+def _current_init(module, trigger):
+    init = module.FSDPParamGroup.__init__
+    return _shim.armed_init if init is trigger else init
+
+
+def _disarm(module) -> None:
+    with _shim.lock:
+        if _shim.armed_init is not None:
+            module.FSDPParamGroup.__init__ = _shim.armed_init
+            _shim.armed_init = None
+
+
+def _torch_import_in_progress() -> bool:
+    """Whether a torch module is still running its body (importlib marks its
+    spec ``_initializing``): a fully_shard called from inside an import. The
+    proof then waits for the next param group."""
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("torch") and getattr(
+            getattr(mod, "__spec__", None), "_initializing", False
+        ):
+            return True
+    return False
+
+
+def _proof_module():
+    # Imported here: _proof imports FSDP2, which an hsdp process imports only if it uses it.
+    from hsdp_backend.fsdp import _proof
+
+    return _proof
 
 
 def _patch(module) -> None:
@@ -147,6 +213,8 @@ def _patch(module) -> None:
         _shim.original_param_group_init = param_group.__init__
         param_group.__init__ = _init_param_group
     fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
+    if not _torch_compat.HAS_RESET_ITER_STATE:
+        return  # docs/versions.md: after a backward that raised, disable() and enable()
     if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
         _warn_once(
             "no-reset-iter-state",
@@ -178,12 +246,15 @@ def _unpatch(module) -> None:
 
 def _disproof(module) -> str | None:
     """What the proof finds wrong with the shim on this torch, or None."""
-    # Imported here: _proof imports FSDP2, which an hsdp process imports only if it uses it.
-    from hsdp_backend.fsdp import _proof
-
+    try:
+        _proof = _proof_module()
+    except Exception as exc:  # noqa: BLE001 - e.g. FSDP2's own imports failing
+        raise ProofCouldNotRun(f"importing it raised {type(exc).__name__}: {exc}") from exc
     start = time.perf_counter()
     try:
         difference = _proof.first_difference(lambda: _installed_for_proof(module))
+    except ProofCouldNotRun:
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever fails, FSDP2's own path stays
         return f"the proof raised {type(exc).__name__}: {exc}"
     _log.debug(
@@ -211,17 +282,12 @@ def _installed_for_proof(module):
 def _check_torch_version(version: str) -> bool:
     """Warns once when ``version`` is outside the range hsdp was built and
     tested for. The shim still decides by feature checks, not by version."""
-    try:
-        major_minor = tuple(int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        major_minor = None
-    low, high = SUPPORTED_TORCH
-    if major_minor is not None and low <= major_minor <= high:
+    if _torch_compat.unsupported(version) is None:
         return True
     _warn_once(
         "torch-version",
         f"hsdp_backend.fsdp: torch {version} is outside the supported range "
-        f"{low[0]}.{low[1]}-{high[0]}.{high[1]} (tested: {TESTED_TORCH}). The FSDP2 shim is used only if "
+        f"{_torch_compat.SUPPORTED_TEXT}. The FSDP2 shim is used only if "
         "FSDP2's internals match what it expects; install a supported torch, or set HSDP_FSDP=off to "
         "keep FSDP2's own reduction path.",
     )
@@ -250,46 +316,20 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def _foreach_reduce(
-    fsdp_params,
-    unsharded_grads,
-    reduce_scatter_group,
-    reduce_scatter_stream,
-    reduce_scatter_comm,
-    orig_dtype,
-    reduce_dtype,
-    device,
-    gradient_divide_factor,
-    all_reduce_group,
-    all_reduce_stream,
-    all_reduce_grads,
-    partial_reduce_output,
-    all_reduce_hook,
-    force_sum_reduction_for_comms=False,
-):
-    args = dict(
-        fsdp_params=fsdp_params,
-        unsharded_grads=unsharded_grads,
-        reduce_scatter_group=reduce_scatter_group,
-        reduce_scatter_stream=reduce_scatter_stream,
-        reduce_scatter_comm=reduce_scatter_comm,
-        orig_dtype=orig_dtype,
-        reduce_dtype=reduce_dtype,
-        device=device,
-        gradient_divide_factor=gradient_divide_factor,
-        all_reduce_group=all_reduce_group,
-        all_reduce_stream=all_reduce_stream,
-        all_reduce_grads=all_reduce_grads,
-        partial_reduce_output=partial_reduce_output,
-        all_reduce_hook=all_reduce_hook,
-        force_sum_reduction_for_comms=force_sum_reduction_for_comms,
-    )
+def _foreach_reduce(*positional, **keywords):
+    # By name, whatever this torch's FSDP2 passes positionally (the
+    # parameters differ between releases: _torch_compat.FOREACH_REDUCE_PARAMS).
+    args = dict(zip(_FOREACH_REDUCE_PARAMS, positional), **keywords)
     original = _shim.original
+    fsdp_params, unsharded_grads = args["fsdp_params"], args["unsharded_grads"]
+    reduce_scatter_group, all_reduce_group = args["reduce_scatter_group"], args["all_reduce_group"]
     on_hsdp = _runs_on_hsdp(reduce_scatter_group, all_reduce_group)
-    if on_hsdp:
+    if on_hsdp and not _torch_compat.PER_PARAM_GRAD_DTYPES:
         _check_uniform_grad_dtype(fsdp_params, unsharded_grads)
     if not on_hsdp or not _bucketable(args):
         return original(**args)
+    gradient_divide_factor, reduce_dtype = args["gradient_divide_factor"], args["reduce_dtype"]
+    device, all_reduce_grads = args["device"], args["all_reduce_grads"]
 
     shard_size = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
     shard_numels = [
@@ -298,15 +338,15 @@ def _foreach_reduce(
     divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
     buckets = _shim.buckets
-    streams = Streams.of(device, reduce_scatter_stream, all_reduce_stream)
+    streams = Streams.of(device, args["reduce_scatter_stream"], args["all_reduce_stream"])
     if all_reduce_grads:
         in_backward = buckets.begin_add()
         key, out = buckets.reserve(
             all_reduce_group, divide_by, reduce_dtype, sum(shard_numels), device, streams
         )
-        comm = _OutputInto(reduce_scatter_comm, out)
+        comm = _OutputInto(args["reduce_scatter_comm"], out)
     else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
-        out, comm = None, reduce_scatter_comm
+        out, comm = None, args["reduce_scatter_comm"]
     # FSDP2's own copy-in and reduce-scatter with SUM and no division: the
     # partial-output path returns the reduced shard instead of finishing it.
     result = original(
@@ -338,9 +378,19 @@ def _foreach_reduce(
             )
         with streams.writing():  # where FSDP2 wrote `reduced`
             out.copy_(reduced)
-    buckets.add(key, PendingGrads(fsdp_params, shard_numels, orig_dtype, out), in_backward)
+    grad_dtypes = _grad_dtypes(fsdp_params, args.get("orig_dtype"))
+    buckets.add(key, PendingGrads(fsdp_params, shard_numels, grad_dtypes, out), in_backward)
     # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
     return (*result[:-1], None)
+
+
+def _grad_dtypes(fsdp_params, orig_dtype) -> list[torch.dtype | None]:
+    """The dtype FSDP2 gives each parameter's reduced gradient (None: the
+    reduce dtype, no cast): its own ``sharded_grad_dtype`` from 2.15, the
+    param group's ``orig_dtype`` before."""
+    if _torch_compat.PER_PARAM_GRAD_DTYPES:
+        return [p.sharded_grad_dtype for p in fsdp_params]
+    return [orig_dtype] * len(fsdp_params)
 
 
 def _runs_on_hsdp(reduce_scatter_group, all_reduce_group) -> bool:
@@ -369,7 +419,18 @@ def _bucketable(args: dict[str, Any]) -> bool:
     reduce_dtype = args["reduce_dtype"] or args["unsharded_grads"][0].dtype
     if reduce_dtype not in (torch.float32, torch.bfloat16, torch.float64):
         return False
+    # 2.15: a layout of the reduce-scatter input other than FSDP2's default
+    # (dim-0 chunks, padded) would not match the shim's shard sizes.
+    prepare = args.get("prepare_reduce_scatter_inputs")
+    if prepare is not None and prepare is not _default_prepare():
+        return False
     return not any(p.offload_to_cpu for p in args["fsdp_params"])
+
+
+def _default_prepare():
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    return getattr(_fsdp_collectives, "_default_reduce_scatter_input_fn", None)
 
 
 def _reset_iter_state(self, *args, **kwargs):
@@ -486,16 +547,33 @@ class PendingGrads:
 
     fsdp_params: list
     shard_numels: list[int]
-    orig_dtype: torch.dtype | None
+    grad_dtypes: list[torch.dtype | None]  # per parameter (_grad_dtypes)
     flat: torch.Tensor  # a slice of the bucket's buffer
 
+    def views_flat(self) -> bool:
+        """Whether some gradient finish() assigns is a view of ``flat`` (no
+        cast), so the bucket's buffer must outlive the backward."""
+        return any(d is None or d == self.flat.dtype for d in self.grad_dtypes)
+
     def finish(self) -> None:
-        """FSDP2's tail: cast, view out per parameter, assign or accumulate."""
-        grads = self.flat
-        if self.orig_dtype is not None and grads.dtype != self.orig_dtype:
-            grads = grads.to(self.orig_dtype)
+        """FSDP2's tail: cast, view out per parameter, assign or accumulate.
+        Consecutive parameters of one gradient dtype are cast as one run, as
+        FSDP2 does (2.15's _cast_and_view_sharded_grads; one run before)."""
+        offset = 0
+        members = list(zip(self.fsdp_params, self.shard_numels, self.grad_dtypes))
+        for dtype, run in itertools.groupby(members, key=lambda member: member[2]):
+            run = list(run)
+            numel = sum(n for _, n, _ in run)
+            grads = self.flat.narrow(0, offset, numel) if numel != self.flat.numel() else self.flat
+            if dtype is not None and grads.dtype != dtype:
+                grads = grads.to(dtype)
+            offset += numel
+            self._assign(run, grads)
+
+    @staticmethod
+    def _assign(run, grads: torch.Tensor) -> None:
         offset = grads.storage_offset()
-        for fsdp_param, numel in zip(self.fsdp_params, self.shard_numels):
+        for fsdp_param, numel, _ in run:
             grad = torch.as_strided(
                 grads,
                 size=fsdp_param.sharded_size,

@@ -46,6 +46,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from hsdp_backend import _C, config
+from hsdp_backend.fsdp._compat import ProofCouldNotRun
 
 # Unlike any user's mesh dims: DTensor caches shardings by mesh equality
 # (ranks, shape, names), so an equal user mesh could be handed this one.
@@ -71,7 +72,7 @@ CASES = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
         divide_factor=2.0,
     ),
-    # No factor: FSDP2 (2.13-2.14) divides fp64 by a factor twice at shard size 1.
+    # No factor: FSDP2 (2.11-2.15) divides fp64 by a factor twice at shard size 1.
     Case(
         "fp64 reduce, fp32 params", torch.float32, MixedPrecisionPolicy(reduce_dtype=torch.float64)
     ),
@@ -87,21 +88,45 @@ def first_difference(
     Args:
         shim_installed: a context in which FSDP2 reduces through the shim
             (outside it, FSDP2 takes its own path).
+
+    Raises:
+        ProofCouldNotRun: when the setup or FSDP2's own path fails; what
+            fails on the shim's path propagates as it is.
     """
     with (
         _collected_on_exit(),
-        _one_process_mesh() as mesh,
+        _proof_mesh() as mesh,
         torch.inference_mode(False),
         torch.enable_grad(),
     ):
         for case in CASES:
-            native = _train(case, mesh)
+            with _could_not_run_on_error(f"FSDP2's own path ({case.name})"):
+                native = _train(case, mesh)
             with shim_installed():
                 shimmed = _train(case, mesh)
             difference = _difference(native, shimmed)
             if difference is not None:
                 return f"{case.name}: {difference}"
     return None
+
+
+@contextlib.contextmanager
+def _proof_mesh() -> Iterator[DeviceMesh]:
+    """_one_process_mesh, whose failure to build is the proof's, not the shim's."""
+    with contextlib.ExitStack() as stack:
+        with _could_not_run_on_error("setting up its process groups"):
+            mesh = stack.enter_context(_one_process_mesh())
+        yield mesh
+
+
+@contextlib.contextmanager
+def _could_not_run_on_error(where: str) -> Iterator[None]:
+    try:
+        yield
+    except ProofCouldNotRun:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure here is the proof's, not the shim's
+        raise ProofCouldNotRun(f"{where} raised {type(exc).__name__}: {exc}") from exc
 
 
 @dataclass

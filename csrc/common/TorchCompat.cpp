@@ -1,0 +1,31 @@
+#include "common/TorchCompat.hpp"
+
+#if HSDP_TORCH_AT_LEAST(2, 12)
+#include <c10/core/impl/VirtualGuardImpl.h>
+#elif HSDP_TORCH_HAS_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace hsdp::compat {
+
+bool isStreamCapturing(const c10::Stream& stream) {
+#if HSDP_TORCH_AT_LEAST(2, 12)
+  return c10::impl::VirtualGuardImpl(stream.device_type()).isStreamCapturing(stream);
+#else
+#if HSDP_TORCH_HAS_CUDA
+  if (stream.device_type() == c10::DeviceType::CUDA) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const auto cudaStream =
+        c10::cuda::CUDAStream(c10::cuda::CUDAStream::UNCHECKED, stream).stream();
+    const cudaError_t err = cudaStreamIsCapturing(cudaStream, &status);
+    TORCH_CHECK(
+        err == cudaSuccess, "hsdp: cudaStreamIsCapturing failed: ", cudaGetErrorString(err));
+    return status != cudaStreamCaptureStatusNone;
+  }
+#endif
+  return false; // a CPU stream (the NCCL-contract double's) is never captured
+#endif
+}
+
+} // namespace hsdp::compat

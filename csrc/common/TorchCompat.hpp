@@ -1,0 +1,74 @@
+// The one place where the torch releases hsdp supports (2.11 to 2.15) differ
+// for the C++ extension. Each difference names the release that brought it;
+// everything else in csrc/ is written against the newest API and reaches the
+// older ones through here. The Python half of the same list is
+// src/hsdp_backend/_torch_compat.py; docs/versions.md is the table of both.
+#pragma once
+
+#include <c10/core/Stream.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/headeronly/version.h>
+
+#define HSDP_TORCH_AT_LEAST(major, minor)                                                          \
+  (TORCH_VERSION_MAJOR > (major) ||                                                                \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// CMakeLists.txt refuses other releases at configure time with the range and
+// the version it found; this catches a build that bypassed it.
+#if !HSDP_TORCH_AT_LEAST(2, 11) || HSDP_TORCH_AT_LEAST(2, 16)
+#error "hsdp_backend supports torch 2.11 to 2.15 (docs/versions.md)"
+#endif
+
+// 2.14: Backend::Options::clone(), which a split uses to give the child its
+// own copy of the parent's options.
+#define HSDP_TORCH_HAS_OPTIONS_CLONE HSDP_TORCH_AT_LEAST(2, 14)
+// 2.14: Backend::setBoundDeviceId became virtual (a backend hears of the
+// device init_process_group(device_id=...) binds it to).
+#define HSDP_TORCH_HAS_VIRTUAL_SET_BOUND_DEVICE HSDP_TORCH_AT_LEAST(2, 14)
+// 2.14: ProcessGroup::splitGroup splits each distinct backend once; before,
+// it called split() once per device type the backend serves (cpu and cuda:
+// twice on the same hsdp backend).
+#define HSDP_TORCH_SPLITS_ONCE_PER_BACKEND HSDP_TORCH_AT_LEAST(2, 14)
+// 2.15: Backend::isInitialized() (split() callers check that the parent's
+// communicator exists) and startTimeEstimate()/endTimeEstimate().
+#define HSDP_TORCH_HAS_IS_INITIALIZED HSDP_TORCH_AT_LEAST(2, 15)
+#define HSDP_TORCH_HAS_TIME_ESTIMATE HSDP_TORCH_AT_LEAST(2, 15)
+
+namespace hsdp::compat {
+
+// 2.13 renamed c10d's NCCLPreMulSumSupplement / makeNCCLPreMulSum to
+// PreMulSumSupplement / makePreMulSum (the same types).
+#if HSDP_TORCH_AT_LEAST(2, 13)
+using PreMulSumSupplement = c10d::PreMulSumSupplement;
+template <typename T>
+c10d::ReduceOp makePreMulSum(const T& factor) {
+  return c10d::makePreMulSum(factor);
+}
+#else
+using PreMulSumSupplement = c10d::NCCLPreMulSumSupplement;
+template <typename T>
+c10d::ReduceOp makePreMulSum(const T& factor) {
+  return c10d::makeNCCLPreMulSum(factor);
+}
+#endif
+
+// Whether `backend` has its communicator (ProcessGroupNCCL: none until its
+// first collective or an eager connect; a split needs the parent's). Asked
+// only from 2.15, where Backend::isInitialized() exists: before, a split of
+// a parent without one was NCCL's own failure, and hsdp assumes it has one.
+inline bool isInitialized(c10d::Backend& backend) {
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+  return backend.isInitialized();
+#else
+  return true;
+#endif
+}
+
+// Whether `stream` is being captured into a CUDA graph (where an event may
+// not be queried). 2.12 added DeviceGuardImplInterface::isStreamCapturing;
+// before it, CUDA's own query answers (TorchCompat.cpp: the one file that
+// includes the CUDA runtime's headers, and only for those releases).
+bool isStreamCapturing(const c10::Stream& stream);
+
+} // namespace hsdp::compat

@@ -1,0 +1,109 @@
+"""The one place where the torch releases hsdp supports differ for its Python half.
+
+hsdp supports torch 2.11 to 2.15 (``pyproject.toml`` admits exactly these;
+each is tested: docs/versions.md). Everything else in the package is written
+against one API and asks here where releases part. Each difference names the
+release that brought it. The C++ half of the same list is
+csrc/common/TorchCompat.hpp.
+
+Import-safe: it reads ``torch.__version__`` and nothing else at import (the
+autoload entry point imports it inside ``import torch``); the FSDP2 facts are
+read only by the shim, once FSDP2 is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED = ((2, 11), (2, 15))  # oldest and newest minor release, both included
+SUPPORTED_TEXT = "2.11 to 2.15"
+
+
+def version(text: str | None = None) -> tuple[int, int] | None:
+    """(major, minor) of ``text`` (default: this torch), or None if unreadable."""
+    try:
+        return tuple(int(x) for x in (text or torch.__version__).split("+")[0].split(".")[:2])
+    except ValueError:
+        return None
+
+
+def unsupported(text: str | None = None) -> str | None:
+    """Why hsdp cannot run on this torch (or the release ``text`` names), or None."""
+    text = text or torch.__version__
+    found = version(text)
+    if found is not None and not SUPPORTED[0] <= found <= SUPPORTED[1]:
+        return (
+            f"hsdp_backend supports torch {SUPPORTED_TEXT}; this is torch {text}. Install a "
+            "supported torch (pip install 'torch>=2.11,<2.16') and rebuild hsdp_backend against it "
+            "(pip install --no-build-isolation .)"
+        )
+    if text is torch.__version__ and not torch.distributed.is_available():
+        return (
+            f"torch {text} was built without torch.distributed (USE_DISTRIBUTED=0); hsdp is a "
+            "torch.distributed backend and needs a torch with it"
+        )
+    return None
+
+
+_THIS = version() or (0, 0)
+
+# 2.14: torch registers its own backends lazily and reads the
+# ``torch.distributed.backends`` entry points when a group names an unknown
+# backend (Backend._ensure_backend_registered); before, only the
+# ``torch.backends`` autoload entry point (or an import) registers "hsdp".
+LAZY_BACKEND_REGISTRATION = _THIS >= (2, 14)
+
+
+# 2.15: torch attaches its own FlightRecorderHook to every group of a backend
+# not in distributed_c10d._FR_SELF_RECORDING_BACKENDS; hsdp records itself
+# (hsdp_backend.trace), so it is listed there, as gloo is.
+def mark_self_recording(backend_name: str) -> None:
+    """Tells torch's flight recorder (2.15) that ``backend_name`` records
+    its own operations, so that torch attaches no FlightRecorderHook, whose
+    entries hsdp would never retire (every op shown unfinished in
+    torchfrtrace). Nothing to do before 2.15."""
+    from torch.distributed import distributed_c10d
+
+    recording = getattr(distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if recording is not None:
+        recording.add(backend_name)
+
+
+# FSDP2's foreach_reduce (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
+# which the FSDP2 shim wraps: its parameters, by release.
+_FOREACH_REDUCE_UP_TO_2_14 = (
+    "fsdp_params",
+    "unsharded_grads",
+    "reduce_scatter_group",
+    "reduce_scatter_stream",
+    "reduce_scatter_comm",
+    "orig_dtype",
+    "reduce_dtype",
+    "device",
+    "gradient_divide_factor",
+    "all_reduce_group",
+    "all_reduce_stream",
+    "all_reduce_grads",
+    "partial_reduce_output",
+    "all_reduce_hook",
+    "force_sum_reduction_for_comms",
+)
+# 2.15: ``orig_dtype`` is gone (each parameter's gradient takes its own
+# dtype, ``FSDPParam.sharded_grad_dtype``, so one param group may mix
+# gradient dtypes: ``_cast_and_view_sharded_grads``), ``reduce_dtype`` is
+# always given, and a keyword-only ``prepare_reduce_scatter_inputs`` lays out
+# the reduce-scatter input.
+_FOREACH_REDUCE_FROM_2_15 = (
+    *(p for p in _FOREACH_REDUCE_UP_TO_2_14 if p != "orig_dtype"),
+    "prepare_reduce_scatter_inputs",
+)
+FOREACH_REDUCE_PARAMS = (
+    _FOREACH_REDUCE_FROM_2_15 if _THIS >= (2, 15) else _FOREACH_REDUCE_UP_TO_2_14
+)
+# 2.15: gradients of one param group may have different dtypes (each cast to
+# its parameter's sharded_grad_dtype); before, FSDP2 required one dtype.
+PER_PARAM_GRAD_DTYPES = _THIS >= (2, 15)
+# 2.13: FSDPModule.reset_iter_state (FSDP2's recovery after a forward or
+# backward raised). Before, nothing tells the shim that an iteration was
+# abandoned: hsdp_backend.fsdp.disable() and enable() drop its buckets.
+HAS_RESET_ITER_STATE = _THIS >= (2, 13)
