@@ -89,7 +89,10 @@ BASELINE_BACKEND = "gloo"
 # shared-memory pool) on odd steps and FSDP2's own on even steps (the
 # examples' --comm-buffers alternate).
 POOL = "hsdp_pool"
-TRAINING_BACKENDS = (*BACKENDS, "fake", POOL)
+# "hsdp_native" is hsdp with its FSDP2 shim off (the examples' --fsdp-shim
+# off): FSDP2's native reduction path on the same groups.
+NATIVE = "hsdp_native"
+TRAINING_BACKENDS = (*BACKENDS, "fake", POOL, NATIVE)
 # hsdp's targets against that limit: (hsdp - fake) / (gloo - fake) at most
 # this, and on the small model hsdp / fake at most LIMIT_RATIO_TARGET.
 OVERHEAD_TARGET = 1 / 6
@@ -164,6 +167,7 @@ def parse_steps(stdout: str) -> dict:
         "tokens_per_s": [s["tokens_per_s"] for s in steps],
         "comm_buffers": [s.get("comm_buffers", "fsdp") for s in steps],
         "comm_stats_last_step": steps[-1].get("comm_stats"),
+        "max_rss_mib": max(s.get("max_rss_mib", 0.0) for s in steps),
         "final_loss": steps[-1]["loss"],
     }
 
@@ -234,6 +238,18 @@ TABLE_COLUMNS = [
     report.Column("pool/off", 8, lambda r: f"{r['pool_over_off']:.2f}x"),
     report.Column("quartiles", 11, lambda r: "{:.2f}-{:.2f}".format(*r["pool_over_off_quartiles"])),
     report.Column("pool/fake", 9, lambda r: f"{r['pool_over_fake']:.2f}x"),
+    report.Column("native step", 11, lambda r: f"{r[NATIVE]['step_ms']:.1f}"),
+    report.Column("hsdp/native", 11, lambda r: f"{r['hsdp_over_native']:.3f}x"),
+    report.Column(
+        "rss hsdp/native",
+        15,
+        lambda r: f"{r['hsdp']['max_rss_mib']:.0f}/{r[NATIVE]['max_rss_mib']:.0f}",
+    ),
+    report.Column(
+        "loss hsdp/native",
+        17,
+        lambda r: f"{r['hsdp']['final_loss']:.4f}/{r[NATIVE]['final_loss']:.4f}",
+    ),
     report.Column("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
 ]
 LEGEND = """
@@ -250,8 +266,10 @@ pool step = hsdp with FSDP2's buffers from the group (hsdp's shared-memory pool)
 steps of runs that alternate (--comm-buffers alternate); pool/off = median over those runs'
 pairs of steps of pool step / the next step (FSDP2's buffers, < 1: the pool is faster), with
 its quartiles; pool/fake =
-pool step / fake step; spread = interquartile range / median of the pooled steps, the
-noisiest contender."""
+pool step / fake step; native step = hsdp with its FSDP2 shim off (FSDP2's native reduction
+on the same groups), hsdp/native = hsdp step / native step (< 1: the shim is faster); rss =
+rank 0's peak resident MiB, hsdp/native; loss = the last step's loss on each; spread =
+interquartile range / median of the pooled steps, the noisiest contender."""
 
 
 def _overhead(x: float | None) -> str:
@@ -413,7 +431,7 @@ class TrainingSuite(Suite):
     def _command(config: dict, model: str, mesh: TrainingMesh, backend: str) -> list[str]:
         a = config["model_args"][model]
         flags = {
-            "--backend": "hsdp" if backend == POOL else backend,
+            "--backend": "hsdp" if backend in (POOL, NATIVE) else backend,
             "--steps": config["steps"][model],
             "--dim": a["dim"],
             "--layers": a["layers"],
@@ -426,6 +444,8 @@ class TrainingSuite(Suite):
         }
         if backend == POOL:
             flags["--comm-buffers"] = "alternate"
+        if backend == NATIVE:
+            flags["--fsdp-shim"] = "off"
         script = os.path.join(config["examples"], mesh.script)
         args = [str(x) for kv in flags.items() for x in kv]
         return [
@@ -598,6 +618,7 @@ class TrainingSuite(Suite):
                         "steps_measured": len(samples),
                         "per_run_median_ms": [r["median_ms"] for r in runs_of(m, mesh.name, b)],
                         "final_loss": runs_of(m, mesh.name, b)[-1]["final_loss"],
+                        "max_rss_mib": max(r["max_rss_mib"] for r in runs_of(m, mesh.name, b)),
                     }
                 h, g, f = row["hsdp"], row["gloo"], row["fake"]
                 row["exposed_ratio_gloo_over_hsdp"] = (
@@ -609,6 +630,7 @@ class TrainingSuite(Suite):
                 row["pool_over_off_pairs"] = len(pairs)
                 row["pool_over_off_quartiles"] = timing.quartiles(pairs)
                 row["pool_over_fake"] = row[POOL]["step_ms"] / f["step_ms"]
+                row["hsdp_over_native"] = h["step_ms"] / row[NATIVE]["step_ms"]
                 row["hsdp_over_fake"], row["overhead_vs_gloo"] = timing.against_limit(
                     h["step_ms"], g["step_ms"], f["step_ms"]
                 )

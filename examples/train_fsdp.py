@@ -30,6 +30,7 @@ import gc
 import json
 import math
 import os
+import resource
 import sys
 import time
 from dataclasses import dataclass
@@ -517,6 +518,8 @@ def train(
             "fwd_bwd_ms": fwd_bwd * 1e3,
             "tokens_per_s": tokens_per_step / elapsed,
             "comm_buffers": buffers,
+            # this rank's peak resident memory so far (Linux: KiB)
+            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
         if comms is not None:
             m["comm_stats"] = comms
@@ -590,6 +593,13 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
         "group on odd steps, fsdp on even ones (a paired comparison in one run)",
     )
     parser.add_argument(
+        "--fsdp-shim",
+        choices=("on", "off"),
+        default="on",
+        help="on hsdp: on, hsdp's FSDP2 shim (one division, bucketed replicate all-reduces); "
+        "off, FSDP2's native reduction path (HSDP_FSDP=off)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -616,6 +626,8 @@ def init_distributed(args: argparse.Namespace, timeout: datetime.timedelta | Non
     torchrun's env), with ``timeout`` or torch's default."""
     if args.flush_denormal:
         torch.set_flush_denormal(True)
+    if getattr(args, "fsdp_shim", "on") == "off":
+        os.environ["HSDP_FSDP"] = "off"  # read when the first hsdp group is created
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if args.backend == "fake":

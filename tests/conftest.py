@@ -52,6 +52,8 @@ EVERY_TORCH = (
     "tests/test_fsdp_selfproof.py",
     "tests/test_fsdp_buckets.py",
     "tests/test_torch_contracts.py",
+    # splits under device-bound defaults: how torch hands split sources differs by release
+    "tests/test_nccl_contract.py::test_nccl_contract_splits",
 )
 
 

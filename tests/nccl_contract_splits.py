@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hsdp_backend import _C, _registration
+from hsdp_backend import _C, _registration, _torch_compat
 
 DOUBLE = "nccl_contract"
 BOUND = torch.device("meta", 0)
@@ -33,11 +33,14 @@ def _create_double(opts, backend_options):
     be of its own kind (it raises AssertionError("Expected split_from to be
     ProcessGroupNCCL") otherwise), and with one the new communicator is split
     from it with the color of the group's ranks."""
-    if opts.split_from is not None:
-        if not _C._is_nccl_contract(opts.split_from):
+    # torch < 2.13 hands a plugin's creator no split source; its own NCCL
+    # creator computes it, as _torch_compat.split_source does.
+    split_from = _torch_compat.split_source(opts)
+    if split_from is not None:
+        if not _C._is_nccl_contract(split_from):
             raise AssertionError("Expected split_from to be ProcessGroupNCCL")
         color = distributed_c10d._process_group_color(list(opts.global_ranks_in_group))
-        _C._nccl_contract_join_split(opts.split_from, color, opts.group_size)
+        _C._nccl_contract_join_split(split_from, color, opts.group_size)
     gloo = dist.ProcessGroupGloo(
         dist.PrefixStore("double/", opts.store), opts.group_rank, opts.group_size, opts.timeout
     )
@@ -100,7 +103,9 @@ def nccl_under_a_bound_hsdp_default(rank: int, world: int) -> None:
     torch hands NCCL's creator hsdp to split from, which it refuses; hsdp's
     non-members join no split, so the members build their own."""
     _init_bound(rank, world, "hsdp", timeout_s=20)
-    if dist.is_nccl_available():  # torch's own NCCL creator is the one wrapped, not only ours
+    # torch's own NCCL creator is the one wrapped, not only ours; before
+    # torch 2.14 NCCL groups are created inline, not through a plugin.
+    if dist.is_nccl_available() and _torch_compat.LAZY_BACKEND_REGISTRATION:
         creator = dist.Backend._plugins["NCCL"].creator_fn
         assert getattr(creator, "__wrapped__", None) is not None, creator
     _check_group(rank, dist.new_group(MEMBERS, backend=DOUBLE))

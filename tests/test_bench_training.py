@@ -44,7 +44,7 @@ def test_training_suite_quick(tmp_path):
         cmd,
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=240,
         cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -58,10 +58,10 @@ def test_training_suite_quick(tmp_path):
     assert section["models"]["tiny"]["fsdp_groups"] == 11
     assert 50_000 < section["models"]["tiny"]["params"] < 80_000
 
-    # Five runs, interleaved: the baseline (two 1-rank copies), then hsdp,
-    # gloo, the fake backend (the no-communication limit) and hsdp with
+    # Six runs, interleaved: the baseline (two 1-rank copies), then hsdp,
+    # gloo, the fake backend (the no-communication limit), hsdp with
     # FSDP2's buffers from the group on every other step (--comm-buffers
-    # alternate) on 2 ranks.
+    # alternate) and hsdp with its FSDP2 shim off (--fsdp-shim off) on 2 ranks.
     runs = section["runs"]
     assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
         (1, 2, "gloo"),
@@ -69,26 +69,32 @@ def test_training_suite_quick(tmp_path):
         (2, 1, "gloo"),
         (2, 1, "fake"),
         (2, 1, "hsdp_pool"),
+        (2, 1, "hsdp_native"),
     ]
-    pool_cmd = runs[-1]["command"]
+    by_backend = {r["backend"]: r for r in runs[1:]}
+    pool_cmd = by_backend["hsdp_pool"]["command"]
+    native_cmd = by_backend["hsdp_native"]["command"]
+    assert native_cmd[native_cmd.index("--fsdp-shim") + 1] == "off"
+    assert "--fsdp-shim" not in runs[1]["command"]
     assert pool_cmd[pool_cmd.index("--comm-buffers") + 1] == "alternate"
     assert "--comm-buffers" not in runs[1]["command"]
     assert all("--flush-denormal" in r["command"] for r in runs)
-    for r in runs[:-1]:
+    for r in (r for r in runs if r["backend"] != "hsdp_pool"):
+        assert r["max_rss_mib"] > 0, r
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
         assert r["comm_buffers"] == ["default"] * 4
     for r in runs:
         assert all(0 < f <= s for f, s in zip(r["fwd_bwd_ms"], r["step_ms"])), r
     # The pool run: steps 2-4 measured (one warm-up step); step 3 on the
     # group's buffers is the contender's sample, paired with step 4.
-    pool = runs[-1]
+    pool = by_backend["hsdp_pool"]
     assert pool["comm_buffers"] == ["group", "fsdp", "group", "fsdp"]
     assert pool["measured_ms"] == [pool["step_ms"][2]]
     assert pool["pool_over_off_pairs"] == [pool["step_ms"][2] / pool["step_ms"][3]]
 
     [row] = section["results"]
     assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
-    for key in ("baseline", "hsdp", "gloo", "fake", "hsdp_pool"):
+    for key in ("baseline", "hsdp", "gloo", "fake", "hsdp_pool", "hsdp_native"):
         for ms in (row[key]["step_ms"], row[key]["fwd_bwd_ms"]):
             assert math.isfinite(ms) and ms > 0, (key, row)
     for b in ("hsdp", "gloo"):
@@ -110,6 +116,10 @@ def test_training_suite_quick(tmp_path):
     assert row["hsdp_pool"]["final_loss"] == row["hsdp"]["final_loss"]
     assert row["pool_over_off"] == pytest.approx(pool["step_ms"][2] / pool["step_ms"][3])
     assert row["pool_over_off_pairs"] == 1
+    # 1-D FSDP: the shim leaves FSDP2's reduction as it is, so the same bits.
+    assert row["hsdp_native"]["final_loss"] == row["hsdp"]["final_loss"]
+    assert row["hsdp_over_native"] == pytest.approx(h / row["hsdp_native"]["step_ms"])
+    assert "hsdp/native" in proc.stdout
     assert "pool/off" in proc.stdout
     # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
     stats = row["hsdp_comm_stats_last_step"]["fsdp"]

@@ -8,6 +8,8 @@ import pytest
 from conftest import NCCL_CONTRACT_WORLDS
 from harness import run_ranks
 
+from hsdp_backend import _torch_compat
+
 NAMES = list(nccl_contract_cases.CASES)
 
 
@@ -21,7 +23,15 @@ def test_nccl_contract(launcher, name, world):
     "body",
     [
         "hsdp_under_a_bound_nccl_default",
-        "nccl_under_a_bound_hsdp_default",
+        pytest.param(
+            "nccl_under_a_bound_hsdp_default",
+            marks=pytest.mark.skipif(
+                not _torch_compat.LAZY_BACKEND_REGISTRATION,
+                reason="before torch 2.14 torch creates NCCL groups inline and hands them the "
+                "device-bound default (hsdp) to split from, which NCCL refuses: there is no "
+                "creator for hsdp to wrap (docs/versions.md)",
+            ),
+        ),
         "a_split_is_collective_over_the_parent",
     ],
 )

@@ -90,7 +90,7 @@ def not_split_from_hsdp(creator):
     """
 
     def create(opts, backend_options):
-        parent = opts.split_from
+        parent = getattr(opts, "split_from", None)  # torch >= 2.12 hands one
         if parent is not None:
             from hsdp_backend import _C
 
@@ -179,7 +179,9 @@ def _split_parent(opts, settings):
     """
     import torch.distributed as dist
 
-    parent = getattr(opts, "split_from", None)
+    from hsdp_backend import _torch_compat
+
+    parent = _torch_compat.split_source(opts)
     if parent is None:
         return None
     if dist.is_nccl_available() and isinstance(parent, dist.ProcessGroupNCCL):

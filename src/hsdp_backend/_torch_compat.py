@@ -54,6 +54,28 @@ _THIS = version() or (0, 0)
 LAZY_BACKEND_REGISTRATION = _THIS >= (2, 14)
 
 
+def split_source(opts):
+    """The backend a new group's communicator is to be split from (or None),
+    for a creator called with ``opts`` (_DistributedBackendOptions).
+
+    2.13: torch hands it to every creator (``opts.split_from``). Before,
+    torch computes it just the same (``_get_split_source`` of a default group
+    bound to a device) and has the new group's non-members split from it
+    (``perform_nocolor_split``), but hands it only to its own inline NCCL
+    creator: a plugin's members must find it themselves, or the non-members
+    wait in NCCL's split for them."""
+    if hasattr(opts, "split_from"):
+        return opts.split_from
+    from torch.distributed import distributed_c10d as c10d
+
+    if not c10d.is_initialized():
+        return None  # this is the default group
+    default = c10d._get_default_group()
+    if not default.bound_device_id:
+        return None
+    return c10d._get_split_source(default)
+
+
 # 2.15: torch attaches its own FlightRecorderHook to every group of a backend
 # not in distributed_c10d._FR_SELF_RECORDING_BACKENDS; hsdp records itself
 # (hsdp_backend.trace), so it is listed there, as gloo is.

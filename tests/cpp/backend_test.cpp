@@ -82,6 +82,12 @@ class FakeInner : public c10d::Backend {
 
   std::vector<std::string> calls;
   bool sawNonContiguous = false;
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+  bool initialized = true; // ProcessGroupNCCL: false until its communicator exists
+  bool isInitialized() override {
+    return initialized;
+  }
+#endif
 
   // Communication buffers, when `allocates` (as the NCCL double on CPU).
   bool allocates = false;
@@ -207,6 +213,64 @@ void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
     work->wait();
   }
 }
+
+#if HSDP_TORCH_HAS_TIME_ESTIMATE
+// torch 2.15's collective time estimation, as ProcessGroupNCCL offers it.
+class EstimatingInner : public FakeInner {
+ public:
+  bool started = false;
+  bool supportsTimeEstimation() const override {
+    return true;
+  }
+  void startTimeEstimate() override {
+    started = true;
+  }
+  float endTimeEstimate() override {
+    return 42.5f;
+  }
+};
+
+TEST(Backend, TimeEstimationIsTheInnerCudaBackendsWhereItHasIt) {
+  Group cpuOnly(kNative);
+  EXPECT_FALSE(cpuOnly.pg->supportsTimeEstimation());
+  EXPECT_ANY_THROW(cpuOnly.pg->startTimeEstimate());
+
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  Config config;
+  config.engine = Config::Engine::Gloo;
+  auto cuda = c10::make_intrusive<EstimatingInner>();
+  auto pg = c10::make_intrusive<ProcessGroupHSDP>(
+      *store,
+      kRank,
+      kSize,
+      std::chrono::milliseconds(10000),
+      std::make_unique<InnerRoute>(c10::make_intrusive<FakeInner>(), kPacking, kRank),
+      std::make_unique<InnerRoute>(cuda, kNative, kRank),
+      config);
+  EXPECT_TRUE(pg->supportsTimeEstimation());
+  pg->startTimeEstimate();
+  EXPECT_TRUE(cuda->started);
+  EXPECT_EQ(pg->endTimeEstimate(), 42.5f);
+}
+#endif
+
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+TEST(Backend, ASplitBeforeTheInnerCommunicatorExistsRaisesNamingIt) {
+  Group g(kNative);
+  g.fake->initialized = false;
+  EXPECT_FALSE(g.pg->isInitialized());
+  try {
+    g.pg->split(c10::make_intrusive<c10d::HashStore>(), {0, 1}, nullptr);
+    FAIL() << "split went ahead without the inner backend's communicator";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("split_group"), std::string::npos) << what;
+    EXPECT_NE(what.find("inner fake backend has no communicator yet"), std::string::npos) << what;
+  }
+  g.fake->initialized = true;
+  EXPECT_TRUE(g.pg->isInitialized());
+}
+#endif
 
 TEST(Backend, AvgWithoutNativeScaleIsSumThenOneDivision) {
   Group g(kPacking);

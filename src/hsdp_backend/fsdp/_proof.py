@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hsdp_backend import _C, config
+from hsdp_backend import _C, _torch_compat, config
 from hsdp_backend.fsdp._compat import ProofCouldNotRun
 
 # Unlike any user's mesh dims: DTensor caches shardings by mesh equality
@@ -61,6 +61,7 @@ class Case:
     param_dtype: torch.dtype
     mp_policy: MixedPrecisionPolicy
     divide_factor: float | None = None
+    bias_grad_dtype: torch.dtype | None = None  # biases' Parameter.grad_dtype (2.15)
 
 
 CASES = (
@@ -77,6 +78,14 @@ CASES = (
         "fp64 reduce, fp32 params", torch.float32, MixedPrecisionPolicy(reduce_dtype=torch.float64)
     ),
 )
+if _torch_compat.PER_PARAM_GRAD_DTYPES:
+    # 2.15: one param group's gradients may mix dtypes (reduced in one, each
+    # cast back to its parameter's).
+    CASES += (
+        Case(
+            "fp32, bf16 bias gradients", torch.float32, MixedPrecisionPolicy(), 2.0, torch.bfloat16
+        ),
+    )
 
 
 def first_difference(
@@ -169,6 +178,10 @@ def _train(case: Case, mesh: DeviceMesh) -> list[dict[str, _Grad]]:
         _Linear(3, 5, True, case.param_dtype),
         _Linear(5, 3, False, case.param_dtype),
     )
+    if case.bias_grad_dtype is not None:
+        for layer in model:
+            if layer.bias is not None:
+                layer.bias.grad_dtype = case.bias_grad_dtype
     for module in (model[0], model[1], model):
         fully_shard(module, mesh=mesh, mp_policy=case.mp_policy)
         if case.divide_factor is not None:
