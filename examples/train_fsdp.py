@@ -71,7 +71,7 @@ class ModelArgs:
 
 
 def rotary_cos_sin(
-    head_dim: int, seq_len: int, theta: float = 10000.0
+    head_dim: int, seq_len: int, device: torch.device | None = None, theta: float = 10000.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cosine and sine tables for rotary position embeddings (RoPE).
 
@@ -82,13 +82,15 @@ def rotary_cos_sin(
     Args:
         head_dim: per-head width; must be even.
         seq_len: number of positions.
+        device: where the activations are (the tables are built there).
         theta: RoPE base.
 
     Returns:
         ``(cos, sin)``, each of shape ``(seq_len, head_dim // 2)``.
     """
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    arange = lambda *a: torch.arange(*a, dtype=torch.float32, device=device)
+    freqs = 1.0 / (theta ** (arange(0, head_dim, 2) / head_dim))
+    angles = torch.outer(arange(seq_len), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -217,7 +219,9 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         # Rebuilt per call: it is tiny, and it avoids a buffer that FSDP would
         # have to leave unsharded and mixed precision would leave in fp32.
-        cos, sin = rotary_cos_sin(self.model_args.dim // self.model_args.n_heads, tokens.shape[1])
+        cos, sin = rotary_cos_sin(
+            self.model_args.dim // self.model_args.n_heads, tokens.shape[1], tokens.device
+        )
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.output(self.norm(h))

@@ -41,7 +41,7 @@ build_package() {
   shift 2
   # The build's options are part of its inputs.
   # tests/cpp/backend_test.cpp: the tests' build (HSDP_BUILD_TESTING) compiles it too.
-  stamp=$( (echo "$@"; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc src -type f \( -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
+  stamp=$( (echo "$@"; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc src cmake -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name '*.py' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
   if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || ! (cd /tmp && "$root/$py" -c "import hsdp_backend._C") 2>/dev/null; then
     echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (about a minute on 2 cores)"
     # --no-build-isolation: build against the torch in the venv, never a second one.

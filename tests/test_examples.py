@@ -93,3 +93,23 @@ def test_readable_line_without_json():
     assert len(step_lines) == 4, out
     assert " ms  fwd+bwd " in step_lines[0] and "tok/s  ag=" in step_lines[0], out
     assert "final loss " in out, out
+
+
+def test_the_model_computes_where_its_parameters_are():
+    """The rotary tables are built on the activations' device: a model moved
+    off the CPU (here to the meta device, which checks devices as CUDA does
+    and needs no GPU) runs its forward there. Built on the CPU, they met
+    CUDA activations in apply_rotary ("Expected all tensors to be on the
+    same device") and the example could not train with --device cuda."""
+    import argparse
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train_fsdp
+
+    args = argparse.Namespace(dim=16, layers=1, heads=2, vocab=32, seq_len=8, seed=0)
+    model = train_fsdp.build_model(args).to("meta")
+    logits = model(torch.zeros(2, 8, dtype=torch.long, device="meta"))
+    assert logits.device.type == "meta" and tuple(logits.shape) == (2, 8, 32)
