@@ -191,7 +191,11 @@ ReducePlan planReduce(
         "divide_by needs a SUM, AVG or PREMUL_SUM reduction");
     plan.post = plan.post.dividedBy(divideBy);
   }
-  if (nativeScale && !plan.post.isNone()) {
+  // At one rank the reduction is a copy, and the scale stays hsdp's own
+  // multiply after it: NCCL 2.28.9's one-rank reduce-scatter drops a
+  // PREMUL_SUM factor (measured on an H200; its all-reduce applies it), and
+  // a copy scaled once is the same value either way.
+  if (nativeScale && !plan.post.isNone() && groupSize > 1) {
     if (op.op_ == c10d::ReduceOp::AVG && divideBy == 1.0) {
       // ncclAvg on integers sums, then divides with truncation toward zero
       // (NCCL 2.30's ncclDevSumPostDiv, the version torch 2.14.1 ships), as

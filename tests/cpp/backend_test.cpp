@@ -272,6 +272,24 @@ TEST(Backend, ASplitBeforeTheInnerCommunicatorExistsRaisesNamingIt) {
 }
 #endif
 
+TEST(ReducePlan, AtOneRankTheFactorIsHsdpsOwnMultiplyEvenOnANativeRoute) {
+  // NCCL 2.28.9's one-rank reduce-scatter drops a PREMUL_SUM factor: at one
+  // rank hsdp sends a SUM and scales the copy itself.
+  const OpContext c{0, 1, "reduce_scatter_tensor"};
+  auto plan = planReduce(c, compat::makePreMulSum(0.5), at::kFloat, 1, 1.0, /*nativeScale=*/true);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::Multiply);
+  EXPECT_EQ(plan.post.value(), 0.5);
+  plan = planReduce(c, c10d::ReduceOp(c10d::ReduceOp::SUM), at::kFloat, 1, 4.0, true);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::Divide);
+  // With peers the factor rides inside NCCL's reduction, as before.
+  const OpContext c2{0, 2, "reduce_scatter_tensor"};
+  plan = planReduce(c2, compat::makePreMulSum(0.5), at::kFloat, 2, 1.0, true);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::PREMUL_SUM);
+  EXPECT_TRUE(plan.post.isNone());
+}
+
 TEST(Backend, AvgWithoutNativeScaleIsSumThenOneDivision) {
   Group g(kPacking);
   auto t = at::arange(8, at::kFloat);
