@@ -29,9 +29,11 @@ CACHE=${HSDP_VENV_CACHE:-$HOME/.cache/hsdp-backend}
 VENV=$CACHE/venv-torch$MINOR
 PY=$VENV/bin/python
 
-# A machine-wide pip configuration may cap torch or point at local indexes;
-# the releases here are exact pins from PyPI (2.13: the local wheel, which
-# pip's find-links names in the environment), so it is not read.
+# A machine-wide pip configuration may cap torch below the releases here
+# (exact pins from PyPI), so it is not read; its find-links, where the local
+# 2.13 wheel lies, are kept.
+config_links=$(python3 -m pip config get global.find-links 2> /dev/null || true)
+export PIP_FIND_LINKS="${PIP_FIND_LINKS:-$config_links}"
 export PIP_CONFIG_FILE=/dev/null
 mkdir -p "$CACHE"
 ensure_venv "$VENV"
