@@ -138,3 +138,19 @@ class CaseLauncher:
         verdict = self.verdict(module, names, world, env, timeout_s)[name]
         if verdict is not None:
             pytest.fail(verdict, pytrace=False)
+
+
+def cmake_configure(build_dir: pathlib.Path, env: dict[str, str]) -> tuple[int, str]:
+    """Runs only CMake's configure step of this project for this interpreter,
+    with ``env`` added to the environment: (exit status, output with CMake's
+    folded lines joined)."""
+    import subprocess
+
+    proc = subprocess.run(
+        ["cmake", "-S", str(ROOT), "-B", str(build_dir), f"-DPython3_EXECUTABLE={sys.executable}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+    )
+    return proc.returncode, " ".join((proc.stdout + proc.stderr).split())

@@ -5,32 +5,14 @@ crashed at init_process_group, inside a stream inserting a size_t). The
 build's configure step probes the compiler and stops, naming it and what to
 set; a compiler that links the shared libstdc++ passes."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
+from harness import cmake_configure
 
 
 def configure(tmp_path: Path, cxx: str) -> tuple[int, str]:
-    proc = subprocess.run(
-        [
-            "cmake",
-            "-S",
-            str(ROOT),
-            "-B",
-            str(tmp_path / "build"),
-            f"-DPython3_EXECUTABLE={sys.executable}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "CXX": cxx},
-    )
-    return proc.returncode, " ".join((proc.stdout + proc.stderr).split())  # CMake folds lines
+    return cmake_configure(tmp_path / "build", {"CXX": cxx})
 
 
 @pytest.fixture

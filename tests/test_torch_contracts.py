@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import run_ranks
+from harness import cmake_configure, run_ranks
 
 from hsdp_backend import _torch_compat
 
@@ -32,6 +32,13 @@ def test_a_release_outside_the_range_is_named_with_the_range(release):
 @pytest.mark.parametrize("release", ["2.11.0", "2.12.1", "2.13.0+cpu", "2.14.1+cu130", "2.15.0"])
 def test_every_supported_release_is_accepted(release):
     assert _torch_compat.unsupported(release) is None
+
+
+def test_a_torch_without_distributed_is_named(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: False)
+    problem = _torch_compat.unsupported()
+    assert problem is not None and "built without torch.distributed" in problem, problem
+    assert f"torch {torch.__version__}" in problem
 
 
 def test_group_creation_on_an_unsupported_torch_raises_naming_the_range(tmp_path):
@@ -95,22 +102,8 @@ def test_the_build_refuses_a_torch_it_cannot_serve_saying_why(
             """
         )
     )
-    proc = subprocess.run(
-        [
-            "cmake",
-            "-S",
-            str(ROOT),
-            "-B",
-            str(tmp_path / "build"),
-            f"-DPython3_EXECUTABLE={sys.executable}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / "fake")},
-    )
-    out = " ".join((proc.stdout + proc.stderr).split())  # CMake folds its messages
-    assert proc.returncode != 0, out
+    rc, out = cmake_configure(tmp_path / "build", {"PYTHONPATH": str(tmp_path / "fake")})
+    assert rc != 0, out
     for text in expected:
         assert text in out, out
 
