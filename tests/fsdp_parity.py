@@ -294,7 +294,9 @@ def _dispatched_collectives():
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 14):
+    from hsdp_backend import _torch_compat
+
+    if _torch_compat.version() >= (2, 14):
         return CommDebugMode()
 
     class Counting(TorchDispatchMode):

@@ -10,6 +10,8 @@ import pytest
 import torch
 from harness import free_port
 
+from hsdp_backend import _torch_compat
+
 
 def python(code: str, env: dict | None = None, cwd=None, timeout=120):
     """Runs code in a fresh interpreter (import torch happens there)."""
@@ -57,10 +59,8 @@ def test_autoload_disabled_by_env(tmp_path):
 # torch.distributed resolves a backend name through the
 # `torch.distributed.backends` entry-point group from torch 2.14 on
 # (Backend._ensure_backend_registered, called by init_process_group, new_group
-# and split_group); torch 2.13 never reads that group.
-TORCH_RESOLVES_DIST_ENTRY_POINTS = tuple(
-    int(part) for part in torch.__version__.split("+")[0].split(".")[:2]
-) >= (2, 14)
+# and split_group); earlier releases never read that group.
+TORCH_RESOLVES_DIST_ENTRY_POINTS = _torch_compat.LAZY_BACKEND_REGISTRATION
 
 INIT_AND_ALL_REDUCE = """
     import datetime, torch, torch.distributed as dist
