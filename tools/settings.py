@@ -50,8 +50,8 @@ _TABLE = [
         "`1`: torch's DistributedTest conformance run runs every test, adds world size 3 and "
         "re-checks gloo", "0"),
     Var("HSDP_COMPAT_RUN", "tests", None, parse_text, str,
-        "set by `tests/test_torch_versions.py` in its run on the second torch, so that run "
-        "does not start itself again"),
+        "set by `tests/test_torch_versions.py` in its runs on the other torch releases, so "
+        "those runs do not start it again"),
     Var("HSDP_PEERS_DIR", "peers", None, parse_text, str,
         "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
         "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),
