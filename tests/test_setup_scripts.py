@@ -1,0 +1,59 @@
+"""scripts/sync_python.py: the set-up's shortcut when only a package's Python files changed.
+
+A venv whose installed copy of the package is refreshed by copying must end up exactly as a
+rebuild would leave it, or the shortcut must refuse (exit 1) so that the caller rebuilds.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / "pkgx" / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "pkgx"
+
+
+def sync(source: Path, installed_parent: Path) -> int:
+    env = {**os.environ, "PYTHONPATH": str(installed_parent)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "sync_python.py"), str(source)],
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+    ).returncode
+
+
+def test_the_same_files_are_copied_over_the_installed_ones(tmp_path):
+    installed = make_package(
+        tmp_path / "site", {"__init__.py": "", "_C.py": "", "sub/mod.py": "old = 1\n"}
+    )
+    source = make_package(
+        tmp_path / "src", {"__init__.py": "", "_C.py": "", "sub/mod.py": "new = 2\n"}
+    )
+    assert sync(source, tmp_path / "site") == 0
+    assert (installed / "sub" / "mod.py").read_text() == "new = 2\n"
+
+
+def test_an_added_or_removed_module_is_left_to_a_rebuild(tmp_path):
+    installed = make_package(tmp_path / "site", {"__init__.py": "", "_C.py": "", "a.py": "x\n"})
+    source = make_package(
+        tmp_path / "src", {"__init__.py": "", "_C.py": "", "a.py": "y\n", "b.py": ""}
+    )
+    assert sync(source, tmp_path / "site") == 1
+    assert (installed / "a.py").read_text() == "x\n"  # nothing copied
+    (source / "b.py").unlink()
+    (source / "a.py").unlink()
+    assert sync(source, tmp_path / "site") == 1
+
+
+def test_an_installed_copy_whose_extension_does_not_import_is_left_to_a_rebuild(tmp_path):
+    make_package(tmp_path / "site", {"__init__.py": "", "a.py": ""})
+    source = make_package(tmp_path / "src", {"__init__.py": "", "a.py": ""})
+    assert sync(source, tmp_path / "site") == 1
