@@ -4,9 +4,15 @@
 #   bash scripts/gpu_check.sh [report path]   (default: gpu_check_report.txt)
 #
 # On a machine without a GPU it says so in one line and exits 0. With one or
-# more: sets up the venv (scripts/setup.sh: torch 2.14.1, this package built
-# against it) unless HSDP_GPU_CHECK_PYTHON names a Python that already has
-# torch with CUDA and hsdp_backend installed; then records the device and the
+# more, the Python it checks with is, in this order: HSDP_GPU_CHECK_PYTHON (a
+# Python that already has torch with CUDA and hsdp_backend installed); the
+# machine's own python3 when its torch sees a GPU and it has the build tools
+# (scikit-build-core, ninja, pytest, pytest-timeout): the package is built
+# against that torch into build/gpu-site, offline (GPU images often cannot
+# download), and the environment's CXX is used unless the build refuses it
+# (a g++ that links libstdc++ statically), then /usr/bin/g++, saying so;
+# else the venv of scripts/setup.sh (torch 2.14.1, downloaded). Then it
+# records the device and the
 # versions, runs tests/test_cuda.py (the one-GPU checks, the one-GPU checks
 # under TORCH_CUDA_SANITIZER=1, and the two-GPU part when there are two
 # GPUs), and trains the FSDP2 example on one GPU rank on hsdp and on nccl
@@ -31,7 +37,33 @@ say() { echo "$*" | tee -a "$report"; }
 failed=0
 
 PY=${HSDP_GPU_CHECK_PYTHON:-}
-if [ -z "$PY" ]; then
+machine_python_builds() {
+  python3 - 2> /dev/null << 'EOF'
+import sys
+import ninja, pytest, pytest_timeout, scikit_build_core, torch  # noqa: F401
+sys.exit(not torch.cuda.is_available())
+EOF
+}
+if [ -z "$PY" ] && machine_python_builds; then
+  site=build/gpu-site
+  say "== build against the machine's python3 ($(python3 -c 'import torch; print("torch", torch.__version__)') -> $site)"
+  build_here() {
+    rm -rf "$site" build/gpu
+    python3 -m pip install --quiet --no-index --no-build-isolation --no-deps --target "$site" \
+      -C build-dir=build/gpu . >> "$report" 2>&1
+  }
+  if ! build_here; then
+    if grep -q "libstdc++" "$report" && [ -x /usr/bin/g++ ]; then
+      say "the environment's compiler (CXX=${CXX:-unset}) was refused (log above); building with /usr/bin/g++"
+      CXX=/usr/bin/g++ build_here || { say "FAILED: building with /usr/bin/g++ (log above)"; exit 1; }
+    else
+      say "FAILED: building against the machine's python3 (log above)"
+      exit 1
+    fi
+  fi
+  export PYTHONPATH="$PWD/$site${PYTHONPATH:+:$PYTHONPATH}"
+  PY=python3
+elif [ -z "$PY" ]; then
   say "== setup (scripts/setup.sh)"
   if ! bash scripts/setup.sh >> "$report" 2>&1; then
     say "FAILED: scripts/setup.sh (log above)"

@@ -198,6 +198,30 @@ def devices_mixed_in_one_call(rank, world, ref):
 
 
 @case
+def premul_factor_on_another_device(rank, world, ref):
+    # NCCL would read the factor's pointer as memory of the data's device:
+    # refused before anything is issued, naming both devices (meta stands
+    # in for the other device, as above).
+    for op, args in [
+        (dist.all_reduce, (torch.ones(4),)),
+        (dist.reduce_scatter_tensor, (torch.empty(2), torch.ones(2 * world))),
+    ]:
+        raises(
+            ValueError,
+            prefix(rank, world, op.__name__)
+            + r"ReduceOp.PREMUL_SUM's factor tensor is on meta but the data is on cpu",
+            op,
+            *args,
+            op=dist._make_nccl_premul_sum(torch.tensor(0.5, device="meta")),
+        )
+        still_usable(rank, world)
+    # A factor tensor on the data's device, of another dtype: applied.
+    t = torch.ones(4)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor(0.5, dtype=torch.float64)))
+    assert torch.equal(t, torch.full((4,), 0.5 * world)), t
+
+
+@case
 def coalesced_list_length_mismatch(rank, world, ref):
     raises(
         ValueError,

@@ -95,20 +95,21 @@ def a_tensor_factor_reaches_nccl_as_a_tensor_of_the_data_dtype(rank, world, ref)
     under graph capture) and wants the data's dtype (the double refuses
     another, as ProcessGroupNCCL does). The caller's factor of the data's
     dtype goes as it is; one that would need a copy (another dtype, or a
-    divide_by folded in) is read on the host, since a copy made inside the
-    call would be freed before NCCL's stream reads it."""
+    divide_by folded in) makes NCCL a SUM and hsdp one multiply after it on
+    the device: a copy made inside the call would be freed before NCCL's
+    stream reads it, and reading the factor on the host would sync."""
     t = data(rank, 6, torch.float32)
     premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))
     assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:PREMUL_SUM[tensor]"]
     check(t, reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32) * 0.5, "tensor factor")
     t = data(rank, 6, torch.bfloat16)
     premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))  # fp32 factor, bf16 data
-    assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:PREMUL_SUM"]
+    assert sent_by(lambda: dist.all_reduce(t, op=premul)) == ["all_reduce:SUM"]
     check(t, (reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float64) * 0.5).bfloat16(), "bf16")
     t = data(rank, 6, torch.float32)
     premul = dist._make_nccl_premul_sum(torch.tensor([0.5]))
     assert sent_by(lambda: hsdp_backend.all_reduce(t, op=premul, divide_by=4.0)) == [
-        "all_reduce:PREMUL_SUM"
+        "all_reduce:SUM"
     ]
     check(t, reduce_ref(dist.ReduceOp.SUM, world, 6, torch.float32) / 8, "tensor / divide_by")
 
@@ -199,6 +200,31 @@ def device_coalescing_holds_post_steps_until_the_end(rank, world, ref):
         check(
             o, torch.cat([data(r, n, torch.float32) for r in range(world)]), "coalesced all_gather"
         )
+
+
+@case
+def a_block_keeps_hsdps_staged_copies_until_it_ran(rank, world, ref):
+    """NCCL keeps alive the tensors of a block's async calls only (stashed on
+    endCoalescing's Work). hsdp's own staged copy for a synchronous call in a
+    block (a non-contiguous input: copied in, nothing after) is no caller's
+    tensor: hsdp must keep it until the block ran. The double checks, when
+    the block lands, that every tensor of its synchronous calls still lives.
+    The last call async makes the block's Work async, launched on NCCL's
+    stream: the memory would be reused while the block runs."""
+    pg = dist.group.WORLD
+    base = data(rank, 12, torch.float32).view(3, 4)
+    out = torch.empty(world * 12)
+    t = data(rank, 5, torch.float32)
+    pg._start_coalescing(torch.device("cpu"))
+    dist.all_gather_into_tensor(out, base.t())
+    dist.all_reduce(t, async_op=True)
+    work = pg._end_coalescing(torch.device("cpu"))
+    work.wait()
+    expected = torch.cat(
+        [data(r, 12, torch.float32).view(3, 4).t().reshape(-1) for r in range(world)]
+    )
+    check(out, expected, "all_gather of a staged input in a block")
+    check(t, reduce_ref(dist.ReduceOp.SUM, world, 5, torch.float32), "all_reduce in the block")
 
 
 @case

@@ -11,6 +11,7 @@ CPU by the NCCL-contract double (``pytest tests -k nccl_contract``).
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -122,8 +123,15 @@ def gpu_work_body(rank, world):
     # plain SUM, returns NCCL's own Work and would test NCCL, not hsdp.)
     t = torch.full((4, 2), 3.0, device=dev).t()
     cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # kHz: ~ one second
+    # The same call once before, untimed: a first async op may set up what
+    # makes it wait for the device (NCCL's stream, a new allocator segment).
+    dist.all_reduce(t.clone(), op=dist.ReduceOp.AVG, async_op=True).wait()  # strides kept
+    torch.cuda.synchronize()
     torch.cuda._sleep(cycles)
+    start = time.monotonic()
     work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    issued = time.monotonic() - start
+    assert issued < 0.5, f"the async call blocked the host for {issued:.2f} s: it waited for the GPU"
     assert not work.is_completed(), "is_completed() must wait for the GPU"
     work.wait()
     torch.cuda.synchronize()
@@ -213,8 +221,14 @@ def trace_body(rank, world):
     assert last_state() == "started", "a synchronous op read done before the GPU ran it"
     torch.cuda.synchronize()
     assert last_state() == "completed"
+    # The async form once, untimed (see gpu_work_body).
+    dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True).wait()
+    torch.cuda.synchronize()
     torch.cuda._sleep(cycles)
+    start = time.monotonic()
     work = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)
+    issued = time.monotonic() - start
+    assert issued < 0.5, f"the async call blocked the host for {issued:.2f} s: it waited for the GPU"
     assert last_state() == "started", "an async op read done before the GPU ran it"
     work.wait()
     torch.cuda.synchronize()

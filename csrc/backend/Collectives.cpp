@@ -184,12 +184,7 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   // AVG averages every contribution: all tensors of all ranks.
   const int contributions = size_ * static_cast<int>(tensors.size());
   auto reduce = planReduce(
-      call.ctx,
-      opts.reduceOp,
-      tensors[0].scalar_type(),
-      contributions,
-      divideBy,
-      r.scalesNatively());
+      call.ctx, opts.reduceOp, tensors[0].options(), contributions, divideBy, r.scalesNatively());
   if (!oneDense(tensors)) {
     c10d::AllreduceOptions innerOpts = opts;
     innerOpts.reduceOp = reduce.innerOp;
@@ -244,7 +239,7 @@ ProcessGroupHSDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOpt
   checkRootTensor(call.ctx, opts.rootTensor, tensors);
   auto& r = inner(call, tensors[0]);
   auto reduce =
-      planReduce(call.ctx, opts.reduceOp, tensors[0].scalar_type(), size_, 1.0, r.scalesNatively());
+      planReduce(call.ctx, opts.reduceOp, tensors[0].options(), size_, 1.0, r.scalesNatively());
   auto plan = planInPlace(Kind::Reduce, tensors[0], std::move(reduce), opts.rootRank);
   return issue(call, r, std::move(plan), bytesOf(tensors));
 }
@@ -388,7 +383,8 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   }
   auto& r = inner(call, outputs[0]);
   const auto dtype = outputs[0].scalar_type();
-  auto reduce = planReduce(call.ctx, opts.reduceOp, dtype, size_, 1.0, r.scalesNatively());
+  auto reduce =
+      planReduce(call.ctx, opts.reduceOp, outputs[0].options(), size_, 1.0, r.scalesNatively());
   if (even && shmServes(outputs) && shmServes(inputs[0]) && ShmRoute::serves(reduce, dtype)) {
     auto plan = planReduceScatterFromList(inputs[0], outputs[0], std::move(reduce));
     return issue(call, *engine_, std::move(plan), bytesOf(inputs[0]));
@@ -435,7 +431,8 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   checkContiguous(call.ctx, input, "the input");
   auto& r = inner(call, input);
   const auto dtype = input.scalar_type();
-  auto reduce = planReduce(call.ctx, opts.reduceOp, dtype, size_, divideBy, r.scalesNatively());
+  auto reduce =
+      planReduce(call.ctx, opts.reduceOp, input.options(), size_, divideBy, r.scalesNatively());
   const bool shm = shmServes({input, output}) && ShmRoute::serves(reduce, dtype);
   auto plan = planReduceScatter(input, output, std::move(reduce));
   return issue(call, shmOr(r, shm), std::move(plan), bytesOf(input));

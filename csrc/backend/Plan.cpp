@@ -103,7 +103,8 @@ std::vector<DtypeGroup> groupByDtype(
       continue;
     }
     keys.push_back(dtype);
-    groups.push_back({{i}, planReduce(ctx, op, dtype, groupSize, divideBy, nativeScale)});
+    groups.push_back(
+        {{i}, planReduce(ctx, op, tensors[i].options(), groupSize, divideBy, nativeScale)});
   }
   return groups;
 }

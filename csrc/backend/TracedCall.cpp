@@ -17,8 +17,10 @@ namespace {
 // the device's current stream, queried only when a dump is written. Called
 // right after a synchronous call (NCCL orders the caller's stream after the
 // op) or in the Work's future callback, where c10's Future makes the
-// current stream wait for the op's events. None under graph capture, where
-// an event may not be queried: such an entry completes at enqueue.
+// current stream wait for the op's events (only for a callback added with
+// uses_future: ivalue::Future::invokeCallback skips the streams otherwise).
+// None under graph capture, where an event may not be queried: such an
+// entry completes at enqueue.
 std::function<bool()> doneOnDevice(c10::Device device) {
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream stream = impl.getStream(device);
@@ -77,7 +79,9 @@ c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock)
           trace->finished(seq, error);
           trace->dumpOnFailure(error);
         },
-        /*uses_future=*/false);
+        // Runs the callback on streams that wait for the future's events:
+        // the "done" event then follows the op on the device.
+        /*uses_future=*/true);
   } catch (const c10::Error&) {
     // A Work without a future (none of the routes' today): the entry stays
     // "started", which a dump reports as such.

@@ -60,25 +60,25 @@ DeferredScale DeferredScale::dividedBy(double divisor) const {
   return *this;
 }
 
+bool DeferredScale::fitsPreMulSum(at::ScalarType dtype) const {
+  // NCCL reads a tensor factor on the device itself (ncclScalarDevice) when
+  // the op runs, in the data's dtype ("PreMulSum factor type must match
+  // input data type", ProcessGroupNCCL 2.14.1). The caller's own factor of
+  // that dtype goes as it is: no device-to-host sync, capturable; the caller
+  // keeps it alive, as with NCCL itself. Any other tensor factor stays a
+  // deferred multiply on the device (apply()).
+  return kind_ != Kind::MultiplyTensor || (callersTensor_ && tensor_.scalar_type() == dtype);
+}
+
 c10d::ReduceOp DeferredScale::asPreMulSum(at::ScalarType dtype) const {
+  TORCH_INTERNAL_ASSERT(fitsPreMulSum(dtype));
   switch (kind_) {
     case Kind::Divide:
       return compat::makePreMulSum(1.0 / value_);
     case Kind::Multiply:
       return compat::makePreMulSum(value_);
     case Kind::MultiplyTensor:
-      // NCCL reads a tensor factor on the device itself (ncclScalarDevice)
-      // when the op runs, in the data's dtype ("PreMulSum factor type must
-      // match input data type", ProcessGroupNCCL 2.14.1). The caller's own
-      // factor of that dtype goes as it is: no device-to-host sync in the hot
-      // path, capturable; the caller keeps it alive, as with NCCL itself. A
-      // converted or divided copy made here would be freed when this call
-      // returns, before NCCL's stream reads it: such a factor is read on the
-      // host instead (one sync).
-      if (callersTensor_ && tensor_.scalar_type() == dtype) {
-        return compat::makePreMulSum(tensor_);
-      }
-      return compat::makePreMulSum(value());
+      return compat::makePreMulSum(tensor_);
     case Kind::None:
       break;
   }
@@ -105,7 +105,9 @@ void DeferredScale::apply(const at::Tensor& t) const {
       work.mul_(value_);
       break;
     case Kind::MultiplyTensor:
-      work.mul_(tensor_.to(work.device(), work.scalar_type()));
+      // On the data's device (planReduce checked it) and in its dtype:
+      // enqueued, never read by the host.
+      work.mul_(tensor_.to(work.scalar_type()));
       break;
     case Kind::None:
       break;
@@ -118,8 +120,12 @@ void DeferredScale::apply(const at::Tensor& t) const {
 namespace {
 
 // The plan for the reduction alone.
-ReducePlan
-planReduceOp(const OpContext& ctx, const c10d::ReduceOp& op, at::ScalarType dtype, int groupSize) {
+ReducePlan planReduceOp(
+    const OpContext& ctx,
+    const c10d::ReduceOp& op,
+    at::ScalarType dtype,
+    c10::Device device,
+    int groupSize) {
   const auto type = op.op_;
   const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
   const bool isBool = dtype == at::kBool;
@@ -155,11 +161,24 @@ planReduceOp(const OpContext& ctx, const c10d::ReduceOp& op, at::ScalarType dtyp
           "torch.distributed._make_nccl_premul_sum(factor)");
       // Pre-multiplying every input by f and summing equals summing and
       // multiplying once: the sum is linear, so we defer the multiply.
-      return {
-          c10d::ReduceOp(c10d::ReduceOp::SUM),
-          supplement->tensor_factor.defined()
-              ? DeferredScale::multiplyBy(supplement->tensor_factor)
-              : DeferredScale::multiplyBy(supplement->double_factor)};
+      const auto& factor = supplement->tensor_factor;
+      if (!factor.defined()) {
+        return {
+            c10d::ReduceOp(c10d::ReduceOp::SUM),
+            DeferredScale::multiplyBy(supplement->double_factor)};
+      }
+      // NCCL takes a factor tensor's pointer as device memory of the data's
+      // device (ncclScalarDevice): one on another device would be read as
+      // garbage there, or fault. Said here, before anything is issued.
+      HSDP_CHECK_VALUE(
+          factor.device() == device,
+          ctx,
+          "ReduceOp.PREMUL_SUM's factor tensor is on ",
+          factor.device(),
+          " but the data is on ",
+          device,
+          "; make the factor on the data's device");
+      return {c10d::ReduceOp(c10d::ReduceOp::SUM), DeferredScale::multiplyBy(factor)};
     }
     default:
       HSDP_CHECK_VALUE(false, ctx, "unsupported reduce op ", static_cast<int>(type));
@@ -172,11 +191,12 @@ planReduceOp(const OpContext& ctx, const c10d::ReduceOp& op, at::ScalarType dtyp
 ReducePlan planReduce(
     const OpContext& ctx,
     const c10d::ReduceOp& op,
-    at::ScalarType dtype,
+    const at::TensorOptions& data,
     int groupSize,
     double divideBy,
     bool nativeScale) {
-  auto plan = planReduceOp(ctx, op, dtype, groupSize);
+  const auto dtype = data.dtype().toScalarType();
+  auto plan = planReduceOp(ctx, op, dtype, data.device(), groupSize);
   const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
   if (divideBy != 1.0) {
     HSDP_CHECK_VALUE(
@@ -217,7 +237,7 @@ ReducePlan planReduce(
           DeferredScale::divideBy(pre).asPreMulSum(dtype),
           DeferredScale::divideBy(plan.post.value() / pre)};
     }
-    if (isFloat) {
+    if (isFloat && plan.post.fitsPreMulSum(dtype)) {
       return {plan.post.asPreMulSum(dtype), DeferredScale::none()};
     }
   }

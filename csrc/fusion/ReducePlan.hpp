@@ -53,12 +53,17 @@ class DeferredScale {
   // that chain SUM collectives over several groups divide once, at the end.
   DeferredScale dividedBy(double divisor) const;
 
-  // The PREMUL_SUM reduction that applies this scale inside a sum of
-  // `dtype` data (a tensor factor stays a tensor, of that dtype).
+  // Whether the transport's PREMUL_SUM can apply this scale to `dtype`
+  // data with nothing made here: a number, or the caller's own factor
+  // tensor of that dtype. A tensor factor of another dtype, or divided here,
+  // is a new tensor that would be freed before NCCL's stream reads it.
+  bool fitsPreMulSum(at::ScalarType dtype) const;
+  // The PREMUL_SUM reduction that applies this scale (fitsPreMulSum).
   c10d::ReduceOp asPreMulSum(at::ScalarType dtype) const;
 
   // Scales `t` in place. bf16/fp16 are widened to fp32, scaled and rounded
   // once; integers divide with truncation toward zero (C semantics, as NCCL).
+  // A tensor factor is read where it lives, on t's device: never by the host.
   void apply(const at::Tensor& t) const;
 
  private:
@@ -79,13 +84,14 @@ struct ReducePlan {
   DeferredScale post;     // what we do to the result afterwards
 };
 
-// Checks that `op` makes sense for `dtype` (ValueError otherwise, naming the
-// rank and op) and returns the plan. `groupSize` is the AVG divisor;
-// `divideBy` a further divisor folded into the same scaling step.
+// Checks that `op` makes sense for data of `data`'s dtype on its device
+// (ValueError otherwise, naming the rank and op) and returns the plan.
+// `groupSize` is the AVG divisor; `divideBy` a further divisor folded into
+// the same scaling step.
 ReducePlan planReduce(
     const OpContext& ctx,
     const c10d::ReduceOp& op,
-    at::ScalarType dtype,
+    const at::TensorOptions& data,
     int groupSize,
     double divideBy = 1.0,
     bool nativeScale = false);

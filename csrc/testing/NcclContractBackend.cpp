@@ -315,12 +315,65 @@ NcclContractBackend::sumFor(const char* what, const c10d::ReduceOp& op, const at
   return c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
 
+namespace {
+
+// A tensor nobody is made to keep alive: what NCCL holds of a synchronous
+// call's tensors inside a coalescing block, whose kernels launch only at
+// endCoalescing (ProcessGroupNCCL::collective stashes a block's tensors in
+// coalescedTensors_, handed to endCoalescing's Work, for async calls only).
+// Its storage is watched, not its TensorImpl: a view made for the call may
+// die while the memory it shows lives on.
+class Unowned {
+ public:
+  explicit Unowned(const at::Tensor& t)
+      : storage_(t.storage().getWeakStorageImpl()),
+        options_(t.options()),
+        sizes_(t.sizes().vec()),
+        strides_(t.strides().vec()),
+        offset_(t.storage_offset()) {}
+
+  // The tensor again, or undefined when its memory was freed.
+  at::Tensor lock() const {
+    auto storage = storage_.lock();
+    if (!storage) {
+      return {};
+    }
+    return at::empty({0}, options_)
+        .set_(c10::Storage(std::move(storage)), offset_, sizes_, strides_);
+  }
+
+ private:
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage_;
+  at::TensorOptions options_;
+  std::vector<int64_t> sizes_;
+  std::vector<int64_t> strides_;
+  int64_t offset_;
+};
+
+[[noreturn]] void freedBeforeTheBlockRan(c10d::OpType type) {
+  TORCH_CHECK(
+      false,
+      "nccl_contract: a tensor of a synchronous ",
+      c10d::opTypeToString(type),
+      " inside a coalescing block was freed before the block ran on the device: NCCL keeps "
+      "only async calls' tensors of a block alive (ProcessGroupNCCL stashes them on "
+      "endCoalescing's Work), so it would have read or written freed memory");
+}
+
+} // namespace
+
 WorkPtr NcclContractBackend::run(
     c10d::OpType type,
     bool asyncOp,
     std::vector<at::Tensor> outputs,
-    const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue) {
+    const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue,
+    const std::vector<at::Tensor>& inputs) {
   connected_ = true; // ProcessGroupNCCL builds its communicator at the first collective
+  bool inBlock;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inBlock = coalescing_;
+  }
   std::vector<at::Tensor> privates;
   for (const auto& t : outputs) {
     privates.push_back(t.clone(at::MemoryFormat::Contiguous));
@@ -333,7 +386,7 @@ WorkPtr NcclContractBackend::run(
     std::lock_guard<std::mutex> lock(mutex_);
     failure.swap(failNext_);
   }
-  auto land = [outputs, privates, divide, size = size_] {
+  std::function<void()> land = [outputs, privates, divide, size = size_] {
     for (size_t i = 0; i < outputs.size(); ++i) {
       if (divide) {
         privates[i].div_(size, "trunc");
@@ -341,8 +394,32 @@ WorkPtr NcclContractBackend::run(
       outputs[i].copy_(privates[i]);
     }
   };
+  auto value = outputs;
+  if (inBlock && !asyncOp) {
+    // Nothing holds these: the block lands into them only if they live.
+    std::vector<Unowned> outs(outputs.begin(), outputs.end());
+    std::vector<Unowned> ins(inputs.begin(), inputs.end());
+    land = [outs = std::move(outs), ins = std::move(ins), privates, divide, size = size_, type] {
+      for (const auto& in : ins) {
+        if (!in.lock().defined()) {
+          freedBeforeTheBlockRan(type);
+        }
+      }
+      for (size_t i = 0; i < outs.size(); ++i) {
+        auto out = outs[i].lock();
+        if (!out.defined()) {
+          freedBeforeTheBlockRan(type);
+        }
+        if (divide) {
+          privates[i].div_(size, "trunc");
+        }
+        out.copy_(privates[i]);
+      }
+    };
+    value.clear();
+  }
   auto work = c10::make_intrusive<DeferredWork>(
-      rank_, type, std::move(works), std::move(land), outputs, std::move(failure), abortComm());
+      rank_, type, std::move(works), std::move(land), value, std::move(failure), abortComm());
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (coalescing_) {
@@ -354,6 +431,10 @@ WorkPtr NcclContractBackend::run(
       // endCoalescing); point-to-point calls get none.
       heldAsync_ = asyncOp;
       held_.push_back(work);
+      if (asyncOp) {
+        stashed_.insert(stashed_.end(), outputs.begin(), outputs.end());
+        stashed_.insert(stashed_.end(), inputs.begin(), inputs.end());
+      }
       const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
           type == c10d::OpType::RECVANYSOURCE;
       if (!asyncOp || p2p) {
@@ -380,19 +461,26 @@ void NcclContractBackend::landLater(std::function<void()> land) {
 
 void NcclContractBackend::startCoalescing() {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!coalescing_, "nccl_contract: already coalescing");
+  // ProcessGroupNCCL 2.14.1 does not refuse it: a second startCoalescing
+  // drops the tensors stashed so far and opens a nested NCCL group whose end
+  // Work orders after nothing launched. Refused here, so that a test sees
+  // hsdp never nests.
+  TORCH_CHECK(!coalescing_, "nccl_contract: startCoalescing inside a coalescing block");
   coalescing_ = true;
   held_.clear();
+  stashed_.clear();
 }
 
 WorkPtr NcclContractBackend::endCoalescing() {
   std::vector<WorkPtr> held;
+  std::vector<at::Tensor> stashed;
   bool asyncOp = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     TORCH_CHECK(coalescing_, "nccl_contract: endCoalescing without startCoalescing");
     coalescing_ = false;
     held.swap(held_);
+    stashed.swap(stashed_);
     asyncOp = heldAsync_;
   }
   if (held.empty()) {
@@ -402,11 +490,13 @@ WorkPtr NcclContractBackend::endCoalescing() {
   // completes at once with an empty list, so it carries no event
   // (ProcessGroupNCCL::endCoalescing; ivalue::Future::markCompleted records
   // events only on the devices of the value's storages).
+  // The end Work keeps the async calls' tensors alive for as long as it
+  // lives (WorkNCCL::stashed_for_allocator_safety_).
   auto block = c10::make_intrusive<DeferredWork>(
       rank_,
       c10d::OpType::COALESCED,
       std::move(held),
-      nullptr,
+      [stashed = std::move(stashed)] {},
       std::vector<at::Tensor>{},
       "",
       abortComm());
@@ -474,22 +564,36 @@ WorkPtr NcclContractBackend::_allgather_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::AllgatherOptions& opts) {
-  return run(c10d::OpType::_ALLGATHER_BASE, opts.asyncOp, {output}, [&](auto& p) {
-    return std::vector<WorkPtr>{gloo_->_allgather_base(p[0], input, opts)};
-  });
+  return run(
+      c10d::OpType::_ALLGATHER_BASE,
+      opts.asyncOp,
+      {output},
+      [&](auto& p) {
+        // Gloo gets a copy: its Work would keep the caller's input alive,
+        // which NCCL does not (see run()).
+        auto in = input.clone();
+        return std::vector<WorkPtr>{gloo_->_allgather_base(p[0], in, opts)};
+      },
+      {input});
 }
 
 WorkPtr NcclContractBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
-  return run(c10d::OpType::COALESCED, opts.asyncOp, outputs, [&](auto& p) {
-    std::vector<WorkPtr> works;
-    for (size_t i = 0; i < p.size(); ++i) {
-      works.push_back(gloo_->_allgather_base(p[i], inputs.at(i), opts));
-    }
-    return works;
-  });
+  return run(
+      c10d::OpType::COALESCED,
+      opts.asyncOp,
+      outputs,
+      [&](auto& p) {
+        std::vector<WorkPtr> works;
+        for (size_t i = 0; i < p.size(); ++i) {
+          auto in = inputs.at(i).clone(); // as in _allgather_base
+          works.push_back(gloo_->_allgather_base(p[i], in, opts));
+        }
+        return works;
+      },
+      inputs);
 }
 
 WorkPtr NcclContractBackend::gather(
@@ -538,28 +642,38 @@ WorkPtr NcclContractBackend::_reduce_scatter_base(
     at::Tensor& output,
     at::Tensor& input,
     const c10d::ReduceScatterOptions& opts) {
-  return run(c10d::OpType::_REDUCE_SCATTER_BASE, opts.asyncOp, {output}, [&](auto& p) {
-    auto in = input.clone();
-    auto o = opts;
-    o.reduceOp = sumFor("reduce_scatter_tensor", opts.reduceOp, in);
-    return std::vector<WorkPtr>{gloo_->_reduce_scatter_base(p[0], in, o)};
-  });
+  return run(
+      c10d::OpType::_REDUCE_SCATTER_BASE,
+      opts.asyncOp,
+      {output},
+      [&](auto& p) {
+        auto in = input.clone();
+        auto o = opts;
+        o.reduceOp = sumFor("reduce_scatter_tensor", opts.reduceOp, in);
+        return std::vector<WorkPtr>{gloo_->_reduce_scatter_base(p[0], in, o)};
+      },
+      {input});
 }
 
 WorkPtr NcclContractBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs,
     std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return run(c10d::OpType::COALESCED, opts.asyncOp, outputs, [&](auto& p) {
-    std::vector<WorkPtr> works;
-    for (size_t i = 0; i < p.size(); ++i) {
-      auto in = inputs.at(i).clone();
-      auto o = opts;
-      o.reduceOp = sumFor("reduce_scatter_tensor_coalesced", opts.reduceOp, in);
-      works.push_back(gloo_->_reduce_scatter_base(p[i], in, o));
-    }
-    return works;
-  });
+  return run(
+      c10d::OpType::COALESCED,
+      opts.asyncOp,
+      outputs,
+      [&](auto& p) {
+        std::vector<WorkPtr> works;
+        for (size_t i = 0; i < p.size(); ++i) {
+          auto in = inputs.at(i).clone();
+          auto o = opts;
+          o.reduceOp = sumFor("reduce_scatter_tensor_coalesced", opts.reduceOp, in);
+          works.push_back(gloo_->_reduce_scatter_base(p[i], in, o));
+        }
+        return works;
+      },
+      inputs);
 }
 
 WorkPtr NcclContractBackend::alltoall_base(

@@ -18,7 +18,11 @@
 //   * between startCoalescing and endCoalescing an async call returns a Work
 //     that orders after nothing (complete future, wait() returns at once);
 //     nothing lands before endCoalescing's Work is waited for, and that
-//     Work's future is complete at once, empty (no event);
+//     Work's future is complete at once, empty (no event). The tensors of
+//     the block's async calls are kept alive by the end Work; those of its
+//     synchronous calls by nobody: one freed before the block ran fails the
+//     block's Work, as NCCL would read or write freed memory;
+//   * startCoalescing inside a block is refused;
 //   * point-to-point ops of a pair are ordered, with bounded buffering: an
 //     unbatched symmetric exchange over the bound deadlocks (until the
 //     group's timeout), a batched one (inside a coalescing block) completes;
@@ -199,11 +203,14 @@ class NcclContractBackend final : public c10d::Backend {
  private:
   // Issues `issue` on Gloo with private copies of `outputs` (what it
   // returns is Gloo's Works) and hands back what NCCL would.
+  // `inputs`: what the op reads besides `outputs` (its lifetime is checked
+  // inside a coalescing block).
   WorkPtr
   run(c10d::OpType type,
       bool asyncOp,
       std::vector<at::Tensor> outputs,
-      const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue);
+      const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue,
+      const std::vector<at::Tensor>& inputs = {});
   // The reduction Gloo runs for `op`, pre-multiplying `t` (a private copy
   // of the input) for AVG and PREMUL_SUM.
   c10d::ReduceOp sumFor(const char* what, const c10d::ReduceOp& op, const at::Tensor& t);
@@ -233,6 +240,7 @@ class NcclContractBackend final : public c10d::Backend {
   bool coalescing_ = false;
   std::vector<WorkPtr> held_; // calls made while coalescing
   bool heldAsync_ = false;
+  std::vector<at::Tensor> stashed_; // the block's async calls' tensors
   std::string failNext_;
   std::vector<std::string> received_;
   std::atomic<int64_t> allocations_{0};

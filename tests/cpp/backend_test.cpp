@@ -290,6 +290,42 @@ TEST(ReducePlan, AtOneRankTheFactorIsHsdpsOwnMultiplyEvenOnANativeRoute) {
   EXPECT_TRUE(plan.post.isNone());
 }
 
+TEST(ReducePlan, ATensorFactorNcclCannotTakeAsItIsIsAMultiplyOnTheDevice) {
+  // NCCL takes the caller's factor tensor of the data's dtype as it is; a
+  // factor of another dtype, or one divided by divide_by, would be a new
+  // tensor freed before NCCL's stream reads it, or read by the host (a
+  // device sync): it stays a deferred multiply, where it lives.
+  const OpContext c{0, 2, "all_reduce"};
+  const auto same = at::full({}, 0.5, at::kFloat);
+  auto plan = planReduce(c, compat::makePreMulSum(same), at::kFloat, 2, 1.0, true);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::PREMUL_SUM);
+  EXPECT_TRUE(plan.post.isNone());
+  const auto wider = at::full({}, 0.5, at::kDouble);
+  plan = planReduce(c, compat::makePreMulSum(wider), at::kFloat, 2, 1.0, true);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::MultiplyTensor);
+  plan = planReduce(c, compat::makePreMulSum(same), at::kFloat, 2, 4.0, true);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::MultiplyTensor);
+  auto t = at::ones({4}, at::kFloat);
+  plan.post.apply(t);
+  EXPECT_TRUE(at::equal(t, at::full({4}, 0.125, at::kFloat)));
+}
+
+TEST(ReducePlan, AFactorTensorOnAnotherDeviceThanTheDataIsRefusedNamingBoth) {
+  const OpContext c{1, 2, "all_reduce"};
+  const auto factor = at::full({}, 0.5, at::TensorOptions().device(at::kMeta));
+  try {
+    planReduce(c, compat::makePreMulSum(factor), at::kFloat, 2, 1.0, true);
+    FAIL() << "a factor on another device than the data was taken";
+  } catch (const c10::ValueError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("[rank 1/2] all_reduce: "), std::string::npos) << what;
+    EXPECT_NE(what.find("factor tensor is on meta but the data is on cpu"), std::string::npos)
+        << what;
+  }
+}
+
 TEST(Backend, AvgWithoutNativeScaleIsSumThenOneDivision) {
   Group g(kPacking);
   auto t = at::arange(8, at::kFloat);

@@ -292,7 +292,13 @@ InnerRoute::WorkPtr InnerRoute::finishInner(
   // an earlier send's, so they stay the inner backend's own.
   const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
       type == c10d::OpType::RECVANYSOURCE;
-  if (!post && ordering == 1 && !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
+  // NCCL keeps a block's tensors alive only for its async calls (stashed on
+  // the end Work): buffers of hsdp's own (staged copies) made for its
+  // synchronous calls must outlive the block, which a bare end Work does not
+  // see to.
+  const bool blockNeedsBuffers = inner.blockEnd && !keepAlive.empty();
+  if (!post && ordering == 1 && !blockNeedsBuffers &&
+      !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
     // The inner Work already is the whole op (a block's end Work waits for
     // every op of the block).
     return inner.blockEnd ? inner.blockEnd : inner.ops.front();
@@ -384,12 +390,17 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
     // Host streams (caps_.hostStreams): the side stream is a completion
     // worker, which has nothing to wait for from the caller (its tensors
     // are written before this call returns).
+    // The buffers stay alive until the inner ops ran (what recording them
+    // on the side stream does on CUDA).
     auto done = WorkHSDP::onQueue(
                     completions(),
                     rank_,
                     type,
                     outputs,
-                    [ops = inner.ops, end = inner.blockEnd, post = std::move(post)] {
+                    [ops = inner.ops,
+                     end = inner.blockEnd,
+                     post = std::move(post),
+                     keepAlive = std::move(keepAlive)] {
                       orderAfter(ops, end.get());
                       if (post) {
                         post();
