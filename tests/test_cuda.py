@@ -131,7 +131,9 @@ def gpu_work_body(rank, world):
     start = time.monotonic()
     work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
     issued = time.monotonic() - start
-    assert issued < 0.5, f"the async call blocked the host for {issued:.2f} s: it waited for the GPU"
+    assert issued < 0.5, (
+        f"the async call blocked the host for {issued:.2f} s: it waited for the GPU"
+    )
     assert not work.is_completed(), "is_completed() must wait for the GPU"
     work.wait()
     torch.cuda.synchronize()
@@ -228,7 +230,9 @@ def trace_body(rank, world):
     start = time.monotonic()
     work = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)
     issued = time.monotonic() - start
-    assert issued < 0.5, f"the async call blocked the host for {issued:.2f} s: it waited for the GPU"
+    assert issued < 0.5, (
+        f"the async call blocked the host for {issued:.2f} s: it waited for the GPU"
+    )
     assert last_state() == "started", "an async op read done before the GPU ran it"
     work.wait()
     torch.cuda.synchronize()
