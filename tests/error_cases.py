@@ -222,6 +222,28 @@ def premul_factor_on_another_device(rank, world, ref):
 
 
 @case
+def nested_coalescing(rank, world, ref):
+    # NCCL 2.14.1 takes a second start_coalescing silently (and loses the
+    # tensors stashed so far): hsdp refuses it, and the block goes on.
+    pg = dist.group.WORLD
+    device = torch.device("cpu")
+    pg._start_coalescing(device)
+    raises(
+        RuntimeError,
+        prefix(rank, world, "start_coalescing") + "already coalescing",
+        pg._start_coalescing,
+        device,
+    )
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    work = pg._end_coalescing(device)
+    if work is not None:
+        work.wait()
+    assert torch.equal(t, torch.full((3,), float(world))), t
+    still_usable(rank, world)
+
+
+@case
 def coalesced_list_length_mismatch(rank, world, ref):
     raises(
         ValueError,

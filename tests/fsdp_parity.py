@@ -342,6 +342,14 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
     names = ("shard",) if len(s.mesh) == 1 else ("replicate", "shard")
     mesh = init_device_mesh("cpu", s.mesh, mesh_dim_names=names)
     groups = {n: mesh.get_group(n) for n in names}
+    if s.pg_alloc:
+        # NCCL's memory pool needs the group's communicator, which a group
+        # made without device_id has only after its first collective: on
+        # NCCL, and on hsdp's CUDA route, FSDP2's buffers then need one
+        # first (a barrier makes it). The NCCL-contract double holds hsdp to
+        # that; the mesh's groups are new, so each gets its barrier.
+        for group in groups.values():
+            dist.barrier(group=group)
     caught: list[str] = []
 
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group_module

@@ -9,6 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from error_cases import raises
 from ops_cases import check, data, reduce_ref, rs_expected, rs_input
 
 import hsdp_backend
@@ -225,6 +226,27 @@ def a_block_keeps_hsdps_staged_copies_until_it_ran(rank, world, ref):
     )
     check(out, expected, "all_gather of a staged input in a block")
     check(t, reduce_ref(dist.ReduceOp.SUM, world, 5, torch.float32), "all_reduce in the block")
+
+
+@case
+def allocation_needs_the_communicator_a_barrier_makes(rank, world, ref):
+    """NCCL's memory pool needs the communicator, which NCCL makes at the
+    first collective: allocate_tensor before one raises NCCL's own error
+    (hsdp passes it on, as a plain nccl group would). A barrier makes it, as
+    NCCL's does (an all-reduce on the device): FSDP2 calls one for that."""
+    g = dist.new_group(backend="hsdp")
+    backend = g._get_backend(torch.device("cpu"))
+    raises(
+        RuntimeError,
+        "NCCL communicator has not been initialized before mem pool creation",
+        backend.allocate_tensor,
+        16,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+    dist.barrier(group=g)
+    t = backend.allocate_tensor(16, dtype=torch.float32, device=torch.device("cpu"))
+    assert t.numel() == 16, t.shape
 
 
 @case

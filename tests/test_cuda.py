@@ -293,11 +293,17 @@ def buffers_one_rank_body(rank, world):
     assert hsdp.supports_tensor_alloc(dev) == supported, "supports_tensor_alloc(cuda)"
     if not supported:
         return
-    t = hsdp.allocate_tensor(1024, dtype=torch.float32, device=dev)
+    # A group made without device_id has no NCCL communicator before its
+    # first collective, and NCCL's pool needs one: a barrier makes it, on
+    # hsdp as on nccl (FSDP2 relies on that before symmetric memory), though
+    # dist.barrier hands an hsdp group a cpu device.
+    fresh = dist.new_group(backend="hsdp")
+    dist.barrier(group=fresh)
+    t = fresh._get_backend(dev).allocate_tensor(1024, dtype=torch.float32, device=dev)
     assert t.device == dev, f"allocate_tensor's device: {t.device}, expected {dev}"
     t.fill_(3)
     out = torch.empty(1024 * world, device=dev)
-    dist.all_gather_into_tensor(out, t)
+    dist.all_gather_into_tensor(out, t, group=fresh)
     _check(out, torch.full_like(out, 3), "all_gather on an allocated buffer")
 
 

@@ -6,6 +6,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <ATen/ATen.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 
 #include "backend/Checks.hpp"
 #include "backend/WorkHSDP.hpp"
@@ -45,6 +46,7 @@ InnerRoute& ProcessGroupHSDP::inner(Call& call, const at::Tensor& t) {
         "visible to torch when it was created)");
     cuda_->beforeIssue();
     call.device = t.device();
+    lastCudaDevice_.store(t.device().index(), std::memory_order_relaxed);
     return *cuda_;
   }
   HSDP_CHECK(
@@ -559,6 +561,19 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   // then the processes meet on the CPU engine, which serves every barrier.
   checkUsable(call.ctx);
   if (auto device = barrierDevice(opts); device && cuda_) {
+    if (!cuda_->connected()) {
+      // NCCL's barrier is a one-element all-reduce on the device, which makes
+      // the communicator when there is none yet: FSDP2 calls a barrier for
+      // that before it asks for symmetric memory. Every rank answers
+      // connected() alike (collectives only), so all of them issue it.
+      std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(*device))};
+      c10d::AllreduceOptions o;
+      o.timeout = opts.timeout;
+      if (auto w = cuda_->backend().allreduce(one, o)) {
+        w->wait();
+      }
+      cuda_->markConnected();
+    }
     c10::impl::VirtualGuardImpl impl(device->type());
     impl.getStream(*device).synchronize();
   }
@@ -579,6 +594,21 @@ std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOpt
   }
   if (opts.device && opts.device->is_cuda()) {
     return opts.device;
+  }
+  if (!cuda_) {
+    return std::nullopt;
+  }
+  // dist.barrier hands a group that also serves cpu a cpu device. NCCL's
+  // falls back to the device its ops used, else a guess; hsdp's to the one
+  // its CUDA ops used, else the current device, if this process has used it
+  // at all (a CPU job on a machine with GPUs gets no CUDA context from a
+  // barrier).
+  if (const auto used = lastCudaDevice_.load(std::memory_order_relaxed); used >= 0) {
+    return at::Device(at::kCUDA, used);
+  }
+  const auto current = c10::impl::VirtualGuardImpl(at::kCUDA).getDevice();
+  if (at::detail::getCUDAHooks().hasPrimaryContext(current.index())) {
+    return current;
   }
   return std::nullopt;
 }

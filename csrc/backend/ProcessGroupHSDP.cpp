@@ -113,6 +113,7 @@ void ProcessGroupHSDP::setBoundDeviceId(std::optional<at::Device> device) {
 void ProcessGroupHSDP::eagerConnectSingleDevice(at::Device device) {
   if (cuda_ && device.is_cuda()) {
     cuda_->backend().eagerConnectSingleDevice(device);
+    cuda_->markConnected();
   }
 }
 
@@ -267,7 +268,11 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
     if (!child) {
       return nullptr;
     }
-    return std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
+    auto split = std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
+    if (route->connected()) {
+      split->markConnected(); // ncclCommSplit made the child's communicator
+    }
+    return split;
   };
   auto cuda = splitInner(cuda_.get(), "hsdp/nccl/");
   auto cpu = splitInner(cpu_.get(), "hsdp/gloo/");

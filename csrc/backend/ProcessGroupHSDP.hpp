@@ -321,6 +321,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
 #endif
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
+  // The device of this group's last CUDA op (-1: none yet): a barrier's
+  // device when the call names none (barrierDevice).
+  std::atomic<c10::DeviceIndex> lastCudaDevice_{-1};
   CommStats stats_;
   std::atomic<uint64_t> sequence_{0};
   // "aborted" or "shut down" once abort() or shutdown() ran: every later

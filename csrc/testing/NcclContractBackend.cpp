@@ -240,6 +240,14 @@ at::Tensor NcclContractBackend::allocateTensor(long size, at::TensorOptions opti
       options.device().is_cpu(),
       "NCCL tensor allocator expects a CUDA device but got ",
       options.device());
+  // ProcessGroupNCCL registers its memory pool with the communicator, which
+  // it refuses to do before there is one (ProcessGroupNCCL::allocateTensor,
+  // 2.14.1).
+  TORCH_CHECK(
+      connected_,
+      "NCCL communicator has not been initialized before mem pool creation. You can pass "
+      "`device_id` to init_process_group -- one way of eager initialization -- to work around "
+      "this issue");
   allocations_.fetch_add(1);
   return at::empty({size}, options);
 }

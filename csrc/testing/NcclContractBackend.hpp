@@ -181,7 +181,9 @@ class NcclContractBackend final : public c10d::Backend {
   //     of another kind ("NCCL tensor allocator expects a CUDA device but
   //     got ..."; here CPU stands for CUDA), else allocates from the
   //     communicator's own memory pool (a MemPool over ncclMemAlloc):
-  //     counted here, so a test sees that a request reached it;
+  //     counted here, so a test sees that a request reached it; before the
+  //     communicator exists it raises NCCL's "NCCL communicator has not been
+  //     initialized before mem pool creation ...";
   //   * getMemAllocator returns that pool's allocator.
   // Not modelled: NCCL's check that the device is the one it is bound to
   // (the double serves one device).

@@ -235,6 +235,11 @@ Completion InnerRoute::issue(const Call& call, Plan plan) {
 }
 
 Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Plan plan) {
+  const bool p2p = call.type == c10d::OpType::SEND || call.type == c10d::OpType::RECV ||
+      call.type == c10d::OpType::RECVANYSOURCE;
+  if (!p2p) {
+    markConnected();
+  }
   return {finish(
       call.type,
       call.asyncOp,

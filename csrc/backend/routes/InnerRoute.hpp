@@ -143,6 +143,18 @@ class InnerRoute final : public Route {
   // one stream wait when one is pending.
   void beforeIssue();
 
+  // Whether the inner backend has made its communicator. NCCL makes it at
+  // the first collective (or an eager connect, or a split), not at creation.
+  // Tracked here: Backend::isInitialized() exists only from torch 2.15, and
+  // it also counts point-to-point communicators, which only some ranks make
+  // (hsdp's barrier asks, and every rank must answer alike).
+  bool connected() const {
+    return connected_.load(std::memory_order_acquire);
+  }
+  void markConnected() {
+    connected_.store(true, std::memory_order_release);
+  }
+
   // Native coalescing only (caps().nativeCoalescing).
   void startCoalescing();
   // The Work of everything issued since startCoalescing, post-steps
@@ -199,6 +211,7 @@ class InnerRoute final : public Route {
   // run post-steps on a stream (Gloo, and the shared-memory ops that pick a
   // route first) the answer needs no lock.
   std::atomic<bool> hasPostStep_{false};
+  std::atomic<bool> connected_{false};
   bool coalescing_ = false;
   struct Held {
     std::vector<WorkPtr> works; // of the calls inside the block
