@@ -10,7 +10,15 @@ import sys
 from benchmarks import load
 from benchmarks.suite import Suite, run
 
-SUITE_MODULES = ("collectives", "coalesced", "numerics", "training", "hosts", "peers")
+SUITE_MODULES = (
+    "collectives",
+    "coalesced",
+    "numerics",
+    "training",
+    "hosts",
+    "peers",
+    "device_calls",
+)
 
 
 def _parse_ranks(text: str) -> list[int]:

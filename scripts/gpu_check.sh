@@ -16,8 +16,9 @@
 # versions, runs tests/test_cuda.py (the one-GPU checks, the one-GPU checks
 # under TORCH_CUDA_SANITIZER=1, and the two-GPU part when there are two
 # GPUs), and trains the FSDP2 example on one GPU rank on hsdp and on nccl
-# (losses compared, step times side by side). Exits non-zero if anything
-# failed; the report says what.
+# (losses compared, step times side by side), and measures hsdp's cost per
+# CUDA call against nccl's (benchmarks/device_calls.py; HSDP_GPU_CHECK_QUICK=1
+# for its short form). Exits non-zero if anything failed; the report says what.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -115,6 +116,12 @@ scale = max(abs(m["loss"]) for m in runs["nccl"])
 assert worst <= 1e-6 * scale, "losses differ between hsdp and nccl"
 EOF
 tail -n 3 "$report"
+
+say "== per-call cost: hsdp against nccl (python -m benchmarks device_calls)"
+"$PY" -m benchmarks device_calls --device cuda ${HSDP_GPU_CHECK_QUICK:+--quick} \
+  --json build/gpu_check_device_calls.json --plot '' >> "$report" 2>&1 ||
+  { say "FAILED: the per-call benchmark"; failed=1; }
+grep -A40 '^hsdp against nccl' "$report" | grep -m1 'largest ratio' || true
 
 if [ "$failed" -ne 0 ]; then
   say "gpu_check: FAILED (see $report)"
