@@ -174,6 +174,19 @@ def gpu_work_body(rank, world):
     g.replay()
     torch.cuda.synchronize()
     _check(v, torch.full((32,), 5.0), "graph replay")
+    # An async op with a post-step (a staged tensor) left pending, then a
+    # capture of an op with a post-step of its own: the captured op must not
+    # query the pending post-step's event (a query invalidates a capture).
+    pending = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)
+    g2 = torch.cuda.CUDAGraph()
+    x = torch.ones(4, 2, device=dev).t()
+    with torch.cuda.graph(g2):
+        dist.all_reduce(x, op=dist.ReduceOp.AVG)
+    pending.wait()
+    x.fill_(2.0)
+    g2.replay()
+    torch.cuda.synchronize()
+    _check(x, torch.full((2, 4), 2.0).t(), "graph replay of a staged op after a pending one")
     # Last, on a group of its own: a bounded wait that expires while the GPU
     # is busy behaves as WorkNCCL::wait(timeout), because it is one: hsdp
     # waits on the inner WorkNCCL with the timeout, which blocks the host,

@@ -6,12 +6,70 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
 
 #include "common/TorchCompat.hpp"
 
 namespace hsdp {
 
 namespace {
+
+struct DeviceLess {
+  bool operator()(const c10::Device& a, const c10::Device& b) const {
+    return std::make_pair(a.type(), a.index()) < std::make_pair(b.type(), b.index());
+  }
+};
+
+// The events of entries that are gone, for the next ones: creating and
+// destroying a CUDA event per collective costs microseconds of host time on
+// every call (ProcessGroupNCCL keeps such a cache too, its CUDAEventCache).
+// An event is bound to its device at its first record, so one list a device.
+// Never destroyed: entries of the flight recorder may outlive any static.
+class EventPool {
+ public:
+  static EventPool& get() {
+    static auto* pool = new EventPool();
+    return *pool;
+  }
+
+  std::shared_ptr<c10::Event> take(c10::Device device) {
+    std::unique_ptr<c10::Event> event;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = free_[device];
+      if (!free.empty()) {
+        event = std::move(free.back());
+        free.pop_back();
+      }
+    }
+    if (!event) {
+      event = std::make_unique<c10::Event>(device.type());
+    }
+    return std::shared_ptr<c10::Event>(
+        event.release(), [this, device](c10::Event* e) { give(device, e); });
+  }
+
+ private:
+  // Enough for the flight recorder's default ring and then some; beyond it
+  // events are destroyed, so a burst does not hold them forever.
+  static constexpr size_t kKeptPerDevice = 4096;
+
+  void give(c10::Device device, c10::Event* e) {
+    std::unique_ptr<c10::Event> event(e);
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& free = free_[device];
+    if (free.size() < kKeptPerDevice) {
+      free.push_back(std::move(event));
+    }
+  }
+
+  std::mutex mutex_;
+  std::map<c10::Device, std::vector<std::unique_ptr<c10::Event>>, DeviceLess> free_;
+};
 
 // "Done" for an entry of an op NCCL runs on `device`: an event recorded on
 // the device's current stream, queried only when a dump is written. Called
@@ -27,7 +85,7 @@ std::function<bool()> doneOnDevice(c10::Device device) {
   if (compat::isStreamCapturing(stream)) {
     return nullptr;
   }
-  auto event = std::make_shared<c10::Event>(device.type());
+  auto event = EventPool::get().take(device);
   event->record(stream);
   return [event] { return event->query(); };
 }

@@ -81,6 +81,14 @@ bool WorkOnStream::postStepDone() const {
   return stream_ ? !captured_ && done_->query() : future_->completed();
 }
 
+bool WorkOnStream::capturingNow() const {
+  if (!stream_) {
+    return false;
+  }
+  c10::impl::VirtualGuardImpl impl(stream_->device_type());
+  return compat::isStreamCapturing(impl.getStream(stream_->device()));
+}
+
 bool WorkOnStream::isCompleted() {
   return exception() != nullptr || postStepDone();
 }

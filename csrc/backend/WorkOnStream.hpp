@@ -60,8 +60,11 @@ class WorkOnStream : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Whether the post-step has run (never blocks).
+  // Whether the post-step has run (never blocks; not under graph capture).
   bool postStepDone() const;
+  // Whether the current stream of this Work's device is being captured into
+  // a CUDA graph now (never on host streams).
+  bool capturingNow() const;
   // Issued while its stream was capturing a CUDA graph.
   bool captured() const {
     return captured_;

@@ -460,7 +460,11 @@ void InnerRoute::beforeIssue() {
   if (!last) {
     return;
   }
-  if (last->postStepDone()) {
+  // Under CUDA graph capture an event query is not allowed (in torch's
+  // default, global capture mode it invalidates the capture), and nothing
+  // eager is pending: torch.cuda.graph synchronizes the device before it
+  // begins capturing. The post-step is done; forget it.
+  if (last->capturingNow() || last->postStepDone()) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (lastPostStep_ == last) {
       lastPostStep_.reset();
