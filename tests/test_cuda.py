@@ -8,6 +8,7 @@ skips, saying why, where the GPUs are missing; the route's logic is proven on
 CPU by the NCCL-contract double (``pytest tests -k nccl_contract``).
 """
 
+import copy
 import os
 import subprocess
 import sys
@@ -334,9 +335,66 @@ def test_one_gpu_fsdp_communication_buffers(comm):
     run_ranks(fsdp_one_rank_body, 1, comm=comm)
 
 
+def hsdp_mesh_one_rank_body(rank, world):
+    """FSDP2 on an HSDP (replicate x shard) mesh of 1 x 1 on the GPU with the
+    shim: its buckets and replicate all-reduces run on FSDP2's real streams,
+    the parameters equal a plain module's after three steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).to(
+        dev
+    )
+    model = copy.deepcopy(ref)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(3):
+        x = torch.randn(8, 16, device=dev, generator=torch.Generator(dev).manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        _check(p.full_tensor(), q.detach(), f"HSDP 1x1 parameter {n}")
+
+
+def staged_async_body(rank, world):
+    """Async ops whose arguments hsdp stages (non-contiguous tensors), issued
+    back to back and waited for together: the staged copies live until NCCL
+    and the copy back are done (run under TORCH_CUDA_SANITIZER too)."""
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    a = torch.arange(24.0, device=dev).view(4, 6).t()
+    b = torch.arange(12.0, device=dev).view(3, 4).t()
+    out = torch.empty(12 * world, device=dev)
+    works = [
+        dist.all_reduce(a, op=dist.ReduceOp.AVG, async_op=True),
+        dist.all_gather_into_tensor(out, b, async_op=True),
+        dist.all_reduce(torch.ones(3, 2, device=dev).t(), async_op=True),
+    ]
+    for w in works:
+        w.wait()
+    _check(a, torch.arange(24.0).view(4, 6).t(), "AVG of a staged tensor")
+    _check(out, torch.arange(12.0).view(3, 4).t().reshape(-1).repeat(world), "staged all_gather")
+
+
 @one_gpu
-def test_one_gpu_under_cuda_sanitizer():
-    code = "import sys; sys.path.insert(0, 'tests'); import test_cuda, harness; harness.run_ranks(test_cuda.chained_ops_body, 1)"
+@pytest.mark.parametrize("body", [hsdp_mesh_one_rank_body, staged_async_body])
+def test_one_gpu_more(body):
+    run_ranks(body, 1)
+
+
+@one_gpu
+@pytest.mark.parametrize("body", ["chained_ops_body", "staged_async_body"])
+def test_one_gpu_under_cuda_sanitizer(body):
+    code = f"import sys; sys.path.insert(0, 'tests'); import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1)"
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
     proc = subprocess.run(
         [sys.executable, "-c", code],
