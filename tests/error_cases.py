@@ -162,6 +162,38 @@ def unsupported_device(rank, world, ref):
     still_usable(rank, world)
 
 
+def fake_cuda(*shape):
+    """A tensor that says it is on cuda:0 without a GPU (torch's FakeTensor):
+    hsdp refuses it by its device, before reading anything."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, device="cuda")
+
+
+@case
+def cuda_tensors_on_a_group_without_cuda(rank, world, ref):
+    # This machine has no GPU, so the group has no inner NCCL.
+    raises(
+        RuntimeError,
+        prefix(rank, world, "all_reduce")
+        + r"got a tensor on cuda:0 but this process group was created without CUDA",
+        backend().allreduce,
+        [fake_cuda(2)],
+        dist.AllreduceOptions(),
+    )
+    still_usable(rank, world)
+    # cpu and cuda in one coalesced call: named before anything is issued
+    raises(
+        ValueError,
+        prefix(rank, world, "all_reduce_coalesced")
+        + r"a tensor is on cuda:0 but the input is on cpu",
+        hsdp_backend.all_reduce_coalesced,
+        [torch.ones(2), fake_cuda(2)],
+    )
+    still_usable(rank, world)
+
+
 @case
 def devices_mixed_in_one_call(rank, world, ref):
     # A meta tensor stands in for a second device (this machine has no GPU);
