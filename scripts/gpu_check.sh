@@ -40,21 +40,26 @@ failed=0
 PY=${HSDP_GPU_CHECK_PYTHON:-}
 machine_python_builds() {
   python3 - 2> /dev/null << 'EOF'
-import sys
+import shutil, sys
 import ninja, pytest, pytest_timeout, scikit_build_core, torch  # noqa: F401
-sys.exit(not torch.cuda.is_available())
+sys.exit(not (torch.cuda.is_available() and shutil.which("cmake")))
 EOF
 }
 if [ -z "$PY" ] && machine_python_builds; then
   site=build/gpu-site
   say "== build against the machine's python3 ($(python3 -c 'import torch; print("torch", torch.__version__)') -> $site)"
+  build_log=build/gpu_check_build.log
   build_here() {
     rm -rf "$site" build/gpu
     python3 -m pip install --quiet --no-index --no-build-isolation --no-deps --target "$site" \
-      -C build-dir=build/gpu . >> "$report" 2>&1
+      -C build-dir=build/gpu . > "$build_log" 2>&1
+    local rc=$?
+    cat "$build_log" >> "$report"
+    return $rc
   }
   if ! build_here; then
-    if grep -q "libstdc++" "$report" && [ -x /usr/bin/g++ ]; then
+    # cmake/CxxRuntime.cmake's refusal names the C++ runtime.
+    if grep -q "cannot share torch's C++ runtime" "$build_log" && [ -x /usr/bin/g++ ]; then
       say "the environment's compiler (CXX=${CXX:-unset}) was refused (log above); building with /usr/bin/g++"
       CXX=/usr/bin/g++ build_here || { say "FAILED: building with /usr/bin/g++ (log above)"; exit 1; }
     else
@@ -121,7 +126,7 @@ say "== per-call cost: hsdp against nccl (python -m benchmarks device_calls)"
 "$PY" -m benchmarks device_calls --device cuda ${HSDP_GPU_CHECK_QUICK:+--quick} \
   --json build/gpu_check_device_calls.json --plot '' >> "$report" 2>&1 ||
   { say "FAILED: the per-call benchmark"; failed=1; }
-grep -A40 '^hsdp against nccl' "$report" | grep -m1 'largest ratio' || true
+grep 'largest ratio' "$report" | tail -n 1 || true
 
 if [ "$failed" -ne 0 ]; then
   say "gpu_check: FAILED (see $report)"

@@ -44,9 +44,10 @@ build_package() {
   # The build's options are part of its inputs.
   # tests/cpp/backend_test.cpp: the tests' build (HSDP_BUILD_TESTING) compiles it too.
   native=$( (echo "$@"; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
-  python_files=$(cat $(find src -type f -name '*.py' | sort) | sha256sum | cut -d' ' -f1)
+  # Names and contents: a file renamed is a change too.
+  python_files=$(find src -type f -name '*.py' | sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
   local built_native="" built_python=""
-  { read -r built_native; read -r built_python; } < "$stamp_file" 2> /dev/null || true
+  { read -r built_native; read -r built_python; } 2> /dev/null < "$stamp_file" || true
   if [ "$built_native" = "$native" ] && [ "$built_python" = "$python_files" ] &&
      (cd /tmp && "$root/$py" -c "import hsdp_backend._C") 2> /dev/null; then
     return 0

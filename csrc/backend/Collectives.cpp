@@ -182,6 +182,9 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
     double divideBy) {
   auto call = begin("all_reduce", OpType::ALLREDUCE, opts.asyncOp, opts.timeout);
   checkNotEmpty(call.ctx, tensors);
+  for (const auto& t : tensors) {
+    checkSameDevice(call.ctx, tensors[0], t, "a tensor");
+  }
   auto& r = inner(call, tensors[0]);
   // AVG averages every contribution: all tensors of all ranks.
   const int contributions = size_ * static_cast<int>(tensors.size());
@@ -560,22 +563,16 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   // CUDA the same holds here: this rank's current stream is waited for,
   // then the processes meet on the CPU engine, which serves every barrier.
   checkUsable(call.ctx);
-  if (auto device = barrierDevice(opts); device && cuda_) {
+  if (cuda_) {
+    auto device = barrierDevice(opts);
     if (!cuda_->connected()) {
-      // NCCL's barrier is a one-element all-reduce on the device, which makes
-      // the communicator when there is none yet: FSDP2 calls a barrier for
-      // that before it asks for symmetric memory. Every rank answers
-      // connected() alike (collectives only), so all of them issue it.
-      std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(*device))};
-      c10d::AllreduceOptions o;
-      o.timeout = opts.timeout;
-      if (auto w = cuda_->backend().allreduce(one, o)) {
-        w->wait();
-      }
-      cuda_->markConnected();
+      device = connectCuda(opts, device);
     }
-    c10::impl::VirtualGuardImpl impl(device->type());
-    impl.getStream(*device).synchronize();
+    if (device) {
+      cuda_->beforeIssue(); // a pending post-step on a side stream is GPU work before it too
+      c10::impl::VirtualGuardImpl impl(device->type());
+      impl.getStream(*device).synchronize();
+    }
   }
   if (engine_) {
     return issue(call, *engine_, Plan{.collectives = {{Kind::Barrier, {}}}}, 0);
@@ -611,6 +608,37 @@ std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOpt
     return current;
   }
   return std::nullopt;
+}
+
+std::optional<at::Device>
+ProcessGroupHSDP::connectCuda(const c10d::BarrierOptions& opts, std::optional<at::Device> device) {
+  // NCCL's barrier is a one-element all-reduce on the device, which makes
+  // the communicator when there is none yet: FSDP2 calls a barrier for that
+  // before it asks for symmetric memory. Whether this rank has a device for
+  // it is its own answer (one that never used its GPU has none), and an
+  // all-reduce only some ranks issue would hang: the ranks agree first, on
+  // the CPU, and then all of them make it, on the current device where a
+  // rank has none of its own (as NCCL's barrier would).
+  auto any = at::full({1}, device ? 1 : 0, at::kInt);
+  std::vector<at::Tensor> flag{any};
+  c10d::AllreduceOptions agree;
+  agree.reduceOp = c10d::ReduceOp::MAX;
+  agree.timeout = opts.timeout;
+  if (auto w = cpu_->backend().allreduce(flag, agree)) {
+    w->wait();
+  }
+  if (any.item<int>() == 0) {
+    return device;
+  }
+  const at::Device d = device.value_or(c10::impl::VirtualGuardImpl(at::kCUDA).getDevice());
+  std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(d))};
+  c10d::AllreduceOptions o;
+  o.timeout = opts.timeout;
+  if (auto w = cuda_->backend().allreduce(one, o)) {
+    w->wait();
+  }
+  cuda_->markConnected();
+  return d;
 }
 
 void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {

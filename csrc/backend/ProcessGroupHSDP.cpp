@@ -269,9 +269,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       return nullptr;
     }
     auto split = std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
-    if (route->connected()) {
-      split->markConnected(); // ncclCommSplit made the child's communicator
-    }
+    split->markConnected(); // ProcessGroupNCCL::split makes the child's communicator at once
     return split;
   };
   auto cuda = splitInner(cuda_.get(), "hsdp/nccl/");

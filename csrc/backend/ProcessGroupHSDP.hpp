@@ -246,6 +246,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   }
   // The CUDA device a barrier orders (as NCCL's would), if any.
   std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts) const;
+  // Makes the inner NCCL's communicator, as NCCL's barrier would, if any
+  // rank has a device for it; returns the device this rank's barrier orders.
+  std::optional<at::Device>
+  connectCuda(const c10d::BarrierOptions& opts, std::optional<at::Device> device);
 
   // The steps of every call (Collectives.cpp).
   Call begin(

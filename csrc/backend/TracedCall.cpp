@@ -79,6 +79,10 @@ class EventPool {
 // uses_future: ivalue::Future::invokeCallback skips the streams otherwise).
 // None under graph capture, where an event may not be queried: such an
 // entry completes at enqueue.
+bool capturing(c10::Device device) {
+  return compat::isStreamCapturing(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
+
 std::function<bool()> doneOnDevice(c10::Device device) {
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream stream = impl.getStream(device);
@@ -125,6 +129,14 @@ c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock)
   if (!done.work) {
     completeEntry(*trace_, call_.seq, device);
     return {};
+  }
+  if (device && capturing(*device)) {
+    // The future's events were recorded on a capturing stream: a callback
+    // that waits for them would pull a pool stream into the capture, never
+    // joined back. The entry completes at enqueue, as a captured
+    // synchronous op's does.
+    trace_->finished(call_.seq, "");
+    return std::move(done.work);
   }
   try {
     done.work->getFuture()->addCallback(

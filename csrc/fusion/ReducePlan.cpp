@@ -1,6 +1,7 @@
 #include "fusion/ReducePlan.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "common/TorchCompat.hpp"
 
@@ -105,6 +106,13 @@ void DeferredScale::apply(const at::Tensor& t) const {
       work.mul_(value_);
       break;
     case Kind::MultiplyTensor:
+      if (!tensor_.is_cpu() && tensor_.has_storage()) {
+        // The factor was made on the caller's stream and this may run on
+        // another (an async op's post-step, on a side stream): its block
+        // must not be handed out again before this stream has read it.
+        c10::impl::VirtualGuardImpl impl(tensor_.device().type());
+        impl.recordDataPtrOnStream(tensor_.storage().data_ptr(), impl.getStream(tensor_.device()));
+      }
       // On the data's device (planReduce checked it) and in its dtype:
       // enqueued, never read by the host.
       work.mul_(tensor_.to(work.scalar_type()));

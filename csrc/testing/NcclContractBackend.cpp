@@ -1,5 +1,7 @@
 #include "testing/NcclContractBackend.hpp"
 
+#include <optional>
+
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/CPUAllocator.h>
@@ -333,29 +335,38 @@ namespace {
 // die while the memory it shows lives on.
 class Unowned {
  public:
-  explicit Unowned(const at::Tensor& t)
-      : storage_(t.storage().getWeakStorageImpl()),
-        options_(t.options()),
-        sizes_(t.sizes().vec()),
-        strides_(t.strides().vec()),
-        offset_(t.storage_offset()) {}
+  explicit Unowned(const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) {
+      plain_ = t; // nothing to watch (sparse, undefined): kept as it is
+      return;
+    }
+    storage_ = t.storage().getWeakStorageImpl();
+    options_ = t.options();
+    sizes_ = t.sizes().vec();
+    strides_ = t.strides().vec();
+    offset_ = t.storage_offset();
+  }
 
-  // The tensor again, or undefined when its memory was freed.
-  at::Tensor lock() const {
-    auto storage = storage_.lock();
+  // The tensor again, or none when its memory was freed.
+  std::optional<at::Tensor> lock() const {
+    if (!storage_) {
+      return plain_;
+    }
+    auto storage = storage_->lock();
     if (!storage) {
-      return {};
+      return std::nullopt;
     }
     return at::empty({0}, options_)
         .set_(c10::Storage(std::move(storage)), offset_, sizes_, strides_);
   }
 
  private:
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage_;
+  at::Tensor plain_;
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> storage_; // none: plain_
   at::TensorOptions options_;
   std::vector<int64_t> sizes_;
   std::vector<int64_t> strides_;
-  int64_t offset_;
+  int64_t offset_ = 0;
 };
 
 [[noreturn]] void freedBeforeTheBlockRan(c10d::OpType type) {
@@ -376,7 +387,12 @@ WorkPtr NcclContractBackend::run(
     std::vector<at::Tensor> outputs,
     const std::function<std::vector<WorkPtr>(std::vector<at::Tensor>&)>& issue,
     const std::vector<at::Tensor>& inputs) {
-  connected_ = true; // ProcessGroupNCCL builds its communicator at the first collective
+  // ProcessGroupNCCL builds its communicator at the first collective (a
+  // point-to-point op makes one of its own, for the pair).
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
+      type != c10d::OpType::RECVANYSOURCE) {
+    connected_ = true;
+  }
   bool inBlock;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -409,19 +425,19 @@ WorkPtr NcclContractBackend::run(
     std::vector<Unowned> ins(inputs.begin(), inputs.end());
     land = [outs = std::move(outs), ins = std::move(ins), privates, divide, size = size_, type] {
       for (const auto& in : ins) {
-        if (!in.lock().defined()) {
+        if (!in.lock()) {
           freedBeforeTheBlockRan(type);
         }
       }
       for (size_t i = 0; i < outs.size(); ++i) {
         auto out = outs[i].lock();
-        if (!out.defined()) {
+        if (!out) {
           freedBeforeTheBlockRan(type);
         }
         if (divide) {
           privates[i].div_(size, "trunc");
         }
-        out.copy_(privates[i]);
+        out->copy_(privates[i]);
       }
     };
     value.clear();

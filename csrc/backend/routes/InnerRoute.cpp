@@ -461,10 +461,15 @@ void InnerRoute::beforeIssue() {
     return;
   }
   // Under CUDA graph capture an event query is not allowed (in torch's
-  // default, global capture mode it invalidates the capture), and nothing
-  // eager is pending: torch.cuda.graph synchronizes the device before it
-  // begins capturing. The post-step is done; forget it.
-  if (last->capturingNow() || last->postStepDone()) {
+  // default, global capture mode it invalidates the capture), nor a wait on
+  // an event recorded outside it; torch.cuda.graph synchronizes the device
+  // before it captures, so the captured op needs no wait. The post-step is
+  // kept for the eager ops after the capture (a bare capture_begin does not
+  // synchronize).
+  if (last->capturingNow()) {
+    return;
+  }
+  if (last->postStepDone()) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (lastPostStep_ == last) {
       lastPostStep_.reset();
