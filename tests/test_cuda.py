@@ -188,6 +188,17 @@ def gpu_work_body(rank, world):
     g2.replay()
     torch.cuda.synchronize()
     _check(x, torch.full((2, 4), 2.0).t(), "graph replay of a staged op after a pending one")
+    # An async op captured, waited for inside the capture: its flight-record
+    # entry completes at enqueue (a callback following its events would pull
+    # a pool stream into the capture and leave it unjoined).
+    g3 = torch.cuda.CUDAGraph()
+    y = torch.ones(16, device=dev)
+    with torch.cuda.graph(g3):
+        dist.all_reduce(y, op=dist.ReduceOp.AVG, async_op=True).wait()
+    y.fill_(3.0)
+    g3.replay()
+    torch.cuda.synchronize()
+    _check(y, torch.full((16,), 3.0), "graph replay of an async op")
     # Last, on a group of its own: a bounded wait that expires while the GPU
     # is busy behaves as WorkNCCL::wait(timeout), because it is one: hsdp
     # waits on the inner WorkNCCL with the timeout, which blocks the host,
