@@ -164,6 +164,10 @@ def the_nccl_double_allocates(rank, world):
 
     b = backend()
     assert b.supports_tensor_alloc(CPU)
+    # NCCL's pool needs the communicator, which a group without device_id
+    # gets at its first collective: a barrier makes it (see allocateTensor's
+    # clause below).
+    dist.barrier()
     before = _C._nccl_contract_allocations(b)
     gloo = dist.new_group(backend="gloo")
     n = 1000
@@ -188,6 +192,17 @@ def the_nccl_double_allocates(rank, world):
         assert "NCCL tensor allocator expects a CUDA device" in str(e), e
     else:
         raise AssertionError("the double served a request on another device")
+    # Nor before its communicator exists (NCCL: none before the first
+    # collective): NCCL's own error, then served after one.
+    try:
+        double.allocate_tensor(8, dtype=torch.float32, device=CPU)
+    except RuntimeError as e:
+        assert "NCCL communicator has not been initialized before mem pool creation" in str(e), e
+    else:
+        raise AssertionError("the double served a request before its communicator existed")
+    work = double.allreduce([torch.zeros(1)])
+    if work is not None:
+        work.wait()
     assert double.allocate_tensor(8, dtype=torch.float32, device=CPU).numel() == 8
 
 
