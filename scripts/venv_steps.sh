@@ -48,8 +48,12 @@ build_package() {
   python_files=$(find src -type f -name '*.py' | sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
   local built_native="" built_python=""
   { read -r built_native; read -r built_python; } 2> /dev/null < "$stamp_file" || true
+  # Imported from elsewhere than the repository root, so that the installed
+  # copy answers (PY may be relative to the root, or absolute).
+  local python=$py
+  [[ $python == /* ]] || python=$root/$python
   if [ "$built_native" = "$native" ] && [ "$built_python" = "$python_files" ] &&
-     (cd /tmp && "$root/$py" -c "import hsdp_backend._C") 2> /dev/null; then
+     (cd /tmp && "$python" -c "import hsdp_backend._C") 2> /dev/null; then
     return 0
   fi
   if [ "$built_native" = "$native" ] && "$py" scripts/sync_python.py src/hsdp_backend; then

@@ -57,3 +57,27 @@ def test_an_installed_copy_whose_extension_does_not_import_is_left_to_a_rebuild(
     make_package(tmp_path / "site", {"__init__.py": "", "a.py": ""})
     source = make_package(tmp_path / "src", {"__init__.py": "", "a.py": ""})
     assert sync(source, tmp_path / "site") == 1
+
+
+def test_an_up_to_date_venv_is_left_alone_whichever_way_its_python_is_named():
+    """scripts/setup.sh names the main venv's python relative to the root, setup_compat.sh
+    names its venvs' by absolute path: either way, a venv built from these sources is
+    recognised (no copy, no build, nothing printed)."""
+    if not (ROOT / "build" / ".setup-stamp").exists():
+        return  # not set up by scripts/setup.sh: nothing to recognise
+    for python in (".venv/bin/python", str(ROOT / ".venv" / "bin" / "python")):
+        proc = subprocess.run(
+            [
+                "bash",
+                "-c",
+                'source scripts/venv_steps.sh && build_package "$0" build/.setup-stamp '
+                "-C cmake.define.HSDP_BUILD_TESTING=ON",
+                python,
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout + proc.stderr == "", (python, proc.stdout + proc.stderr)
