@@ -236,6 +236,15 @@ def allocation_needs_the_communicator_a_barrier_makes(rank, world, ref):
     NCCL's does (an all-reduce on the device): FSDP2 calls one for that."""
     g = dist.new_group(backend="hsdp")
     backend = g._get_backend(torch.device("cpu"))
+    # A point-to-point exchange makes NCCL a communicator of the pair's own,
+    # not the group's: allocation still needs the group's.
+    peer = rank ^ 1
+    sent, got = torch.full((2,), float(rank)), torch.empty(2)
+    for w in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, sent, peer, g), dist.P2POp(dist.irecv, got, peer, g)]
+    ):
+        w.wait()
+    assert torch.equal(got, torch.full((2,), float(peer))), got
     raises(
         RuntimeError,
         "NCCL communicator has not been initialized before mem pool creation",

@@ -269,6 +269,20 @@ def test_one_gpu_flight_record_follows_the_device(tmp_path):
     run_ranks(trace_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
 
 
+def _train_as_the_plain_module(model, ref, dev, what):
+    """Three SGD steps of the sharded ``model`` and the plain ``ref`` on the
+    same batches; the parameters must end equal."""
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(3):
+        x = torch.randn(8, 16, device=dev, generator=torch.Generator(dev).manual_seed(step))
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        _check(p.full_tensor(), q.detach(), f"{what} parameter {n}")
+
+
 def fsdp_one_rank_body(rank, world, comm=None):
     """FSDP2 at world size 1 against a plain module; ``comm``: FSDP2's
     buffers from the group's allocate_tensor ("pg_alloc": NCCL's pool through
@@ -294,15 +308,7 @@ def fsdp_one_rank_body(rank, world, comm=None):
             m.set_allocate_memory_from_process_group_for_comm(True)
         if comm == "symm_mem" and hasattr(m, "set_symm_mem_for_comm"):
             m.set_symm_mem_for_comm()
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    for step in range(3):
-        x = torch.randn(8, 16, device=dev, generator=torch.Generator(dev).manual_seed(step))
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        _check(p.full_tensor(), q.detach(), f"FSDP2 1-rank parameter {n}")
+    _train_as_the_plain_module(model, ref, dev, "FSDP2 1-rank")
 
 
 def buffers_one_rank_body(rank, world):
@@ -365,15 +371,7 @@ def hsdp_mesh_one_rank_body(rank, world):
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-    for step in range(3):
-        x = torch.randn(8, 16, device=dev, generator=torch.Generator(dev).manual_seed(step))
-        for m, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-        _check(p.full_tensor(), q.detach(), f"HSDP 1x1 parameter {n}")
+    _train_as_the_plain_module(model, ref, dev, "HSDP 1x1")
 
 
 def staged_async_body(rank, world):
