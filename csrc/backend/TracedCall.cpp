@@ -79,10 +79,6 @@ class EventPool {
 // uses_future: ivalue::Future::invokeCallback skips the streams otherwise).
 // None under graph capture, where an event may not be queried: such an
 // entry completes at enqueue.
-bool capturing(c10::Device device) {
-  return compat::isStreamCapturing(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
-}
-
 std::function<bool()> doneOnDevice(c10::Device device) {
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream stream = impl.getStream(device);
@@ -130,7 +126,7 @@ c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock)
     completeEntry(*trace_, call_.seq, device);
     return {};
   }
-  if (device && capturing(*device)) {
+  if (device && compat::isCapturing(*device)) {
     // The future's events were recorded on a capturing stream: a callback
     // that waits for them would pull a pool stream into the capture, never
     // joined back. The entry completes at enqueue, as a captured

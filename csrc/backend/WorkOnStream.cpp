@@ -82,11 +82,7 @@ bool WorkOnStream::postStepDone() const {
 }
 
 bool WorkOnStream::capturingNow() const {
-  if (!stream_) {
-    return false;
-  }
-  c10::impl::VirtualGuardImpl impl(stream_->device_type());
-  return compat::isStreamCapturing(impl.getStream(stream_->device()));
+  return stream_ && compat::isCapturing(stream_->device());
 }
 
 bool WorkOnStream::isCompleted() {

@@ -1,8 +1,8 @@
 #include "common/TorchCompat.hpp"
 
-#if HSDP_TORCH_AT_LEAST(2, 12)
 #include <c10/core/impl/VirtualGuardImpl.h>
-#elif HSDP_TORCH_HAS_CUDA
+
+#if !HSDP_TORCH_AT_LEAST(2, 12) && HSDP_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
@@ -26,6 +26,10 @@ bool isStreamCapturing(const c10::Stream& stream) {
 #endif
   return false; // a CPU stream (the NCCL-contract double's) is never captured
 #endif
+}
+
+bool isCapturing(c10::Device device) {
+  return isStreamCapturing(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
 }
 
 } // namespace hsdp::compat

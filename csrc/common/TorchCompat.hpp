@@ -70,5 +70,7 @@ inline bool isInitialized(c10d::Backend& backend) {
 // before it, CUDA's own query answers (TorchCompat.cpp: the one file that
 // includes the CUDA runtime's headers, and only for those releases).
 bool isStreamCapturing(const c10::Stream& stream);
+// The same, of `device`'s current stream.
+bool isCapturing(c10::Device device);
 
 } // namespace hsdp::compat

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "backend/WorkHSDP.hpp"
+#include "backend/routes/Route.hpp"
 #include "common/TorchCompat.hpp"
 #include "fusion/ReducePlan.hpp"
 
@@ -389,8 +390,7 @@ WorkPtr NcclContractBackend::run(
     const std::vector<at::Tensor>& inputs) {
   // ProcessGroupNCCL builds its communicator at the first collective (a
   // point-to-point op makes one of its own, for the pair).
-  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
-      type != c10d::OpType::RECVANYSOURCE) {
+  if (!isPointToPoint(type)) {
     connected_ = true;
   }
   bool inBlock;
@@ -459,8 +459,7 @@ WorkPtr NcclContractBackend::run(
         stashed_.insert(stashed_.end(), outputs.begin(), outputs.end());
         stashed_.insert(stashed_.end(), inputs.begin(), inputs.end());
       }
-      const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
-          type == c10d::OpType::RECVANYSOURCE;
+      const bool p2p = isPointToPoint(type);
       if (!asyncOp || p2p) {
         return {};
       }

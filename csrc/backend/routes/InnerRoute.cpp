@@ -235,9 +235,7 @@ Completion InnerRoute::issue(const Call& call, Plan plan) {
 }
 
 Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Plan plan) {
-  const bool p2p = call.type == c10d::OpType::SEND || call.type == c10d::OpType::RECV ||
-      call.type == c10d::OpType::RECVANYSOURCE;
-  if (!p2p) {
+  if (!isPointToPoint(call.type)) {
     markConnected();
   }
   return {finish(
@@ -295,8 +293,7 @@ InnerRoute::WorkPtr InnerRoute::finishInner(
   // Point-to-point Works complete independently of each other: waiting for
   // them one after another on a queue would make a receive's wait depend on
   // an earlier send's, so they stay the inner backend's own.
-  const bool p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
-      type == c10d::OpType::RECVANYSOURCE;
+  const bool p2p = isPointToPoint(type);
   // NCCL keeps a block's tensors alive only for its async calls (stashed on
   // the end Work): buffers of hsdp's own (staged copies) made for its
   // synchronous calls must outlive the block, which a bare end Work does not

@@ -28,6 +28,13 @@
 
 namespace hsdp {
 
+// Point-to-point ops: complete independently of each other, and make NCCL a
+// communicator of the pair's own, not the group's.
+inline bool isPointToPoint(c10d::OpType type) {
+  return type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+      type == c10d::OpType::RECVANYSOURCE;
+}
+
 // One c10d call on its way down: who makes it, what it is, and where it is
 // recorded. A value passed from the override to the route.
 struct Call {
