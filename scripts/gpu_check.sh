@@ -22,6 +22,15 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+# Whether a build log holds cmake/CxxRuntime.cmake's refusal. CMake folds a
+# message's lines wherever they grow long (on one GPU image, inside the
+# phrase itself), so the log's whitespace is joined first.
+cxx_refused() { tr -s '[:space:]' ' ' < "$1" | grep -q "cannot share torch's C++ runtime"; }
+if [ "${1:-}" = "--cxx-refused" ]; then
+  cxx_refused "$2"
+  exit
+fi
+
 gpus=0
 if command -v nvidia-smi > /dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
@@ -58,8 +67,7 @@ if [ -z "$PY" ] && machine_python_builds; then
     return $rc
   }
   if ! build_here; then
-    # cmake/CxxRuntime.cmake's refusal names the C++ runtime.
-    if grep -q "cannot share torch's C++ runtime" "$build_log" && [ -x /usr/bin/g++ ]; then
+    if cxx_refused "$build_log" && [ -x /usr/bin/g++ ]; then
       say "the environment's compiler (CXX=${CXX:-unset}) was refused (log above); building with /usr/bin/g++"
       CXX=/usr/bin/g++ build_here || { say "FAILED: building with /usr/bin/g++ (log above)"; exit 1; }
     else

@@ -140,10 +140,12 @@ class CaseLauncher:
             pytest.fail(verdict, pytrace=False)
 
 
-def cmake_configure(build_dir: pathlib.Path, env: dict[str, str]) -> tuple[int, str]:
+def cmake_configure(
+    build_dir: pathlib.Path, env: dict[str, str], *, folded: bool = False
+) -> tuple[int, str]:
     """Runs only CMake's configure step of this project for this interpreter,
     with ``env`` added to the environment: (exit status, output with CMake's
-    folded lines joined)."""
+    folded lines joined, or as printed with ``folded``)."""
     import subprocess
 
     proc = subprocess.run(
@@ -153,4 +155,5 @@ def cmake_configure(build_dir: pathlib.Path, env: dict[str, str]) -> tuple[int, 
         timeout=300,
         env={**os.environ, **env},
     )
-    return proc.returncode, " ".join((proc.stdout + proc.stderr).split())
+    out = proc.stdout + proc.stderr
+    return proc.returncode, out if folded else " ".join(out.split())

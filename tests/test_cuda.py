@@ -156,14 +156,23 @@ def gpu_work_body(rank, world):
     assert torch.cuda.default_stream().query(), "the op blocked the default stream"
     side.synchronize()
     _check(u, torch.ones(16), "AVG on a side stream")
-    # Memory comes back: nothing is cached or leaked per call.
+    # Memory comes back: nothing is cached or leaked per call, staged copies
+    # included. A block freed after use on a side stream (hsdp's post-step
+    # records it there, as NCCL records its tensors) stays allocated until
+    # the caching allocator sees that stream's event done: at its next
+    # malloc, or in empty_cache(), which first frees every block whose
+    # events are outstanding (CUDACachingAllocator's release_cached_blocks
+    # -> synchronize_and_free_events). On an H200 without that step, one
+    # such block (the last call's) was still counted.
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
     for _ in range(20):
-        x = torch.randn(1 << 16, device=dev).t()
+        x = torch.randn(256, 256, device=dev).t()  # non-contiguous: staged
         dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5), async_op=True).wait()
         del x
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(dev) == base, (torch.cuda.memory_allocated(dev), base)
     # CUDA graph capture and replay of a chained op.
     g = torch.cuda.CUDAGraph()
