@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <string_view>
 
 namespace hsdp {
 
@@ -22,9 +23,14 @@ struct OpCounters {
 
 class CommStats {
  public:
-  void record(const std::string& op, uint64_t collectives, uint64_t bytes) {
+  void record(std::string_view op, uint64_t collectives, uint64_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& c = counters_[op];
+    // Found without making a std::string: this runs on every call.
+    auto it = counters_.find(op);
+    if (it == counters_.end()) {
+      it = counters_.emplace(std::string(op), OpCounters{}).first;
+    }
+    auto& c = it->second;
     c.calls += 1;
     c.collectives += collectives;
     c.bytes += bytes;
@@ -32,7 +38,7 @@ class CommStats {
 
   std::map<std::string, OpCounters> snapshot() const {
     std::lock_guard<std::mutex> lock(mutex_);
-    return counters_;
+    return {counters_.begin(), counters_.end()};
   }
 
   void reset() {
@@ -42,7 +48,7 @@ class CommStats {
 
  private:
   mutable std::mutex mutex_;
-  std::map<std::string, OpCounters> counters_;
+  std::map<std::string, OpCounters, std::less<>> counters_;
 };
 
 } // namespace hsdp
