@@ -12,6 +12,35 @@
 
 namespace hsdp {
 
+PostStepMark::PostStepMark(c10::Stream stream)
+    : stream_(stream),
+      event_(std::in_place, stream.device_type()),
+      captured_(compat::isStreamCapturing(stream)) {
+  event_->record(stream);
+}
+
+PostStepMark::PostStepMark(c10::intrusive_ptr<c10::ivalue::Future> hostDone)
+    : hostDone_(std::move(hostDone)) {}
+
+// Querying an event recorded during graph capture is an error: a captured
+// op has not run (it runs at each replay), so it is not complete.
+bool PostStepMark::done() const {
+  return stream_ ? !captured_ && event_->query() : hostDone_->completed();
+}
+
+bool PostStepMark::capturingNow() const {
+  return stream_ && compat::isCapturing(stream_->device());
+}
+
+void PostStepMark::orderCurrentStreamAfter() const {
+  if (stream_) {
+    c10::impl::VirtualGuardImpl impl(stream_->device_type());
+    event_->block(impl.getStream(stream_->device()));
+  } else {
+    hostDone_->wait();
+  }
+}
+
 WorkOnStream::WorkOnStream(
     int rank,
     c10d::OpType opType,
@@ -20,13 +49,10 @@ WorkOnStream::WorkOnStream(
     std::vector<at::Tensor> outputs,
     std::vector<at::Tensor> keepAlive)
     : Work(rank, opType),
-      stream_(stream),
-      done_(std::in_place, stream.device_type()),
       inners_(std::move(inners)),
       outputs_(std::move(outputs)),
       keepAlive_(std::move(keepAlive)) {
   c10::impl::VirtualGuardImpl impl(stream.device_type());
-  captured_ = compat::isStreamCapturing(stream);
   // The caching allocator must not hand these blocks to another stream
   // before the side stream is done with them, even if the caller drops
   // every reference first (as it may once it has waited).
@@ -37,7 +63,7 @@ WorkOnStream::WorkOnStream(
       }
     }
   }
-  done_->record(stream);
+  mark_ = std::make_shared<const PostStepMark>(stream);
   std::vector<c10::Device> devices{stream.device()};
   future_ = c10::make_intrusive<c10::ivalue::Future>(
       c10::ListType::create(c10::TensorType::get()), devices);
@@ -56,11 +82,22 @@ WorkOnStream::WorkOnStream(
     : Work(rank, opType),
       inners_(std::move(inners)),
       outputs_(std::move(outputs)),
-      future_(std::move(done)) {}
+      future_(std::move(done)) {
+  // A future of its own for the mark: `done`'s value holds the outputs.
+  auto ended = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  future_->addCallback([ended](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      ended->setError(f.exception_ptr());
+    } else {
+      ended->markCompleted();
+    }
+  });
+  mark_ = std::make_shared<const PostStepMark>(std::move(ended));
+}
 
 std::exception_ptr WorkOnStream::exception() const {
   for (const auto& w : inners_) {
-    if (!captured_) {
+    if (!mark_->captured()) {
       // Asks the communicator, as WorkNCCL::isCompleted does (which queries
       // an event: not allowed on one recorded during graph capture).
       w->isCompleted();
@@ -69,20 +106,10 @@ std::exception_ptr WorkOnStream::exception() const {
       return e;
     }
   }
-  if (!stream_ && future_->completed() && future_->hasError()) {
+  if (!mark_->stream() && future_->completed() && future_->hasError()) {
     return future_->exception_ptr(); // the post-step failed
   }
   return nullptr;
-}
-
-// Querying an event recorded during graph capture is an error: a captured
-// op has not run (it runs at each replay), so it is not complete.
-bool WorkOnStream::postStepDone() const {
-  return stream_ ? !captured_ && done_->query() : future_->completed();
-}
-
-bool WorkOnStream::capturingNow() const {
-  return stream_ && compat::isCapturing(stream_->device());
 }
 
 bool WorkOnStream::isCompleted() {
@@ -97,17 +124,8 @@ std::vector<at::Tensor> WorkOnStream::result() {
   return outputs_;
 }
 
-void WorkOnStream::orderCurrentStreamAfter() {
-  if (stream_) {
-    c10::impl::VirtualGuardImpl impl(stream_->device_type());
-    done_->block(impl.getStream(stream_->device()));
-  } else {
-    future_->wait();
-  }
-}
-
 void WorkOnStream::synchronize() {
-  orderCurrentStreamAfter();
+  mark_->orderCurrentStreamAfter();
   unregisterInflight(*this);
 }
 
@@ -119,9 +137,9 @@ bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
     // is; unbounded, on CUDA a stream wait. The caller's stream, now current,
     // waiting for NCCL's makes the tensors NCCL hands back to the allocator
     // safe. Under graph capture a bounded wait is a stream wait too.
-    w->wait(captured_ ? kNoTimeout : timeout);
+    w->wait(mark_->captured() ? kNoTimeout : timeout);
   }
-  if (timeout != kNoTimeout && !captured_) {
+  if (timeout != kNoTimeout && !mark_->captured()) {
     // A bounded wait is a host wait by definition: poll the post-step.
     // (Under graph capture there is nothing to poll: a stream wait.)
     while (!postStepDone()) {
@@ -131,7 +149,8 @@ bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
             "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
                 std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) +
                 ", the step after the collective, on " +
-                (stream_ ? stream_->device().str() : std::string("host streams")) + ")");
+                (mark_->stream() ? mark_->stream()->device().str() : std::string("host streams")) +
+                ")");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

@@ -26,9 +26,45 @@
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <memory>
 #include <optional>
 
 namespace hsdp {
+
+// The end of an async op's post-step, as later ops on the route wait for
+// it, holding none of the op's tensors: the route keeps the last one until
+// the device has run it, and a Work kept for that would keep the caller's
+// tensors and hsdp's staged copies allocated until the group's next call,
+// however long after (the caller may have dropped them long before).
+class PostStepMark {
+ public:
+  // Right after the post-step was enqueued on `stream` (current).
+  explicit PostStepMark(c10::Stream stream);
+  // Host streams: completes once the post-step has run (its value, none).
+  explicit PostStepMark(c10::intrusive_ptr<c10::ivalue::Future> hostDone);
+
+  // Whether the post-step has run (never blocks; not under graph capture).
+  bool done() const;
+  // Whether the current stream of this mark's device is being captured into
+  // a CUDA graph now (never on host streams).
+  bool capturingNow() const;
+  // Issued while its stream was capturing a CUDA graph.
+  bool captured() const {
+    return captured_;
+  }
+  // Orders the current stream after the post-step (on host streams: waits
+  // for it).
+  void orderCurrentStreamAfter() const;
+  const std::optional<c10::Stream>& stream() const {
+    return stream_;
+  }
+
+ private:
+  std::optional<c10::Stream> stream_; // none on host streams
+  std::optional<c10::Event> event_;   // recorded on stream_ after the post-step
+  c10::intrusive_ptr<c10::ivalue::Future> hostDone_;
+  bool captured_ = false;
+};
 
 class WorkOnStream : public c10d::Work {
  public:
@@ -60,23 +96,17 @@ class WorkOnStream : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Whether the post-step has run (never blocks; not under graph capture).
-  bool postStepDone() const;
-  // Whether the current stream of this Work's device is being captured into
-  // a CUDA graph now (never on host streams).
-  bool capturingNow() const;
-  // Issued while its stream was capturing a CUDA graph.
-  bool captured() const {
-    return captured_;
+  // What later ops wait for (InnerRoute::beforeIssue).
+  const std::shared_ptr<const PostStepMark>& mark() const {
+    return mark_;
   }
-  // Orders the current stream after the post-step (on host streams: waits
-  // for it), as synchronize() does, leaving the Work in flight.
-  void orderCurrentStreamAfter();
 
  private:
-  std::optional<c10::Stream> stream_; // none on host streams
-  std::optional<c10::Event> done_;
-  bool captured_ = false; // issued while `stream_` was capturing a CUDA graph
+  bool postStepDone() const {
+    return mark_->done();
+  }
+
+  std::shared_ptr<const PostStepMark> mark_;
   std::vector<c10::intrusive_ptr<c10d::Work>> inners_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keepAlive_;

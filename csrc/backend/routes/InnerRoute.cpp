@@ -442,9 +442,9 @@ c10::intrusive_ptr<WorkOnStream>
 InnerRoute::pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work) {
   // A post-step captured in a CUDA graph runs at each replay, in the graph's
   // own order: later eager ops have nothing of it to wait for.
-  if (hasPost && !work->captured()) {
+  if (hasPost && !work->mark()->captured()) {
     std::lock_guard<std::mutex> lock(mutex_);
-    lastPostStep_ = work;
+    lastPostStep_ = work->mark();
     hasPostStep_.store(true, std::memory_order_release);
   }
   return work;
@@ -454,7 +454,7 @@ void InnerRoute::beforeIssue() {
   if (!hasPostStep_.load(std::memory_order_acquire)) {
     return;
   }
-  c10::intrusive_ptr<WorkOnStream> last;
+  std::shared_ptr<const PostStepMark> last;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     last = lastPostStep_;
@@ -471,7 +471,7 @@ void InnerRoute::beforeIssue() {
   if (last->capturingNow()) {
     return;
   }
-  if (last->postStepDone()) {
+  if (last->done()) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (lastPostStep_ == last) {
       lastPostStep_.reset();

@@ -205,8 +205,8 @@ class InnerRoute final : public Route {
   int rank_;
 
   std::mutex mutex_;
-  std::unique_ptr<OpQueue> completions_;          // CPU async post-steps, made on first use
-  c10::intrusive_ptr<WorkOnStream> lastPostStep_; // see beforeIssue()
+  std::unique_ptr<OpQueue> completions_;             // CPU async post-steps, made on first use
+  std::shared_ptr<const PostStepMark> lastPostStep_; // see beforeIssue()
   // Whether lastPostStep_ is set: every op asks, and on routes that never
   // run post-steps on a stream (Gloo, and the shared-memory ops that pick a
   // route first) the answer needs no lock.
