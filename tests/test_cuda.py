@@ -105,18 +105,10 @@ def chained_ops_body(rank, world):
 
 
 def gpu_work_body(rank, world):
-    """GPU-aware Work, streams, memory, graphs."""
-    import datetime
-
-    import torch.distributed as dist
-
+    """GPU-aware Work and streams."""
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    # The first collective creates NCCL's communicator (the harness binds no
-    # device_id, so creation is lazy) and takes far longer than any sleep
-    # below: done first, outside what is asserted.
-    dist.all_reduce(torch.ones(1, device=dev))
-    torch.cuda.synchronize()
+    _first_collective(dev)
     # is_completed() follows the device: false while a long kernel runs
     # ahead. The op must be hsdp's own Work (WorkOnStream), which it is only
     # with a post-step: a non-contiguous tensor is staged and copied back.
@@ -156,6 +148,21 @@ def gpu_work_body(rank, world):
     assert torch.cuda.default_stream().query(), "the op blocked the default stream"
     side.synchronize()
     _check(u, torch.ones(16), "AVG on a side stream")
+
+
+def _first_collective(dev):
+    """The first collective creates NCCL's communicator (the harness binds
+    no device_id, so creation is lazy), which takes far longer than any
+    sleep in these checks: done first, outside what is asserted."""
+    dist.all_reduce(torch.ones(1, device=dev))
+    torch.cuda.synchronize()
+
+
+def gpu_memory_body(rank, world):
+    """Memory comes back once an async op was waited for and dropped."""
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    _first_collective(dev)
     # Memory comes back: nothing is cached or leaked per call, staged copies
     # included. A block freed after use on a side stream (hsdp's post-step
     # records it there, as NCCL records its tensors) stays allocated until
@@ -174,6 +181,13 @@ def gpu_work_body(rank, world):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     assert torch.cuda.memory_allocated(dev) == base, (torch.cuda.memory_allocated(dev), base)
+
+
+def gpu_graphs_body(rank, world):
+    """CUDA graph capture and replay of ops with post-steps."""
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    _first_collective(dev)
     # CUDA graph capture and replay of a chained op.
     g = torch.cuda.CUDAGraph()
     v = torch.ones(32, device=dev)
@@ -196,7 +210,8 @@ def gpu_work_body(rank, world):
     x.fill_(2.0)
     g2.replay()
     torch.cuda.synchronize()
-    _check(x, torch.full((2, 4), 2.0).t(), "graph replay of a staged op after a pending one")
+    # x is a (4, 2) tensor transposed: its shape is (2, 4).
+    _check(x, torch.full((2, 4), 2.0), "graph replay of a staged op after a pending one")
     # An async op captured, waited for inside the capture: its flight-record
     # entry completes at enqueue (a callback following its events would pull
     # a pool stream into the capture and leave it unjoined).
@@ -208,7 +223,17 @@ def gpu_work_body(rank, world):
     g3.replay()
     torch.cuda.synchronize()
     _check(y, torch.full((16,), 3.0), "graph replay of an async op")
-    # Last, on a group of its own: a bounded wait that expires while the GPU
+
+
+def gpu_bounded_wait_body(rank, world):
+    """A bounded wait on a busy GPU."""
+    import datetime
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    _first_collective(dev)
+    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # kHz: ~ one second
+    # On a group of its own: a bounded wait that expires while the GPU
     # is busy behaves as WorkNCCL::wait(timeout), because it is one: hsdp
     # waits on the inner WorkNCCL with the timeout, which blocks the host,
     # then aborts the communicator and raises "... ran for N milliseconds
@@ -349,7 +374,16 @@ def buffers_one_rank_body(rank, world):
 
 @one_gpu
 @pytest.mark.parametrize(
-    "body", [chained_ops_body, gpu_work_body, fsdp_one_rank_body, buffers_one_rank_body]
+    "body",
+    [
+        chained_ops_body,
+        gpu_work_body,
+        gpu_memory_body,
+        gpu_graphs_body,
+        gpu_bounded_wait_body,
+        fsdp_one_rank_body,
+        buffers_one_rank_body,
+    ],
 )
 def test_one_gpu(body):
     run_ranks(body, 1)
