@@ -13,7 +13,7 @@
 # (a g++ that links libstdc++ statically), then /usr/bin/g++, saying so;
 # else the venv of scripts/setup.sh (torch 2.14.1, downloaded). Then it
 # records the device and the
-# versions, runs tests/test_cuda.py (the one-GPU checks, the one-GPU checks
+# versions, runs tests/integration/test_cuda.py (the one-GPU checks, the one-GPU checks
 # under TORCH_CUDA_SANITIZER=1, and the two-GPU part when there are two
 # GPUs), and trains the FSDP2 example on one GPU rank on hsdp and on nccl
 # (losses compared, step times side by side), and measures hsdp's cost per
@@ -97,8 +97,8 @@ print("hsdp_backend from", hsdp_backend.__file__)
 EOF
 [ $? -eq 0 ] || { say "FAILED: torch with CUDA and hsdp_backend must import"; failed=1; }
 
-say "== tests/test_cuda.py ($gpus GPU(s); the two-GPU tests skip with fewer)"
-"$PY" -m pytest tests/test_cuda.py -v -rs --timeout 1200 >> "$report" 2>&1 || failed=1
+say "== tests/integration/test_cuda.py ($gpus GPU(s); the two-GPU tests skip with fewer)"
+"$PY" -m pytest tests/integration/test_cuda.py -v -rs --timeout 1200 >> "$report" 2>&1 || failed=1
 tail -n 1 "$report"
 
 say "== FSDP2 example on one GPU rank: hsdp against nccl"

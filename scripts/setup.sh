@@ -15,7 +15,7 @@ ensure_torch "$PY" torch==2.14.1
 # expecttest: torch's own test utilities (the DistributedTest conformance run) import it.
 ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,matplotlib,expecttest \
   "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy matplotlib expecttest
-# ruff, pinned: tests/test_format.py checks its formatting.
+# ruff, pinned: tests/tooling/test_format.py checks its formatting.
 RUFF_VERSION=0.17.6
 if [ "$("$VENV/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
   echo "[setup] installing ruff==$RUFF_VERSION"
@@ -25,7 +25,7 @@ fi
 # googletest's sources (Debian): the engine's C++ tests (scripts/cpp_tests.sh)
 # build them with their own sanitizer flags. spin (Debian): the model checker
 # of the engine's protocol (scripts/check_protocol.sh). iproute2: simulated
-# hosts (tools/simhosts.py, tests/test_hosts.py). clang-format: the C++ half
+# hosts (tools/simhosts.py, tests/system/test_hosts.py). clang-format: the C++ half
 # of scripts/format.sh.
 if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null || ! command -v ip > /dev/null ||
    ! command -v clang-format > /dev/null; then
@@ -34,8 +34,8 @@ if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null 
   if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1 ||
          { apt-get update -q > /dev/null 2>&1 &&
            DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1; }; }; then
-    echo "[setup] WARNING: could not install $pkgs; tests/test_cpp_engine.py, tests/test_protocol_model.py," \
-         "tests/test_hosts.py and tests/test_format.py will fail" >&2
+    echo "[setup] WARNING: could not install $pkgs; tests/tooling/test_cpp_engine.py, tests/tooling/test_protocol_model.py," \
+         "tests/system/test_hosts.py and tests/tooling/test_format.py will fail" >&2
   fi
 fi
 

@@ -28,37 +28,43 @@ def engine_worlds(worlds=(1, 2, 3, 4)):
 # double), FSDP2 1-D and HSDP with the shim, the launcher, registration and
 # the generated docs. Prefixes of test ids.
 QUICK = (
-    "tests/test_ops.py::test_op[all_reduce_every_op-shm-2]",
-    "tests/test_ops.py::test_op[all_reduce_every_op-gloo-2]",
-    "tests/test_ops.py::test_op[all_reduce_every_op-nccl_contract-2]",
-    "tests/test_ops.py::test_op_across_pretended_hosts[all_reduce_every_op-a,a,b,b]",
-    "tests/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
-    "tests/test_fsdp.py::test_fsdp_parity[hsdp_2x2]",
-    "tests/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
-    "tests/test_nccl_contract.py::test_nccl_contract_splits[nccl_under_a_bound_hsdp_default]",
-    "tests/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
-    "tests/test_registration.py::test_import_torch_registers_hsdp_lazily",
-    "tests/test_config.py",
-    "tests/test_docs.py",
-    "tests/test_cpp_backend.py",
+    "tests/integration/test_ops.py::test_op[all_reduce_every_op-shm-2]",
+    "tests/integration/test_ops.py::test_op[all_reduce_every_op-gloo-2]",
+    "tests/integration/test_ops.py::test_op[all_reduce_every_op-nccl_contract-2]",
+    "tests/integration/test_ops.py::test_op_across_pretended_hosts[all_reduce_every_op-a,a,b,b]",
+    "tests/integration/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
+    "tests/integration/test_fsdp.py::test_fsdp_parity[hsdp_2x2]",
+    "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
+    "tests/integration/test_nccl_contract.py::test_nccl_contract_splits[nccl_under_a_bound_hsdp_default]",
+    "tests/integration/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
+    "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
+    "tests/unit/test_config.py",
+    "tests/unit/test_docs.py",
+    "tests/tooling/test_cpp_backend.py",
 )
 
 
 # What runs on every supported torch besides the main venv's
-# (tests/test_torch_versions.py): the quick tier and the FSDP2 shim, whose
+# (tests/system/test_torch_versions.py): the quick tier and the FSDP2 shim, whose
 # contact with FSDP2's internals is what differs most between releases.
 EVERY_TORCH = (
     *QUICK,
-    "tests/test_fsdp_selfproof.py",
-    "tests/test_fsdp_buckets.py",
-    "tests/test_torch_contracts.py",
+    "tests/integration/test_fsdp_selfproof.py",
+    "tests/unit/test_fsdp_buckets.py",
+    "tests/unit/test_torch_contracts.py",
     # splits under device-bound defaults: how torch hands split sources differs by release
-    "tests/test_nccl_contract.py::test_nccl_contract_splits",
+    "tests/integration/test_nccl_contract.py::test_nccl_contract_splits",
 )
+
+
+# The tiers, one folder each (docs/testing.md): a test's folder is its marker.
+TIERS = ("unit", "integration", "system", "tooling")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.path.parent.name in TIERS:
+            item.add_marker(getattr(pytest.mark, item.path.parent.name))
         if item.nodeid.startswith(QUICK):
             item.add_marker(pytest.mark.quick)
         if item.nodeid.startswith(EVERY_TORCH):

@@ -8,7 +8,7 @@ of a row and its Markdown renderer.
 
 docs/testing.md's "Settings of the tests" table is generated from this one
 (``python -m tools.settings``, from the repository root), and
-``tests/test_config.py`` fails when it is stale.
+``tests/unit/test_config.py`` fails when it is stale.
 
 Importing this module stays cheap (no torch).
 """
@@ -38,7 +38,7 @@ _TABLE = [
         "set by `tests/hosts_rank.py`: the real host of each rank, for the cases' expectations",
         ""),
     Var("HSDP_TEST_EXIT_RUNS", "tests", None, parse_int, str,
-        "consecutive trainings per exit mode in `tests/test_hosts.py` (50 in the long run)",
+        "consecutive trainings per exit mode in `tests/system/test_hosts.py` (50 in the long run)",
         "3"),
     Var("HSDP_TEST_SOAK_OPS", "tests", None, parse_int, str,
         "collectives of the shared-memory soak test", "5000"),
@@ -50,7 +50,7 @@ _TABLE = [
         "`1`: torch's DistributedTest conformance run runs every test, adds world size 3 and "
         "re-checks gloo", "0"),
     Var("HSDP_COMPAT_RUN", "tests", None, parse_text, str,
-        "set by `tests/test_torch_versions.py` in its runs on the other torch releases, so "
+        "set by `tests/system/test_torch_versions.py` in its runs on the other torch releases, so "
         "those runs do not start it again"),
     Var("HSDP_PEERS_DIR", "peers", None, parse_text, str,
         "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "

@@ -8,7 +8,7 @@ rejected by name: ``ValueError: Invalid value for environment variable
 HSDP_SHM_SLOT_BYTES='100': slot_bytes: expected ...``.
 
 docs/configuration.md's table is generated from this one (``python -m
-hsdp_backend.config``), and ``tests/test_config.py`` holds them together.
+hsdp_backend.config``), and ``tests/unit/test_config.py`` holds them together.
 The settings of the tests and benchmarks are not shipped: their table,
 ``tools/settings.py`` in the repository, reuses :class:`Var`,
 :func:`read_text` and :func:`markdown`.

@@ -15,7 +15,7 @@ import pytest
 from harness import run_ranks
 from test_faults import expect_backend_error
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def analyse(trace_dir) -> str:

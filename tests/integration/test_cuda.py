@@ -446,7 +446,10 @@ def test_one_gpu_more(body):
 @one_gpu
 @pytest.mark.parametrize("body", ["chained_ops_body", "staged_async_body"])
 def test_one_gpu_under_cuda_sanitizer(body):
-    code = f"import sys; sys.path.insert(0, 'tests'); import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1)"
+    code = (
+        "import sys; sys.path[:0] = ['tests', 'tests/integration']; "
+        f"import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1)"
+    )
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
     proc = subprocess.run(
         [sys.executable, "-c", code],
@@ -454,7 +457,7 @@ def test_one_gpu_under_cuda_sanitizer(body):
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert proc.returncode == 0 and "CSAN" not in proc.stderr, proc.stderr[-4000:]
 

@@ -7,7 +7,7 @@ import os
 import pathlib
 import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):

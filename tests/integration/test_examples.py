@@ -13,7 +13,7 @@ import sys
 import pytest
 from harness import free_port
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 STEP_KEYS = {"step", "loss", "step_ms", "fwd_bwd_ms", "tokens_per_s"}
 

@@ -167,7 +167,7 @@ def backward_fails_midway(rank, world):
 def fsdp_parity_examples():
     import pathlib
 
-    return str(pathlib.Path(__file__).resolve().parent)
+    return str(pathlib.Path(__file__).resolve().parents[1])
 
 
 def test_a_failed_backward_leaves_no_stale_gradients():

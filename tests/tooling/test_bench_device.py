@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Every supported minor release but the main venv's (scripts/setup_compat.sh's table).
 OTHER_RELEASES = ["2.11", "2.12", "2.13", "2.15"]
 # The quick tier (every route once) and the shim on this release's FSDP2.

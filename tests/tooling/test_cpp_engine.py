@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What each sanitizer prints when it reports (the script also exits non-zero).
 REPORTS = (
     "WARNING: ThreadSanitizer",

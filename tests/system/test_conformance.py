@@ -24,7 +24,7 @@ import pytest
 
 from tools import settings
 
-HERE = pathlib.Path(__file__).parent / "conformance"
+HERE = pathlib.Path(__file__).resolve().parents[1] / "conformance"
 FULL = settings.read("HSDP_TEST_CONFORMANCE_FULL")
 WORLDS = [2, 3] if FULL else [2]
 

@@ -31,7 +31,7 @@ import pytest
 
 from tools import settings
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import simhosts  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 from hsdp_backend import _C, config
 from tools import settings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIELD_VARS = list(config.VARS.values())
 
 

@@ -18,7 +18,7 @@ from harness import cmake_configure, run_ranks
 
 from hsdp_backend import _torch_compat
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 AT_LEAST_2_15 = _torch_compat.version() >= (2, 15)
 
 

@@ -5,7 +5,7 @@
 import pathlib
 import subprocess
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_tree_is_formatted():

@@ -13,8 +13,8 @@ import textwrap
 import pytest
 from harness import free_port
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, "launcher_scripts")
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = os.path.join(TESTS, "launcher_scripts")
 ALLREDUCE = os.path.join(SCRIPTS, "allreduce.py")
 ENGINE = os.path.join(SCRIPTS, "engine.py")
 LAUNCH_TIMEOUT_S = 120
