@@ -12,22 +12,33 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 
 
+def _anchors(page: pathlib.Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation
+    other than '-' dropped, spaces as '-'."""
+    text = BLOCK.sub("", page.read_text())
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_name_files_of_the_tree(page):
+def test_relative_links_name_files_and_headings_of_the_tree(page):
     text = page.read_text()
     missing = []
     for target in LINK.findall(text):
-        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+        if re.match(r"[a-z]+:", target):
             continue
-        path = (page.parent / target.split("#")[0]).resolve()
+        name, _, anchor = target.partition("#")
+        path = (page.parent / name).resolve() if name else page
         if not path.exists():
             missing.append(target)
-    assert not missing, f"{page.name} links to files that do not exist: {missing}"
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            missing.append(target)
+    assert not missing, f"{page.name} links to files or headings that do not exist: {missing}"
 
 
 def test_the_readme_is_a_users_page():
