@@ -299,22 +299,18 @@ InnerRoute::WorkPtr InnerRoute::finishInner(
   // synchronous calls must outlive the block, which a bare end Work does not
   // see to.
   const bool blockNeedsBuffers = inner.blockEnd && !keepAlive.empty();
-  if (asyncOp && !post && ordering == 1 && !blockNeedsBuffers &&
-      !(caps_.fixedCompletionPool && !p2p)) {
+  if (!post && ordering == 1 && !blockNeedsBuffers &&
+      !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
     // The inner Work already is the whole op (a block's end Work waits for
-    // every op of the block).
+    // every op of the block). NCCL returns none for a synchronous call (it
+    // ran on the caller's stream), so this is Gloo's, or an async op's.
     return inner.blockEnd ? inner.blockEnd : inner.ops.front();
   }
   if (!asyncOp) {
-    // The caller waits for the result right after this returns, so waiting
-    // here costs it nothing: on CPU wait() returns once the data is in
-    // place, on CUDA it makes the current stream wait for NCCL's (what
-    // Python's wait() on the Work would do), and a post-step is then
-    // enqueued behind it on that same stream. No Work goes back: c10d's
-    // Python collectives wait only on a Work that is not None (a backend
-    // "that syncs at the C++ level"), so the call saves wrapping one, and
-    // the flight recorder's "done" event can go on the caller's stream
-    // without a stream of its own (TracedCall).
+    // The caller waits for the result right after this returns, so ordering
+    // the post-step here costs it nothing: on CPU wait() returns once the
+    // data is in place, on CUDA it makes the current stream wait for NCCL's,
+    // and the post-step is then enqueued behind it on that same stream.
     for (const auto& w : inner.all()) {
       w->wait();
     }
