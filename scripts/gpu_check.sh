@@ -17,8 +17,9 @@
 # under TORCH_CUDA_SANITIZER=1, and the two-GPU part when there are two
 # GPUs), and trains the FSDP2 example on one GPU rank on hsdp and on nccl
 # (losses compared, step times side by side), and measures hsdp's cost per
-# CUDA call against nccl's (benchmarks/device_calls.py; HSDP_GPU_CHECK_QUICK=1
-# for its short form). Exits non-zero if anything failed; the report says what.
+# CUDA call against nccl's, also with hsdp's flight recorder off
+# (benchmarks/device_calls.py; HSDP_GPU_CHECK_QUICK=1 for its short form).
+# Exits non-zero if anything failed; the report says what.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -134,6 +135,13 @@ say "== per-call cost: hsdp against nccl (python -m benchmarks device_calls)"
 "$PY" -m benchmarks device_calls --device cuda ${HSDP_GPU_CHECK_QUICK:+--quick} \
   --json build/gpu_check_device_calls.json --plot '' >> "$report" 2>&1 ||
   { say "FAILED: the per-call benchmark"; failed=1; }
+grep 'largest ratio' "$report" | tail -n 1 || true
+# The flight recorder's share of that cost: the same calls with it off
+# (short form; docs/gpu.md reads the two side by side).
+say "== per-call cost with hsdp's flight recorder off (HSDP_TRACE_ENTRIES=0, --quick)"
+HSDP_TRACE_ENTRIES=0 "$PY" -m benchmarks device_calls --device cuda --quick \
+  --json build/gpu_check_device_calls_untraced.json --plot '' >> "$report" 2>&1 ||
+  { say "FAILED: the per-call benchmark without the flight recorder"; failed=1; }
 grep 'largest ratio' "$report" | tail -n 1 || true
 
 if [ "$failed" -ne 0 ]; then
