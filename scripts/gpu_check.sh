@@ -131,18 +131,20 @@ assert worst <= 1e-6 * scale, "losses differ between hsdp and nccl"
 EOF
 tail -n 3 "$report"
 
-say "== per-call cost: hsdp against nccl (python -m benchmarks device_calls)"
-"$PY" -m benchmarks device_calls --device cuda ${HSDP_GPU_CHECK_QUICK:+--quick} \
-  --json build/gpu_check_device_calls.json --plot '' >> "$report" 2>&1 ||
-  { say "FAILED: the per-call benchmark"; failed=1; }
-grep 'largest ratio' "$report" | tail -n 1 || true
+# per_call WHAT JSON_NAME [benchmark flags]: one run of the per-call benchmark.
+per_call() {
+  local what=$1 json=$2
+  shift 2
+  say "== per-call cost: hsdp against nccl, $what (python -m benchmarks device_calls)"
+  "$PY" -m benchmarks device_calls --device cuda "$@" --json "build/$json" --plot '' \
+    >> "$report" 2>&1 || { say "FAILED: the per-call benchmark, $what"; failed=1; }
+  grep 'largest ratio' "$report" | tail -n 1 || true
+}
+per_call "as users run it" gpu_check_device_calls.json ${HSDP_GPU_CHECK_QUICK:+--quick}
 # The flight recorder's share of that cost: the same calls with it off
 # (short form; docs/gpu.md reads the two side by side).
-say "== per-call cost with hsdp's flight recorder off (HSDP_TRACE_ENTRIES=0, --quick)"
-HSDP_TRACE_ENTRIES=0 "$PY" -m benchmarks device_calls --device cuda --quick \
-  --json build/gpu_check_device_calls_untraced.json --plot '' >> "$report" 2>&1 ||
-  { say "FAILED: the per-call benchmark without the flight recorder"; failed=1; }
-grep 'largest ratio' "$report" | tail -n 1 || true
+HSDP_TRACE_ENTRIES=0 per_call "hsdp's flight recorder off (HSDP_TRACE_ENTRIES=0)" \
+  gpu_check_device_calls_untraced.json --quick
 
 if [ "$failed" -ne 0 ]; then
   say "gpu_check: FAILED (see $report)"

@@ -104,18 +104,33 @@ def chained_ops_body(rank, world):
             _check(o, torch.full((o.numel(),), 5), "device-coalesced integer AVG")
 
 
-def gpu_work_body(rank, world):
-    """GPU-aware Work and streams."""
+def _gpu_with_communicator(rank):
+    """This rank's GPU, current, with NCCL's communicator made. The first
+    collective creates it (the harness binds no device_id, so creation is
+    lazy), which takes far longer than any sleep in these checks: done
+    first, outside what is asserted."""
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    _first_collective(dev)
+    dist.all_reduce(torch.ones(1, device=dev))
+    torch.cuda.synchronize()
+    return dev
+
+
+def _cycles_per_second(dev):
+    """A torch.cuda._sleep argument of about one second (clock_rate: kHz)."""
+    return int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)
+
+
+def gpu_work_body(rank, world):
+    """GPU-aware Work and streams."""
+    dev = _gpu_with_communicator(rank)
     # is_completed() follows the device: false while a long kernel runs
     # ahead. The op must be hsdp's own Work (WorkOnStream), which it is only
     # with a post-step: a non-contiguous tensor is staged and copied back.
     # (An op NCCL serves whole, e.g. an int64 AVG at world 1, which is a
     # plain SUM, returns NCCL's own Work and would test NCCL, not hsdp.)
     t = torch.full((4, 2), 3.0, device=dev).t()
-    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # kHz: ~ one second
+    cycles = _cycles_per_second(dev)
     # The same call once before, untimed: a first async op may set up what
     # makes it wait for the device (NCCL's stream, a new allocator segment).
     dist.all_reduce(t.clone(), op=dist.ReduceOp.AVG, async_op=True).wait()  # strides kept
@@ -150,19 +165,9 @@ def gpu_work_body(rank, world):
     _check(u, torch.ones(16), "AVG on a side stream")
 
 
-def _first_collective(dev):
-    """The first collective creates NCCL's communicator (the harness binds
-    no device_id, so creation is lazy), which takes far longer than any
-    sleep in these checks: done first, outside what is asserted."""
-    dist.all_reduce(torch.ones(1, device=dev))
-    torch.cuda.synchronize()
-
-
 def gpu_memory_body(rank, world):
     """Memory comes back once an async op was waited for and dropped."""
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    _first_collective(dev)
+    dev = _gpu_with_communicator(rank)
     # Memory comes back: nothing is cached or leaked per call, staged copies
     # included. A block freed after use on a side stream (hsdp's post-step
     # records it there, as NCCL records its tensors) stays allocated until
@@ -185,9 +190,7 @@ def gpu_memory_body(rank, world):
 
 def gpu_graphs_body(rank, world):
     """CUDA graph capture and replay of ops with post-steps."""
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    _first_collective(dev)
+    dev = _gpu_with_communicator(rank)
     # CUDA graph capture and replay of a chained op.
     g = torch.cuda.CUDAGraph()
     v = torch.ones(32, device=dev)
@@ -229,10 +232,8 @@ def gpu_bounded_wait_body(rank, world):
     """A bounded wait on a busy GPU."""
     import datetime
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    _first_collective(dev)
-    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # kHz: ~ one second
+    dev = _gpu_with_communicator(rank)
+    cycles = _cycles_per_second(dev)
     # On a group of its own: a bounded wait that expires while the GPU
     # is busy behaves as WorkNCCL::wait(timeout), because it is one: hsdp
     # waits on the inner WorkNCCL with the timeout, which blocks the host,
@@ -267,11 +268,8 @@ def trace_body(rank, world):
 
     import hsdp_backend
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    dist.all_reduce(torch.ones(1, device=dev))  # the communicator, made
-    torch.cuda.synchronize()
-    cycles = int(torch.cuda.get_device_properties(dev).clock_rate * 1e3)  # ~ one second
+    dev = _gpu_with_communicator(rank)
+    cycles = _cycles_per_second(dev)
 
     def last_state():
         [path] = hsdp_backend.dump_trace("asked")
