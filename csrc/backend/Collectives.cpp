@@ -58,14 +58,14 @@ InnerRoute& ProcessGroupHSDP::inner(Call& call, const at::Tensor& t) {
 }
 
 bool ProcessGroupHSDP::shmServes(const std::vector<at::Tensor>& tensors) const {
-  return engine_ && ShmRoute::serves(tensors);
+  return engine_ && engine_->serves(tensors);
 }
 
 bool ProcessGroupHSDP::shmServes(
     const std::vector<at::Tensor>& tensors,
     const std::vector<DtypeGroup>& groups) const {
   return shmServes(tensors) && std::all_of(groups.begin(), groups.end(), [&](const auto& g) {
-           return ShmRoute::serves(g.reduce, tensors[g.members[0]].scalar_type());
+           return engine_->serves(g.reduce, tensors[g.members[0]].scalar_type());
          });
 }
 
@@ -200,7 +200,7 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
         [&](auto& b) { return b.allreduce(tensors, innerOpts); },
         completes(tensors, scaleAfter(reduce, tensors), tensors));
   }
-  const bool shm = shmServes(tensors) && ShmRoute::serves(reduce, tensors[0].scalar_type());
+  const bool shm = shmServes(tensors) && engine_->serves(reduce, tensors[0].scalar_type());
   auto plan = planInPlace(Kind::AllReduce, tensors[0], std::move(reduce));
   return issue(call, shmOr(r, shm), std::move(plan), bytesOf(tensors));
 }
@@ -390,7 +390,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
   const auto dtype = outputs[0].scalar_type();
   auto reduce =
       planReduce(call.ctx, opts.reduceOp, outputs[0].options(), size_, 1.0, r.scalesNatively());
-  if (even && shmServes(outputs) && shmServes(inputs[0]) && ShmRoute::serves(reduce, dtype)) {
+  if (even && shmServes(outputs) && shmServes(inputs[0]) && engine_->serves(reduce, dtype)) {
     auto plan = planReduceScatterFromList(inputs[0], outputs[0], std::move(reduce));
     return issue(call, *engine_, std::move(plan), bytesOf(inputs[0]));
   }
@@ -438,7 +438,7 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   const auto dtype = input.scalar_type();
   auto reduce =
       planReduce(call.ctx, opts.reduceOp, input.options(), size_, divideBy, r.scalesNatively());
-  const bool shm = shmServes({input, output}) && ShmRoute::serves(reduce, dtype);
+  const bool shm = shmServes({input, output}) && engine_->serves(reduce, dtype);
   auto plan = planReduceScatter(input, output, std::move(reduce));
   return issue(call, shmOr(r, shm), std::move(plan), bytesOf(input));
 }

@@ -7,7 +7,7 @@
 //   * one host: the group shares one segment (flat);
 //   * several hosts holding the same number of its ranks: each host's ranks
 //     share a segment and the inner CPU backend is split into one
-//     inter-host group per local index (hierarchical, ShmRoute.hpp);
+//     inter-host group per local index (hierarchical, routes/Hierarchical.hpp);
 //   * otherwise (hosts holding different numbers, an identity that cannot be
 //     read): no shared memory, the inner CPU backend serves the group.
 // Each host's first rank creates its segment, the others map it, the last

@@ -49,6 +49,7 @@
 // Tested on its own, ranks as threads, plain and under ThreadSanitizer and
 // ASan+UBSan: tests/cpp/engine_test.cpp (bash scripts/cpp_tests.sh).
 
+#include "shm/Collectives.hpp"
 #include "shm/Segment.hpp"
 #include "shm/Types.hpp"
 
@@ -113,7 +114,7 @@ struct EngineConfig {
 // Whether this process may read `pid`'s memory: reads `bytes` at `address`.
 bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes);
 
-class Engine {
+class Engine final : public Collectives {
  public:
   Engine(Segment segment, int rank, EngineConfig config);
   Engine(const Engine&) = delete;
@@ -130,10 +131,8 @@ class Engine {
     return segment_.slotBytes();
   }
 
-  // Each call names its op (for messages) and blocks until the result is in
-  // place. `count` is in elements of `dtype`; all-gather and broadcast are
-  // byte copies.
-  void allGather(const char* op, const void* input, void* output, size_t bytesPerRank);
+  // The group's collectives (Collectives.hpp).
+  void allGather(const char* op, const void* input, void* output, size_t bytesPerRank) override;
   void reduceScatter(
       const char* op,
       const void* input,
@@ -141,10 +140,11 @@ class Engine {
       size_t countPerRank,
       DType dtype,
       RedOp redop,
-      Scale scale);
-  void allReduce(const char* op, void* data, size_t count, DType dtype, RedOp redop, Scale scale);
-  void broadcast(const char* op, void* data, size_t bytes, int root);
-  void barrier(const char* op);
+      Scale scale) override;
+  void allReduce(const char* op, void* data, size_t count, DType dtype, RedOp redop, Scale scale)
+      override;
+  void broadcast(const char* op, void* data, size_t bytes, int root) override;
+  void barrier(const char* op) override;
 
   // An all-gather of many pieces that stay where they are: rank q's
   // `inputs[i]` lands in every rank's `outputs[q][i]`, read by peers
@@ -154,8 +154,8 @@ class Engine {
   void allGatherPieces(
       const char* op,
       const std::vector<Span>& inputs,
-      const std::vector<std::vector<Span>>& outputs);
-  bool gathersPieces(size_t pieces, size_t totalBytes) const {
+      const std::vector<std::vector<Span>>& outputs) override;
+  bool gathersPieces(size_t pieces, size_t totalBytes) const override {
     return readsDirectly(totalBytes, config_.directReadBytes) &&
         pieces * 2 * sizeof(uint64_t) <= slotBytes();
   }

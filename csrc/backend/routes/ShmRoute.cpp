@@ -1,69 +1,14 @@
+// How a planned call runs on the shared-memory route: on the engine's
+// queue, one collective per Collective, the scale fused into it.
+
 #include "backend/routes/ShmRoute.hpp"
 
-#include <ATen/ATen.h>
-#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
-#include "common/Errors.hpp"
-#include "shm/Reduce.hpp"
-
-#include <cstring>
-#include <exception>
+#include "backend/EngineTypes.hpp"
+#include "backend/WorkHSDP.hpp"
 
 namespace hsdp {
-
-namespace {
-
-using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-
-// Bytes of caller memory as a 1-D tensor (Gloo reads and writes raw memory).
-at::Tensor wrap(const void* data, size_t bytes) {
-  return at::from_blob(
-      const_cast<void*>(data), {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
-}
-
-// A staging buffer from the pool, given back when the phase is over.
-class Staged {
- public:
-  Staged(StagingPool& pool, size_t bytes)
-      : pool_(pool),
-        tensor_(pool.acquire(static_cast<int64_t>(bytes), at::TensorOptions().dtype(at::kByte))) {}
-  Staged(const Staged&) = delete;
-  Staged& operator=(const Staged&) = delete;
-  ~Staged() {
-    pool_.release({tensor_});
-  }
-  char* data() const {
-    return static_cast<char*>(tensor_.data_ptr());
-  }
-
- private:
-  StagingPool& pool_;
-  at::Tensor tensor_;
-};
-
-std::string joined(const std::vector<int>& ranks) {
-  std::string out;
-  for (int r : ranks) {
-    out += (out.empty() ? "" : ",") + std::to_string(r);
-  }
-  return out;
-}
-
-} // namespace
-
-std::vector<int> HostLayout::hostRanks(int h) const {
-  return {
-      ranks.begin() + static_cast<ptrdiff_t>(h) * perHost,
-      ranks.begin() + static_cast<ptrdiff_t>(h + 1) * perHost};
-}
-
-std::vector<int> HostLayout::columnRanks(int l) const {
-  std::vector<int> out;
-  for (int h = 0; h < hosts; ++h) {
-    out.push_back(rankOf(h, l));
-  }
-  return out;
-}
 
 ShmRoute::ShmRoute(
     std::unique_ptr<shm::Engine> local,
@@ -73,60 +18,12 @@ ShmRoute::ShmRoute(
     int size,
     CommStats& stats,
     std::shared_ptr<StagingPool> staging)
-    : local_(std::move(local)),
-      layout_(std::move(layout)),
-      column_(std::move(column)),
-      rank_(rank),
-      size_(size),
-      stats_(stats),
-      staging_(std::move(staging)) {
-  hostMajor_ = true;
-  for (int h = 0; h < layout_.hosts; ++h) {
-    for (int l = 0; l < layout_.perHost; ++l) {
-      hostMajor_ = hostMajor_ && layout_.rankOf(h, l) == h * layout_.perHost + l;
-    }
+    : local_(std::move(local)), rank_(rank), size_(size) {
+  if (column) {
+    hierarchical_ = std::make_unique<Hierarchical>(
+        *local_, std::move(layout), std::move(column), rank, size, stats, std::move(staging));
   }
 }
-
-// The pool as a c10::Allocator: what getMemAllocator hands out and what
-// allocate() builds tensors from. Each buffer's deleter holds the pool, so
-// a tensor keeps its memory valid after its group is gone.
-class ShmRoute::PoolAllocator final : public c10::Allocator {
- public:
-  explicit PoolAllocator(std::shared_ptr<shm::Pool> pool) : pool_(std::move(pool)) {}
-
-  c10::DataPtr allocate(size_t bytes) override {
-    if (void* p = pool_->allocate(bytes)) {
-      auto* owner = new Owner{pool_, p};
-      return {p, owner, &release, c10::Device(c10::kCPU)};
-    }
-    fallbacks_.fetch_add(1, std::memory_order_relaxed);
-    return c10::GetCPUAllocator()->allocate(bytes);
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-  uint64_t fallbacks() const {
-    return fallbacks_.load(std::memory_order_relaxed);
-  }
-  const shm::Pool& pool() const {
-    return *pool_;
-  }
-
- private:
-  struct Owner {
-    std::shared_ptr<shm::Pool> pool;
-    void* buffer;
-  };
-  static void release(void* context) {
-    auto* owner = static_cast<Owner*>(context);
-    owner->pool->release(owner->buffer);
-    delete owner;
-  }
-
-  std::shared_ptr<shm::Pool> pool_;
-  std::atomic<uint64_t> fallbacks_{0};
-};
 
 void ShmRoute::usePool(size_t maxBytes, size_t chunkBytes) {
   if (maxBytes == 0 || !local_->directReads()) {
@@ -135,19 +32,6 @@ void ShmRoute::usePool(size_t maxBytes, size_t chunkBytes) {
   auto pool = std::make_shared<shm::Pool>(maxBytes, chunkBytes);
   local_->setPool(pool);
   allocator_ = std::make_shared<PoolAllocator>(std::move(pool));
-}
-
-at::Tensor ShmRoute::allocate(int64_t numel, const at::TensorOptions& options) {
-  const size_t bytes = static_cast<size_t>(numel) * options.dtype().itemsize();
-  // Not resizable and without an allocator: a resize must not outlive the
-  // pool's allocator or move the tensor out of the pool unnoticed.
-  c10::Storage storage(
-      c10::Storage::use_byte_size_t(), bytes, allocator_->allocate(bytes), nullptr, false);
-  return at::empty({0}, options).set_(std::move(storage), 0, {numel}, {1});
-}
-
-std::shared_ptr<c10::Allocator> ShmRoute::allocator() const {
-  return allocator_;
 }
 
 ShmRoute::BufferStats ShmRoute::bufferStats() const {
@@ -160,401 +44,111 @@ ShmRoute::BufferStats ShmRoute::bufferStats() const {
   return s;
 }
 
-std::string ShmRoute::prefix(const char* op) const {
-  return OpContext{rank_, size_, op}.prefix();
+bool ShmRoute::serves(const std::vector<at::Tensor>& tensors) const {
+  return std::all_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) {
+    return t.device().is_cpu() && !t.is_sparse() && shmDtype(t.scalar_type());
+  });
 }
 
-// Marks the route failed when an op is left by an exception (the engine's
-// failures included): a rank that stopped halfway through a collective no
-// longer agrees with its column on what comes next.
-class ShmRoute::FailsTheRoute {
- public:
-  explicit FailsTheRoute(ShmRoute& route)
-      : route_(route), exceptions_(std::uncaught_exceptions()) {}
-  FailsTheRoute(const FailsTheRoute&) = delete;
-  FailsTheRoute& operator=(const FailsTheRoute&) = delete;
-  ~FailsTheRoute() {
-    if (std::uncaught_exceptions() > exceptions_ && route_.failure_.empty()) {
-      route_.failure_ = "a failure in an earlier collective of this rank";
-    }
-  }
-
- private:
-  ShmRoute& route_;
-  const int exceptions_;
-};
-
-void ShmRoute::checkUsable(const char* op) const {
-  // As the engine refuses work after a failure; with one rank per host the
-  // engine is never called, and the column's tags would no longer agree.
-  if (!failure_.empty()) {
-    throw shm::CommError(
-        prefix(op) + "the group is unusable after " + failure_ + "; create a new process group");
-  }
+bool ShmRoute::serves(const ReducePlan& plan, at::ScalarType dtype) const {
+  return shmReduction(plan, dtype).has_value();
 }
 
-void ShmRoute::withinHost(uint64_t bytes) {
-  stats_.record("intra_host", 1, bytes);
-}
-
-template <typename Issue>
-void ShmRoute::acrossHosts(const char* op, uint64_t bytes, Issue&& issue, bool count) {
-  if (count) {
-    stats_.record("inter_host", 1, bytes);
-  }
-  try {
-    for (auto& work : issue(*column_)) {
-      if (work) {
-        work->wait();
-      }
-    }
-  } catch (const std::exception& e) {
-    const std::string why = "the inter-host phase of " + std::string(op) + " (gloo, with ranks " +
-        joined(layout_.columnRanks(layout_.local)) + ") failed: " + e.what();
-    failure_ = why;
-    // This host's ranks may be waiting for this rank in the next phase:
-    // they fail now, naming the cause, not at their deadline.
-    local_->abort("rank " + std::to_string(rank_) + ": " + why);
-    throw shm::CommError(prefix(op) + why);
-  }
-}
-
-// Sends and receives posted on my column for one inter-host phase. wait()
-// completes them (a failure: CommError naming the op, and this host's
-// ranks fail too); leaving the phase by an exception instead still waits
-// for whatever is posted, failures ignored, because Gloo reads and writes
-// the buffers until then (bounded by the group's timeout).
-class ShmRoute::Transfers {
- public:
-  Transfers(ShmRoute& route, const char* op)
-      : route_(route), op_(op), tag_(static_cast<int>(route.exchanges_++ % (1u << 30))) {}
-  Transfers(const Transfers&) = delete;
-  Transfers& operator=(const Transfers&) = delete;
-  ~Transfers() {
-    for (auto& work : works_) {
-      try {
-        work->wait();
-      } catch (const std::exception&) {
-      }
-    }
-  }
-
-  void send(const void* data, size_t bytes, int host) {
-    post(data, bytes, host, true);
-  }
-  void recv(void* data, size_t bytes, int host) {
-    post(data, bytes, host, false);
-  }
-  void wait() {
-    // A copy: on failure the destructor still waits for every one.
-    route_.acrossHosts(op_, bytes_, [&](c10d::Backend&) { return works_; });
-    works_.clear();
-    bytes_ = 0;
-  }
-
- private:
-  void post(const void* data, size_t bytes, int host, bool isSend) {
-    if (bytes == 0) {
+void ShmRoute::run(const char* op, const Collective& c) {
+  auto reduction = [&](const at::Tensor& t) { return *shmReduction(c.reduce, t.scalar_type()); };
+  switch (c.kind) {
+    case Kind::AllReduce: {
+      const auto& t = c.inputs[0];
+      const auto red = reduction(t);
+      collectives().allReduce(op, t.data_ptr(), t.numel(), red.dtype, red.op, red.scale);
       return;
     }
-    route_.acrossHosts(
-        op_,
-        0,
-        [&](c10d::Backend& column) {
-          // Every rank of a column runs the same collectives in the same
-          // order, so the counter names each phase alike on all of them.
-          std::vector<at::Tensor> t{wrap(data, bytes)};
-          works_.push_back(isSend ? column.send(t, host, tag_) : column.recv(t, host, tag_));
-          return std::vector<WorkPtr>{};
-        },
-        /*count=*/false);
-    bytes_ += isSend ? bytes : 0;
-  }
-
-  ShmRoute& route_;
-  const char* op_;
-  const int tag_;
-  std::vector<WorkPtr> works_;
-  uint64_t bytes_ = 0;
-};
-
-void ShmRoute::allGather(const char* op, const void* input, void* output, size_t n) {
-  if (!hierarchical()) {
-    local_->allGather(op, input, output, n);
-    return;
-  }
-  checkUsable(op);
-  const FailsTheRoute guard(*this);
-  const HostLayout& L = layout_;
-  char* out = static_cast<char*>(output);
-  auto at = [&](int h, int l) { return out + static_cast<size_t>(L.rankOf(h, l)) * n; };
-  if (n > 0) {
-    // My piece to every other host's rank of my column, theirs straight
-    // into their places in the output.
-    char* mine = at(L.host, L.local);
-    if (mine != input) {
-      std::memcpy(mine, input, n);
-    }
-    Transfers column(*this, op);
-    for (int h = 0; h < L.hosts; ++h) {
-      if (h != L.host) {
-        column.recv(at(h, L.local), n, h);
-        column.send(mine, n, h);
+    case Kind::Broadcast:
+      collectives().broadcast(op, c.inputs[0].data_ptr(), c.inputs[0].nbytes(), c.root);
+      return;
+    case Kind::AllGather: {
+      if (!c.asList) {
+        collectives().allGather(
+            op, c.inputs[0].data_ptr(), c.outputs[0].data_ptr(), c.inputs[0].nbytes());
+        return;
       }
-    }
-    column.wait();
-  }
-  if (L.perHost == 1) {
-    return;
-  }
-  // My column's pieces (now in place) to every rank of my host: one
-  // all-gather of H pieces per rank, read in place where the engine can.
-  withinHost(static_cast<uint64_t>(L.hosts) * n);
-  if (local_->gathersPieces(L.hosts, L.hosts * n)) {
-    std::vector<shm::Span> mine;
-    std::vector<std::vector<shm::Span>> dests(L.perHost);
-    for (int h = 0; h < L.hosts; ++h) {
-      mine.push_back({at(h, L.local), n});
-      for (int q = 0; q < L.perHost; ++q) {
-        dests[q].push_back({at(h, q), n});
+      // Peers read every input where it is and write it where it goes.
+      std::vector<shm::Span> mine;
+      std::vector<std::vector<shm::Span>> dests(size_);
+      for (size_t i = 0; i < c.inputs.size(); ++i) {
+        const size_t bytes = c.inputs[i].nbytes();
+        mine.push_back({static_cast<char*>(c.inputs[i].data_ptr()), bytes});
+        for (int q = 0; q < size_; ++q) {
+          dests[q].push_back({static_cast<char*>(c.outputs[i].data_ptr()) + q * bytes, bytes});
+        }
       }
+      collectives().allGatherPieces(op, mine, dests);
+      return;
     }
-    local_->allGatherPieces(op, mine, dests);
-    return;
-  }
-  const size_t column = L.hosts * n;
-  Staged packed(*staging_, column);
-  Staged gathered(*staging_, column * L.perHost);
-  for (int h = 0; h < L.hosts; ++h) {
-    std::memcpy(packed.data() + h * n, at(h, L.local), n);
-  }
-  local_->allGather(op, packed.data(), gathered.data(), column);
-  for (int q = 0; q < L.perHost; ++q) {
-    for (int h = 0; h < L.hosts; ++h) {
-      if (q != L.local) {
-        std::memcpy(at(h, q), gathered.data() + q * column + h * n, n);
-      }
+    case Kind::ReduceScatter: {
+      const auto& out = c.outputs[0];
+      const auto red = reduction(out);
+      collectives().reduceScatter(
+          op, c.inputs[0].data_ptr(), out.data_ptr(), out.numel(), red.dtype, red.op, red.scale);
+      return;
     }
+    case Kind::Barrier:
+      collectives().barrier(op);
+      return;
+    case Kind::Reduce:
+      break;
   }
+  TORCH_INTERNAL_ASSERT(false, "the shared-memory route has no form of this collective");
 }
 
-void ShmRoute::reduceScatter(
-    const char* op,
-    const void* input,
-    void* output,
-    size_t count,
-    shm::DType dtype,
-    shm::RedOp redop,
-    shm::Scale scale) {
-  if (!hierarchical()) {
-    local_->reduceScatter(op, input, output, count, dtype, redop, scale);
-    return;
+void ShmRoute::fail(const shm::CommError& e, uint64_t seq) {
+  trace_->finished(seq, e.what());
+  const std::string path = trace_->dumpOnFailure(e.what());
+  C10_THROW_ERROR(
+      DistBackendError,
+      std::string(e.what()) + "\nFlight record of this rank: " + path +
+          " (python -m hsdp_backend.trace " + trace_->options().dir +
+          " reads every rank's and names the first collective where they diverge)");
+}
+
+Completion ShmRoute::issue(const Call& call, Plan plan) {
+  if (!queue_) {
+    C10_THROW_ERROR(DistBackendError, call.ctx.prefix() + "the process group was shut down");
   }
-  checkUsable(op);
-  const FailsTheRoute guard(*this);
-  const HostLayout& L = layout_;
-  const size_t chunk = count * shm::dtypeSize(dtype);
-  const char* in = static_cast<const char*>(input);
-  // My column's H partial sums (its chunks reduced over my host), in host
-  // order; chunk h goes to host h's rank of my column as soon as it is
-  // reduced, so the intra-host phase of the next block overlaps its way.
-  Staged partial(*staging_, chunk * L.hosts);
-  Staged received(*staging_, chunk * L.hosts);
-  std::vector<const char*> block(L.hosts); // my column's partial sum for host h
-  for (int h = 0; h < L.hosts; ++h) {
-    // One rank per host: the input itself.
-    block[h] = L.perHost == 1 ? in + static_cast<size_t>(L.rankOf(h, 0)) * chunk
-                              : partial.data() + h * chunk;
-  }
-  Transfers column(*this, op);
-  auto ship = [&](int h) {
-    if (h != L.host) {
-      column.send(block[h], chunk, h);
+  const uint64_t seq = call.seq;
+  trace_->setRoute(seq, name());
+  auto outputs = plan.outputs;
+  // One std::function, run inline or moved to the queue: the plan is never copied.
+  std::function<void()> body = [this, seq, op = call.ctx.op, plan = std::move(plan)]() mutable {
+    // Every engine collective of the plan (a fused call's buckets) is this
+    // one c10d collective: the engine's messages carry its number.
+    local_->setCallerSeq(seq);
+    try {
+      if (plan.stageIn) {
+        plan.stageIn();
+      }
+      for (const auto& c : plan.collectives) {
+        run(op, c);
+      }
+      if (plan.post) {
+        plan.post();
+      }
+    } catch (const shm::CommError& e) {
+      fail(e, seq);
     }
+    trace_->finished(seq, "");
   };
-  if (L.perHost == 1) {
-    for (int h = 0; h < L.hosts; ++h) {
-      ship(h);
-    }
-  } else if (hostMajor_ && chunk * size_ >= kBlockwiseBytes) {
-    // Host h's ranks' chunks are one contiguous block of the input: one
-    // reduce-scatter per block, other hosts' blocks first.
-    withinHost(chunk * size_);
-    for (int k = 1; k <= L.hosts; ++k) {
-      const int h = (L.host + k) % L.hosts;
-      local_->reduceScatter(
-          op,
-          in + static_cast<size_t>(h) * L.perHost * chunk,
-          partial.data() + h * chunk,
-          count,
-          dtype,
-          redop,
-          {});
-      ship(h);
-    }
-  } else {
-    // Column-ordered input (local rank q's piece: the chunks of column q,
-    // host by host), one reduce-scatter.
-    Staged packed(*staging_, chunk * size_);
-    for (int q = 0; q < L.perHost; ++q) {
-      for (int h = 0; h < L.hosts; ++h) {
-        std::memcpy(
-            packed.data() + (static_cast<size_t>(q) * L.hosts + h) * chunk,
-            in + static_cast<size_t>(L.rankOf(h, q)) * chunk,
-            chunk);
-      }
-    }
-    withinHost(chunk * size_);
-    local_->reduceScatter(op, packed.data(), partial.data(), count * L.hosts, dtype, redop, {});
-    for (int h = 0; h < L.hosts; ++h) {
-      ship(h);
-    }
+  if (!call.asyncOp && queue_->runInlineIfIdle(body)) {
+    return {WorkHSDP::completed(rank_, call.type, std::move(outputs)), /*endRecorded=*/true};
   }
-  if (count == 0) {
-    return;
-  }
-  // Every other host's partial sum of my chunk, then one reduction in host
-  // order (the scale folded in: one rounding).
-  std::vector<const void*> sources(L.hosts);
-  for (int h = 0; h < L.hosts; ++h) {
-    if (h == L.host) {
-      sources[h] = block[h];
-    } else {
-      column.recv(received.data() + h * chunk, chunk, h);
-      sources[h] = received.data() + h * chunk;
-    }
-  }
-  column.wait();
-  shm::reduce(output, sources.data(), L.hosts, count, dtype, redop, scale);
+  return {
+      WorkHSDP::onQueue(*queue_, rank_, call.type, std::move(outputs), std::move(body)),
+      /*endRecorded=*/true};
 }
 
-void ShmRoute::allReduce(
-    const char* op,
-    void* data,
-    size_t count,
-    shm::DType dtype,
-    shm::RedOp redop,
-    shm::Scale scale) {
-  if (!hierarchical()) {
-    local_->allReduce(op, data, count, dtype, redop, scale);
-    return;
-  }
-  checkUsable(op);
-  const FailsTheRoute guard(*this);
-  const HostLayout& L = layout_;
-  const size_t es = shm::dtypeSize(dtype);
-  const size_t slice = count / L.perHost;
-  if (L.perHost > 1 && count * es >= kSlicedAllReduceBytes && count % L.perHost == 0) {
-    char* mine = static_cast<char*>(data) + L.local * slice * es;
-    Staged part(*staging_, slice * es);
-    withinHost(count * es);
-    local_->reduceScatter(op, data, part.data(), slice, dtype, redop, {});
-    std::memcpy(mine, part.data(), slice * es);
-    allReduceColumn(op, mine, slice, dtype, redop, scale);
-    withinHost(slice * es);
-    local_->allGather(op, mine, data, slice * es);
-    return;
-  }
-  if (L.perHost > 1) {
-    withinHost(count * es);
-    local_->allReduce(op, data, count, dtype, redop, {});
-  }
-  allReduceColumn(op, data, count, dtype, redop, scale);
-}
-
-void ShmRoute::allReduceColumn(
-    const char* op,
-    void* data,
-    size_t count,
-    shm::DType dtype,
-    shm::RedOp redop,
-    shm::Scale scale) {
-  const HostLayout& L = layout_;
-  if (count == 0) {
-    return;
-  }
-  // Part h of the data is reduced by host h's rank of my column alone (the
-  // H copies in host order, the scale folded in), then sent to the others:
-  // every rank ends with the same bits, and each part crosses the network
-  // twice in all, as in a ring, but every pair at once.
-  const size_t es = shm::dtypeSize(dtype);
-  char* bytes = static_cast<char*>(data);
-  auto begin = [&](int h) { return count * h / L.hosts * es; };
-  auto size = [&](int h) { return begin(h + 1) - begin(h); };
-  Staged received(*staging_, size(L.host) * L.hosts);
-  {
-    Transfers column(*this, op);
-    std::vector<const void*> sources(L.hosts);
-    for (int h = 0; h < L.hosts; ++h) {
-      if (h == L.host) {
-        sources[h] = bytes + begin(h);
-        continue;
-      }
-      column.recv(received.data() + h * size(L.host), size(L.host), h);
-      column.send(bytes + begin(h), size(h), h);
-      sources[h] = received.data() + h * size(L.host);
-    }
-    column.wait();
-    shm::reduce(
-        bytes + begin(L.host), sources.data(), L.hosts, size(L.host) / es, dtype, redop, scale);
-  }
-  Transfers column(*this, op);
-  for (int h = 0; h < L.hosts; ++h) {
-    if (h != L.host) {
-      column.recv(bytes + begin(h), size(h), h);
-      column.send(bytes + begin(L.host), size(L.host), h);
-    }
-  }
-  column.wait();
-}
-
-void ShmRoute::broadcast(const char* op, void* data, size_t bytes, int root) {
-  if (!hierarchical()) {
-    local_->broadcast(op, data, bytes, root);
-    return;
-  }
-  checkUsable(op);
-  const FailsTheRoute guard(*this);
-  const HostLayout& L = layout_;
-  int rootHost = 0;
-  int rootLocal = 0;
-  for (int h = 0; h < L.hosts; ++h) {
-    for (int l = 0; l < L.perHost; ++l) {
-      if (L.rankOf(h, l) == root) {
-        rootHost = h;
-        rootLocal = l;
-      }
-    }
-  }
-  if (L.local == rootLocal && bytes > 0) {
-    acrossHosts(op, bytes, [&](c10d::Backend& column) {
-      std::vector<at::Tensor> t{wrap(data, bytes)};
-      c10d::BroadcastOptions opts;
-      opts.rootRank = rootHost;
-      return std::vector<WorkPtr>{column.broadcast(t, opts)};
-    });
-  }
-  if (L.perHost > 1) {
-    withinHost(bytes);
-    local_->broadcast(op, data, bytes, rootLocal);
-  }
-}
-
-void ShmRoute::barrier(const char* op) {
-  if (!hierarchical()) {
-    local_->barrier(op);
-    return;
-  }
-  checkUsable(op);
-  const FailsTheRoute guard(*this);
-  // Leaving the inter-host barrier means every column's rank passed its
-  // host's barrier, so every rank of every host arrived.
-  if (layout_.perHost > 1) {
-    withinHost(0);
-    local_->barrier(op);
-  }
-  acrossHosts(
-      op, 0, [&](c10d::Backend& column) { return std::vector<WorkPtr>{column.barrier({})}; });
+void ShmRoute::leave(const std::string& why) {
+  local_->abort(why);
+  queue_.reset(); // joins the worker once the queue is drained
 }
 
 } // namespace hsdp
