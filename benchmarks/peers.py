@@ -178,16 +178,33 @@ def _agree(ctx: RankContext, bad: bool) -> bool:
     return bool(flag.item())
 
 
+def _kernel_module():
+    """The engine's kernel alone (the reduce-scatter's zero-communication
+    limit) lives in the tests' and benchmarks' module, built beside the
+    package by scripts/setup.sh, not in the package."""
+    try:
+        import hsdp_testing
+    except ImportError as exc:
+        raise RuntimeError(
+            "the peers suite needs the hsdp_testing module (the engine's kernel alone): "
+            "build with bash scripts/setup.sh, or pip install with "
+            "-C cmake.define.HSDP_BUILD_TESTING=ON"
+        ) from exc
+    return hsdp_testing
+
+
 def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) -> list[dict]:
     """Every point, contenders hsdp, gloo and ``peers`` ({name: binder});
     ``problems`` collects {peer: reason} of peers that went wrong (dropped)."""
     import torch
 
-    from hsdp_backend import _C
     from hsdp_backend import config as settings
 
+    hsdp_testing = _kernel_module()
     sampling: timing.Sampling = config["sampling"]
-    stream_from = settings.resolve().stream_store_bytes_for(ctx.world)
+    stream_from = hsdp_testing.stream_store_bytes_for(
+        ctx.world, settings.resolve().stream_store_bytes
+    )
     comm = ctx.hsdp._get_backend(torch.device("cpu"))
     pool = comm.supports_tensor_alloc(torch.device("cpu"))
     out = []
@@ -231,7 +248,7 @@ def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) 
             if op == "reduce_scatter" and ctx.world > 1:
                 rows, reduced = torch.ones(ctx.world, numel), torch.empty(numel)
                 calls[IN_RUN_REDUCE] = functools.partial(
-                    _C._reduce_rows, reduced, rows, stream_from
+                    hsdp_testing.reduce_rows, reduced, rows, stream_from
                 )
             per_call = timing.calibrate(ctx.gloo, calls, sampling)
             samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_call, sampling)

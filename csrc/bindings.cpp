@@ -6,10 +6,6 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/ProcessGroupHSDP.hpp"
-#include "shm/Reduce.hpp"
-#ifdef HSDP_BUILD_TESTING
-#include "testing/NcclContractBackend.hpp"
-#endif
 
 namespace py = pybind11;
 
@@ -31,15 +27,6 @@ c10::intrusive_ptr<c10d::Backend> retain(c10d::Backend* backend) {
   return c10::intrusive_ptr<c10d::Backend>::unsafe_reclaim_from_nonowning(backend);
 }
 
-#ifdef HSDP_BUILD_TESTING
-hsdp::testing::NcclContractBackend& asNcclContract(c10d::Backend* backend) {
-  auto* double_ = dynamic_cast<hsdp::testing::NcclContractBackend*>(&asHSDP(backend).cpuInner());
-  TORCH_CHECK_TYPE(
-      double_ != nullptr, "this hsdp group was not created with HSDP_ENGINE=nccl_contract");
-  return *double_;
-}
-#endif
-
 // A read-write property of Config whose new value is checked with the rest
 // of the object before it is kept.
 template <typename T>
@@ -54,10 +41,6 @@ void checkedField(py::class_<hsdp::Config>& cls, const char* name, T hsdp::Confi
         c = std::move(next);
       });
 }
-
-constexpr const char* kNoTestDouble =
-    "HSDP_ENGINE=nccl_contract selects the tests' NCCL-contract double, which this build does not "
-    "have: it is built with -C cmake.define.HSDP_BUILD_TESTING=ON (scripts/setup.sh does)";
 
 } // namespace
 
@@ -122,42 +105,29 @@ PYBIND11_MODULE(_C, m) {
   checkedField(config, "fsdp_bucket_bytes", &hsdp::Config::fsdpBucketBytes);
   checkedField(config, "run_backend_map", &hsdp::Config::runBackendMap);
   checkedField(config, "run_verbose", &hsdp::Config::runVerbose);
-  checkedField(config, "test_hosts", &hsdp::Config::testHosts);
-  config.def(
-      "stream_store_bytes_for",
-      &hsdp::Config::streamStoreBytesFor,
-      py::arg("group_size"),
-      "Output bytes per rank from which a reduce-scatter of group_size ranks on one host "
-      "writes around the cache (0: never).");
 
-  // Benchmarks: the engine's own SUM kernel on private memory, out = rows[0]
-  // + rows[1] + ... in one pass, storing as a reduce-scatter whose
-  // streamStoreBytes is stream_from_bytes would: the reduce-scatter's
-  // zero-communication limit (benchmarks/peers.py).
-  m.def("_reduce_rows", [](at::Tensor& out, const at::Tensor& rows, size_t streamFromBytes) {
-    TORCH_CHECK_VALUE(
-        rows.dim() == 2 && rows.size(0) >= 1 && rows.is_contiguous() && out.is_contiguous() &&
-            rows.device().is_cpu() && out.device().is_cpu() && rows.scalar_type() == at::kFloat &&
-            out.scalar_type() == at::kFloat && out.numel() == rows.size(1),
-        "_reduce_rows: expected contiguous float32 CPU rows [k, n] and out [n], got rows ",
-        rows.sizes(),
-        " and out ",
-        out.sizes());
-    std::vector<const void*> srcs;
-    for (int64_t r = 0; r < rows.size(0); ++r) {
-      srcs.push_back(rows[r].data_ptr());
-    }
-    py::gil_scoped_release nogil;
-    hsdp::shm::reduce(
-        out.data_ptr(),
-        srcs.data(),
-        static_cast<int>(srcs.size()),
-        static_cast<size_t>(out.numel()),
-        hsdp::shm::DType::F32,
-        hsdp::shm::RedOp::Sum,
-        hsdp::shm::Scale{},
-        hsdp::shm::storeFor(out.nbytes(), streamFromBytes));
-  });
+  // What an inner backend does natively (routes/InnerRoute.hpp), for an
+  // inner CPU backend handed to create_backend in Gloo's place.
+  py::class_<hsdp::InnerCaps> caps(
+      m,
+      "InnerCaps",
+      "What an inner c10d backend does natively (csrc/backend/routes/InnerRoute.hpp).");
+  caps.def(
+      py::init([](std::string name,
+                  bool nativeScale,
+                  bool nativeCoalescing,
+                  bool fixedCompletionPool,
+                  bool hostStreams) {
+        return hsdp::InnerCaps{
+            std::move(name), nativeScale, nativeCoalescing, fixedCompletionPool, hostStreams};
+      }),
+      py::arg("name"),
+      py::kw_only(),
+      py::arg("native_scale") = false,
+      py::arg("native_coalescing") = false,
+      py::arg("fixed_completion_pool") = false,
+      py::arg("host_streams") = false);
+  caps.def_readonly("name", &hsdp::InnerCaps::name);
 
   m.def(
       "create_backend",
@@ -168,25 +138,15 @@ PYBIND11_MODULE(_C, m) {
          c10d::Backend* cpuBackend,
          c10d::Backend* cudaBackend,
          const hsdp::Config& config,
-         std::optional<std::string> hostIdentity) -> c10::intrusive_ptr<c10d::Backend> {
+         std::optional<std::string> hostIdentity,
+         std::optional<hsdp::InnerCaps> cpuCaps) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         config.validate();
-        std::unique_ptr<hsdp::InnerRoute> cpu;
-        if (config.engine == hsdp::Config::Engine::NcclContract) {
-#ifdef HSDP_BUILD_TESTING
-          // Tests only: the CPU route runs the code CUDA tensors take.
-          cpu = std::make_unique<hsdp::InnerRoute>(
-              c10::make_intrusive<hsdp::testing::NcclContractBackend>(
-                  retain(cpuBackend), rank, size),
-              hsdp::InnerCaps{"nccl_contract", true, true, false, true},
-              rank);
-#else
-          TORCH_CHECK_VALUE(false, kNoTestDouble);
-#endif
-        } else {
-          cpu = std::make_unique<hsdp::InnerRoute>(
-              retain(cpuBackend), hsdp::InnerCaps{"gloo", false, false, true}, rank);
-        }
+        // Gloo's, unless another inner CPU backend was injected with its own.
+        auto cpu = std::make_unique<hsdp::InnerRoute>(
+            retain(cpuBackend),
+            cpuCaps.value_or(hsdp::InnerCaps{"gloo", false, false, /*fixedCompletionPool=*/true}),
+            rank);
         std::unique_ptr<hsdp::InnerRoute> cuda;
         if (cudaBackend) {
           cuda = std::make_unique<hsdp::InnerRoute>(
@@ -210,7 +170,23 @@ PYBIND11_MODULE(_C, m) {
       py::arg("cpu_backend"),
       py::arg("cuda_backend"),
       py::arg("config"),
-      py::arg("host_identity") = py::none());
+      py::arg("host_identity") = py::none(),
+      py::arg("cpu_caps") = py::none());
+
+  // The inner backend a group's route for `device_type` runs on (Gloo, NCCL,
+  // or one injected in Gloo's place), as c10d's own Backend object.
+  m.def("inner_backend", [](c10d::Backend* backend, const std::string& deviceType) {
+    auto& hsdp = asHSDP(backend);
+    if (deviceType == "cpu") {
+      return retain(&hsdp.cpuInner());
+    }
+    TORCH_CHECK_VALUE(
+        deviceType == "cuda" && hsdp.cudaInner() != nullptr,
+        "inner_backend: this group has no inner backend for '",
+        deviceType,
+        "'");
+    return retain(hsdp.cudaInner());
+  });
 
   // Writes the flight record of every hsdp group of this process; returns
   // the files' paths.
@@ -305,46 +281,4 @@ PYBIND11_MODULE(_C, m) {
       py::arg("async_op"),
       py::arg("divide_by") = 1.0,
       py::call_guard<py::gil_scoped_release>());
-
-#ifdef HSDP_BUILD_TESTING
-  // The NCCL-contract double as a group's own backend (tests register it
-  // under a name of their own to model a default group on NCCL). torch calls
-  // perform_nocolor_split on a ProcessGroupNCCL it splits from when this
-  // rank is not in the new group; the double's binding has it as NCCL's has.
-  using NcclContract = hsdp::testing::NcclContractBackend;
-  py::class_<NcclContract, c10d::Backend, c10::intrusive_ptr<NcclContract>> ncclContract(
-      m, "_NcclContractBackend");
-  // Set, not def'd: c10d's Backend may already carry hsdp's Python no-op of
-  // that name (_registration.py), which .def would refuse to overload.
-  ncclContract.attr("perform_nocolor_split") = py::cpp_function(
-      [](NcclContract& self, const at::Device&) { self.joinSplit(NcclContract::kNoColor, 0); },
-      py::name("perform_nocolor_split"),
-      py::is_method(ncclContract),
-      py::call_guard<py::gil_scoped_release>());
-  m.def("_nccl_contract_create", [](c10d::Backend* gloo, int rank, int size) {
-    return c10::make_intrusive<NcclContract>(retain(gloo), rank, size);
-  });
-  m.def(
-      "_nccl_contract_join_split",
-      [](c10d::Backend* parent, int64_t color, int size) {
-        auto* double_ = dynamic_cast<NcclContract*>(parent);
-        TORCH_CHECK_TYPE(double_ != nullptr, "split_from is not the NCCL-contract double");
-        double_->joinSplit(color, size);
-      },
-      py::call_guard<py::gil_scoped_release>());
-  m.def("_is_nccl_contract", [](c10d::Backend* backend) {
-    return dynamic_cast<NcclContract*>(backend) != nullptr;
-  });
-
-  // Test hooks of the NCCL-contract double (HSDP_ENGINE=nccl_contract).
-  m.def("_nccl_contract_fail_next", [](c10d::Backend* backend, const std::string& message) {
-    asNcclContract(backend).failNext(message);
-  });
-  m.def("_nccl_contract_reductions", [](c10d::Backend* backend) {
-    return asNcclContract(backend).receivedReductions();
-  });
-  m.def("_nccl_contract_allocations", [](c10d::Backend* backend) {
-    return asNcclContract(backend).allocations();
-  });
-#endif
 }

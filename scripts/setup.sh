@@ -39,11 +39,7 @@ if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null 
   fi
 fi
 
-# The tests' build: with the NCCL-contract double (HSDP_BUILD_TESTING). A
-# plain `pip install .` since then installed a build without it: rebuilt.
-root=$PWD
-if ! (cd /tmp && "$root/$PY" -c "import hsdp_backend._C as c; c._nccl_contract_create") 2>/dev/null; then
-  rm -f build/.setup-stamp
-fi
+# The tests' build: with the tests' module beside the package (hsdp_testing:
+# the NCCL-contract double, the engine's kernel for the benchmarks).
 build_package "$PY" build/.setup-stamp -C cmake.define.HSDP_BUILD_TESTING=ON
 echo "[setup] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -52,8 +52,11 @@ build_package() {
   # copy answers (PY may be relative to the root, or absolute).
   local python=$py
   [[ $python == /* ]] || python=$root/$python
+  # The tests' build also installs the tests' module beside the package.
+  local modules=hsdp_backend._C
+  [[ " $* " != *HSDP_BUILD_TESTING=ON* ]] || modules="$modules, hsdp_testing"
   if [ "$built_native" = "$native" ] && [ "$built_python" = "$python_files" ] &&
-     (cd /tmp && "$python" -c "import hsdp_backend._C") 2> /dev/null; then
+     (cd /tmp && "$python" -c "import $modules") 2> /dev/null; then
     return 0
   fi
   if [ "$built_native" = "$native" ] && "$py" scripts/sync_python.py src/hsdp_backend; then

@@ -158,9 +158,10 @@ def no_pool_says_why(rank, world):
 
 
 def the_nccl_double_allocates(rank, world):
-    """HSDP_ENGINE=nccl_contract: CPU tensors take the CUDA route, whose
+    """On the NCCL-contract double (hooks.py): CPU tensors take the CUDA route, whose
     allocation is the inner backend's (NCCL's pool on a GPU)."""
-    from hsdp_backend import _C
+    import hsdp_testing
+    from hooks import double_of
 
     b = backend()
     assert b.supports_tensor_alloc(CPU)
@@ -168,24 +169,24 @@ def the_nccl_double_allocates(rank, world):
     # gets at its first collective: a barrier makes it (see allocateTensor's
     # clause below).
     dist.barrier()
-    before = _C._nccl_contract_allocations(b)
+    before = hsdp_testing.allocations(double_of(b))
     gloo = dist.new_group(backend="gloo")
     n = 1000
     full = values(rank, world * n, torch.float32, seed=3)
     inp = pooled(world * n, torch.float32)
     inp.copy_(full)
-    assert _C._nccl_contract_allocations(b) == before + 1
+    assert hsdp_testing.allocations(double_of(b)) == before + 1
     got, ref = torch.empty(n), torch.empty(n)
     dist.reduce_scatter_tensor(got, inp)
     dist.reduce_scatter_tensor(ref, full, group=gloo)
     assert torch.equal(got, ref)
-    assert _C._nccl_contract_allocations(b) == before + 1
+    assert hsdp_testing.allocations(double_of(b)) == before + 1
 
     # The double's own clause (ProcessGroupNCCL 2.14.1's allocateTensor): a
     # request on a device of another kind is refused, not served (CPU
     # stands for the communicator's CUDA device): a route that handed NCCL
     # another device's request would fail there, not here.
-    double = _C._nccl_contract_create(gloo._get_backend(CPU), rank, world)
+    double = hsdp_testing.NcclContractBackend(gloo._get_backend(CPU), rank, world)
     try:
         double.allocate_tensor(8, dtype=torch.float32, device=torch.device("cuda", 0))
     except ValueError as e:

@@ -7,8 +7,9 @@ from harness import CaseLauncher
 
 # Every case runs on both CPU engines (the shared-memory engine and the
 # inner-gloo route) and through the NCCL-contract double (the code path CUDA
-# tensors take to NCCL, proven on CPU; see csrc/testing/).
-ENGINES = ["shm", "gloo", "nccl_contract"]
+# tensors take to NCCL, proven on CPU; see csrc/testing/ and hooks.py).
+from hooks import ENGINES, NCCL_CONTRACT
+
 # The double runs on these world sizes (an even and a 2x2-mesh size).
 NCCL_CONTRACT_WORLDS = (2, 4)
 
@@ -19,41 +20,50 @@ def engine_worlds(worlds=(1, 2, 3, 4)):
         (engine, world)
         for engine in ENGINES
         for world in worlds
-        if engine != "nccl_contract" or world in NCCL_CONTRACT_WORLDS
+        if engine != NCCL_CONTRACT or world in NCCL_CONTRACT_WORLDS
     ]
 
 
-# The quick tier (`pytest tests -m quick`): every route once (shared memory,
-# hierarchical across pretended hosts, the inner Gloo, the NCCL-contract
-# double), FSDP2 1-D and HSDP with the shim, the launcher, registration and
-# the generated docs. Prefixes of test ids.
-QUICK = (
-    "tests/integration/test_ops.py::test_op[all_reduce_every_op-shm-2]",
-    "tests/integration/test_ops.py::test_op[all_reduce_every_op-gloo-2]",
-    "tests/integration/test_ops.py::test_op[all_reduce_every_op-nccl_contract-2]",
-    "tests/integration/test_ops.py::test_op_across_pretended_hosts[all_reduce_every_op-a,a,b,b]",
-    "tests/integration/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
-    "tests/integration/test_fsdp.py::test_fsdp_parity[hsdp_2x2]",
-    "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
-    "tests/integration/test_nccl_contract.py::test_nccl_contract_splits[nccl_under_a_bound_hsdp_default]",
-    "tests/integration/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
-    "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
-    "tests/unit/test_config.py",
-    "tests/unit/test_docs.py",
-    "tests/tooling/test_cpp_backend.py",
-)
+# The quick tier (`pytest tests -m quick`, the quick stage of scripts/test.sh):
+# tests/integration at two ranks. That is every case on every route (shared
+# memory, the inner Gloo, the NCCL-contract double, hierarchical across two
+# pretended hosts), the communication buffers and a killed peer. A test's
+# world is its `world` parameter, or the number of hosts it pretends.
+QUICK_WORLD = 2
+
+
+def world_of(item) -> int | None:
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    if "world" in params:
+        return params["world"]
+    if "hosts" in params:
+        return len(params["hosts"].split(","))
+    return None
+
+
+def is_quick(item) -> bool:
+    return item.path.parent.name == "integration" and world_of(item) == QUICK_WORLD
 
 
 # What runs on every supported torch besides the main venv's
-# (tests/system/test_torch_versions.py): the quick tier and the FSDP2 shim, whose
-# contact with FSDP2's internals is what differs most between releases.
+# (tests/system/test_torch_versions.py): the quick tier, and what meets what
+# differs between releases: registration and settings, FSDP2 parity and the
+# shim (whose contact with FSDP2's internals differs most), the version
+# contracts, splits under device-bound defaults (how torch hands split
+# sources), the backend's C++ tests. Prefixes of test ids.
 EVERY_TORCH = (
-    *QUICK,
-    "tests/integration/test_fsdp_selfproof.py",
+    "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
+    "tests/unit/test_config.py",
     "tests/unit/test_fsdp_buckets.py",
     "tests/unit/test_torch_contracts.py",
-    # splits under device-bound defaults: how torch hands split sources differs by release
+    # FSDP2 1-D, and HSDP 2x2 with the shim's bucketed all-reduce (through
+    # the double: its launch runs the 2x2 scenarios alone, a quarter of the time)
+    "tests/integration/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
+    "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
+    "tests/integration/test_fsdp_selfproof.py",
     "tests/integration/test_nccl_contract.py::test_nccl_contract_splits",
+    "tests/integration/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
+    "tests/tooling/test_cpp_backend.py",
 )
 
 
@@ -65,9 +75,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.parent.name in TIERS:
             item.add_marker(getattr(pytest.mark, item.path.parent.name))
-        if item.nodeid.startswith(QUICK):
+        quick = is_quick(item)
+        if quick:
             item.add_marker(pytest.mark.quick)
-        if item.nodeid.startswith(EVERY_TORCH):
+        if quick or item.nodeid.startswith(EVERY_TORCH):
             item.add_marker(pytest.mark.every_torch)
 
 

@@ -7,9 +7,9 @@ import random
 
 import torch
 import torch.distributed as dist
+from hooks import engine_under_test
 
 import hsdp_backend
-from hsdp_backend import config
 
 CASES = {}
 
@@ -30,7 +30,7 @@ def sizes_for(count: int, seed: int) -> list[int]:
 
 
 def engine():
-    return config.read("HSDP_ENGINE")
+    return engine_under_test()
 
 
 @case

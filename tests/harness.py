@@ -23,6 +23,8 @@ if str(ROOT) not in sys.path:
     # imports this module, so every test module and rank finds tools/.
     sys.path.append(str(ROOT))
 
+import hooks  # noqa: E402
+
 from tools import settings  # noqa: E402
 from tools.ranks import RankFailure, free_port  # noqa: E402
 from tools.ranks import run_ranks as _run_ranks  # noqa: E402
@@ -50,7 +52,8 @@ def run_ranks(
     per-rank return values (None for a rank in ``may_die`` that died, as a
     fault test's victim does), or raises RankFailure with every failing
     rank's traceback (and the ranks that had to be killed).
-    HSDP_TEST_COLLECTIVE_TIMEOUT_S in ``env`` overrides the parent's.
+    HSDP_TEST_COLLECTIVE_TIMEOUT_S in ``env`` overrides the parent's. Each
+    rank installs the tests' hooks (hooks.py) from its environment.
     """
     env = env or {}
     return _run_ranks(
@@ -62,6 +65,7 @@ def run_ranks(
         collective_timeout_s=settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env}),
         may_die=may_die,
         kwargs=kwargs,
+        setup=hooks.install,
     )
 
 
@@ -141,15 +145,21 @@ class CaseLauncher:
 
 
 def cmake_configure(
-    build_dir: pathlib.Path, env: dict[str, str], *, folded: bool = False
+    build_dir: pathlib.Path,
+    env: dict[str, str],
+    *,
+    folded: bool = False,
+    defines: tuple[str, ...] = (),
 ) -> tuple[int, str]:
     """Runs only CMake's configure step of this project for this interpreter,
-    with ``env`` added to the environment: (exit status, output with CMake's
-    folded lines joined, or as printed with ``folded``)."""
+    with ``env`` added to the environment and ``defines`` (``NAME=VALUE``) as
+    cache entries: (exit status, output with CMake's folded lines joined, or
+    as printed with ``folded``)."""
     import subprocess
 
     proc = subprocess.run(
-        ["cmake", "-S", str(ROOT), "-B", str(build_dir), f"-DPython3_EXECUTABLE={sys.executable}"],
+        ["cmake", "-S", str(ROOT), "-B", str(build_dir), f"-DPython3_EXECUTABLE={sys.executable}"]
+        + [f"-D{d}" for d in defines],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,5 +1,5 @@
 """What the CUDA route promises beyond matching gloo, checked through the
-NCCL-contract double (HSDP_ENGINE=nccl_contract; csrc/testing/): what hsdp
+NCCL-contract double (HSDP_TEST_INNER=nccl_contract: hooks.py; csrc/testing/): what hsdp
 hands NCCL, that every post-step waits for the inner Works, and that NCCL's
 errors reach the caller. Cases run on every rank: ``case(rank, world, ref)``."""
 
@@ -9,13 +9,14 @@ import gc
 import time
 import weakref
 
+import hsdp_testing
 import torch
 import torch.distributed as dist
 from error_cases import raises
+from hooks import double_of
 from ops_cases import check, data, reduce_ref, rs_expected, rs_input
 
 import hsdp_backend
-from hsdp_backend import _C
 
 CASES = {}
 
@@ -26,7 +27,7 @@ def case(fn):
 
 
 def received(group=None) -> list[str]:
-    return list(_C._nccl_contract_reductions(hsdp_backend.get_hsdp_backend(group)))
+    return list(hsdp_testing.reductions(double_of(hsdp_backend.get_hsdp_backend(group))))
 
 
 def sent_by(fn, group=None) -> list[str]:
@@ -273,7 +274,7 @@ def inner_errors_reach_the_caller(rank, world, ref):
             ),
         ),
     ]:
-        _C._nccl_contract_fail_next(backend, f"injected NCCL error ({name})")
+        hsdp_testing.fail_next(double_of(backend), f"injected NCCL error ({name})")
         work = issue(torch.ones(8))
         try:
             work.wait()
@@ -283,7 +284,7 @@ def inner_errors_reach_the_caller(rank, world, ref):
             raise AssertionError(f"{name}: the inner Work's error was lost")
     # Not waited for: NCCL's watchdog finds the failure on a copy of the Work;
     # the caller's Work shows it once is_completed() has asked.
-    _C._nccl_contract_fail_next(backend, "injected NCCL error (polled)")
+    hsdp_testing.fail_next(double_of(backend), "injected NCCL error (polled)")
     base = torch.ones(4, 2)
     work = dist.all_reduce(base.t(), async_op=True)  # a post-step: the copy back
     deadline = time.monotonic() + 30
@@ -292,7 +293,7 @@ def inner_errors_reach_the_caller(rank, world, ref):
         time.sleep(0.005)
     assert work.exception() is not None, "polled: the inner Work's error was lost"
     assert "injected NCCL error (polled)" in str(work.exception())
-    _C._nccl_contract_fail_next(backend, "injected NCCL error (sync)")
+    hsdp_testing.fail_next(double_of(backend), "injected NCCL error (sync)")
     try:
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG)
     except dist.DistBackendError as exc:

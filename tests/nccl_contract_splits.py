@@ -17,11 +17,12 @@ from __future__ import annotations
 import datetime
 import time
 
+import hsdp_testing
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from hsdp_backend import _C, _registration, _torch_compat
+from hsdp_backend import _registration, _torch_compat
 
 DOUBLE = "nccl_contract"
 BOUND = torch.device("meta", 0)
@@ -37,14 +38,14 @@ def _create_double(opts, backend_options):
     # creator computes it, as _torch_compat.split_source does.
     split_from = _torch_compat.split_source(opts)
     if split_from is not None:
-        if not _C._is_nccl_contract(split_from):
+        if not hsdp_testing.is_nccl_contract(split_from):
             raise AssertionError("Expected split_from to be ProcessGroupNCCL")
         color = distributed_c10d._process_group_color(list(opts.global_ranks_in_group))
-        _C._nccl_contract_join_split(split_from, color, opts.group_size)
+        hsdp_testing.join_split(split_from, color, opts.group_size)
     gloo = dist.ProcessGroupGloo(
         dist.PrefixStore("double/", opts.store), opts.group_rank, opts.group_size, opts.timeout
     )
-    return _C._nccl_contract_create(gloo, opts.group_rank, opts.group_size)
+    return hsdp_testing.NcclContractBackend(gloo, opts.group_rank, opts.group_size)
 
 
 def _serve_the_bound_device() -> None:
@@ -122,7 +123,7 @@ def a_split_is_collective_over_the_parent(rank: int, world: int) -> None:
     parent = dist.group.WORLD._get_backend(BOUND)
     if rank in MEMBERS:
         try:
-            _C._nccl_contract_join_split(parent, 7, len(MEMBERS))
+            hsdp_testing.join_split(parent, 7, len(MEMBERS))
         except dist.DistBackendError as exc:
             assert "not every rank of the parent joined" in str(exc), exc
             assert "timed out" in str(exc).lower(), exc

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from hooks import engine_under_test
 
 import hsdp_backend
 from hsdp_backend import config
@@ -677,7 +678,7 @@ def comm_stats_counts_and_resets(rank, world, ref):
 def _hosts() -> list[str]:
     """Each global rank's host: pretended, or the real ones a test on
     simulated hosts found; [] when neither is known (one host)."""
-    return config.read("HSDP_TEST_HOSTS") or settings.read("HSDP_TEST_EXPECTED_HOSTS")
+    return settings.read("HSDP_TEST_HOSTS") or settings.read("HSDP_TEST_EXPECTED_HOSTS")
 
 
 def expected_engine(members: list[int]) -> str:
@@ -685,7 +686,7 @@ def expected_engine(members: list[int]) -> str:
     HSDP_ENGINE and the hosts the ranks are on: pretended (HSDP_TEST_HOSTS),
     or real ones as a test on simulated hosts found them
     (HSDP_TEST_EXPECTED_HOSTS)."""
-    engine = config.read("HSDP_ENGINE")
+    engine = engine_under_test()
     if engine != "auto":
         return engine
     hosts = _hosts()

@@ -59,6 +59,7 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _rank_main(
     fn,
+    setup,
     rank,
     world,
     port,
@@ -92,6 +93,8 @@ def _rank_main(
         import hsdp_backend  # noqa: F401  registers "hsdp"
 
         torch.set_num_threads(1)
+        if setup is not None:
+            setup()
         if backend is not None:
             dist.init_process_group(
                 backend,
@@ -123,6 +126,7 @@ def run_ranks(
     collective_timeout_s: float,
     may_die: tuple[int, ...] = (),
     kwargs: dict[str, Any] | None = None,
+    setup: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Runs ``fn(rank, world, **kwargs)`` on ``world`` fresh processes.
 
@@ -138,6 +142,9 @@ def run_ranks(
         may_die: ranks allowed to die without reporting (a fault test's
             victim); their result is None.
         kwargs: passed to ``fn``; must pickle.
+        setup: module-level function each rank calls once hsdp_backend is
+            imported, before its default group is created (the tests'
+            hooks: tests/hooks.py).
 
     Returns the per-rank return values, or raises RankFailure.
     """
@@ -151,6 +158,7 @@ def run_ranks(
             target=_rank_main,
             args=(
                 fn,
+                setup,
                 r,
                 world,
                 port,

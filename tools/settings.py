@@ -34,6 +34,15 @@ _TABLE = [
         "the group timeout of the simulated-host ranks (`tests/hosts_rank.py`)", "60"),
     Var("HSDP_TEST_BACKEND", "tests", None, parse_text, str,
         "the backend the simulated-host ranks initialise", "hsdp"),
+    Var("HSDP_TEST_HOSTS", "tests", None, parse_hosts, ",".join,
+        "pretended hosts: the host name of each global rank, comma-separated (`?`: a rank "
+        "whose identity cannot be read), handed to hsdp in place of the real host identities "
+        "(`tests/hooks.py`), so hierarchical groups run on one machine (e.g. `a,a,b,b`; "
+        "`tools/simhosts.py` simulates whole hosts instead)", ""),
+    Var("HSDP_TEST_INNER", "tests", None, parse_text, str,
+        "`nccl_contract`: the groups' inner CPU backend is the NCCL-contract double "
+        "(`csrc/testing`, the `hsdp_testing` module), handed to hsdp in Gloo's place "
+        "(`tests/hooks.py`): CPU tensors take the CUDA route's code; with `HSDP_ENGINE=gloo`", ""),
     Var("HSDP_TEST_EXPECTED_HOSTS", "tests", None, parse_hosts, ",".join,
         "set by `tests/hosts_rank.py`: the real host of each rank, for the cases' expectations",
         ""),

@@ -28,7 +28,6 @@ ShmOptions shmOptionsOf(
       shm.mode = ShmOptions::Mode::Required;
       break;
     case Config::Engine::Gloo:
-    case Config::Engine::NcclContract:
       shm.mode = ShmOptions::Mode::Off;
       break;
   }

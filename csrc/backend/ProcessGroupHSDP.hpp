@@ -222,13 +222,18 @@ class ProcessGroupHSDP final : public c10d::Backend {
     return *trace_;
   }
   // "shm" (one host), "hierarchical" (shared memory within hosts, gloo
-  // between them), or the inner CPU backend's name ("gloo"; "nccl_contract"
-  // in tests): what serves this group's CPU collectives.
+  // between them), or the inner CPU backend's name (InnerCaps::name: "gloo"
+  // unless the creator was handed another): what serves this group's CPU
+  // collectives.
   std::string cpuEngine() const {
     return engine_ ? engine_->name() : cpu_->caps().name;
   }
   c10d::Backend& cpuInner() const {
     return cpu_->backend();
+  }
+  // Null without CUDA.
+  c10d::Backend* cudaInner() const {
+    return cuda_ ? &cuda_->backend() : nullptr;
   }
   bool shmDirectReads() const {
     return engine_ && engine_->directReads();

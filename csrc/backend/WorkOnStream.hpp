@@ -18,7 +18,7 @@
 // milliseconds before timing out"; then the post-step gets what is left of
 // the timeout.
 //
-// On host streams (the NCCL-contract double, InnerCaps::hostStreams) the
+// On host streams (an injected CPU backend, InnerCaps::hostStreams) the
 // side stream is a completion worker and `done`, its future, stands for the
 // event.
 

@@ -45,13 +45,12 @@ size_t Config::lastLevelCacheBytes() {
 }
 
 Config::Engine Config::parseEngine(const std::string& name) {
-  for (Engine e : {Engine::Auto, Engine::Shm, Engine::Gloo, Engine::NcclContract}) {
+  for (Engine e : {Engine::Auto, Engine::Shm, Engine::Gloo}) {
     if (name == engineName(e)) {
       return e;
     }
   }
-  throw std::invalid_argument(
-      "engine: expected one of auto, shm, gloo, nccl_contract, got '" + name + "'");
+  throw std::invalid_argument("engine: expected one of auto, shm, gloo, got '" + name + "'");
 }
 
 const char* Config::engineName(Engine engine) {
@@ -62,8 +61,6 @@ const char* Config::engineName(Engine engine) {
       return "shm";
     case Engine::Gloo:
       return "gloo";
-    case Engine::NcclContract:
-      return "nccl_contract";
   }
   return "?";
 }
@@ -144,11 +141,6 @@ void Config::validate() const {
     throw std::invalid_argument("trace_dir: expected a directory path, got '" + traceDir + "'");
   }
   expect(fsdpBucketBytes >= 1, "fsdp_bucket_bytes", "an integer >= 1", fsdpBucketBytes);
-  for (const auto& host : testHosts) {
-    if (host.empty()) {
-      throw std::invalid_argument("test_hosts: expected a non-empty host name per rank");
-    }
-  }
 }
 
 } // namespace hsdp

@@ -22,11 +22,11 @@ struct EngineConfig;
 } // namespace shm
 
 struct Config {
-  enum class Engine { Auto, Shm, Gloo, NcclContract };
+  enum class Engine { Auto, Shm, Gloo };
 
   // CPU engine: Auto (shared memory when the group's ranks can share it,
-  // else gloo), Shm (shared memory or an error), Gloo (always the inner
-  // group), NcclContract (tests: CPU tensors take the CUDA route's code).
+  // else the inner CPU backend, gloo), Shm (shared memory or an error), Gloo
+  // (always the inner CPU backend).
   Engine engine = Engine::Auto;
   // Bytes a rank moves through shared memory per pipelined step.
   int64_t slotBytes = 4 << 20;
@@ -63,7 +63,6 @@ struct Config {
   int64_t fsdpBucketBytes = 4 << 20;
   bool runBackendMap = false;
   bool runVerbose = false;
-  std::vector<std::string> testHosts;
 
   static Engine parseEngine(const std::string& name);
   static const char* engineName(Engine engine);

@@ -24,7 +24,7 @@ bool isStreamCapturing(const c10::Stream& stream) {
     return status != cudaStreamCaptureStatusNone;
   }
 #endif
-  return false; // a CPU stream (the NCCL-contract double's) is never captured
+  return false; // a CPU stream (host streams: InnerCaps::hostStreams) is never captured
 #endif
 }
 

@@ -2,7 +2,9 @@
 
 // A test double for ProcessGroupNCCL, over CPU tensors and an inner Gloo
 // group, so that CI proves hsdp's CUDA route logic on machines without a GPU.
-// Used only when HSDP_ENGINE=nccl_contract; never in a user's group.
+// Built into the tests' own module (hsdp_testing: Bindings.cpp), which the
+// package never names; the tests hand it to hsdp as a group's inner CPU
+// backend (tests/hooks.py).
 //
 // It behaves as ProcessGroupNCCL (torch 2.14.1) does where hsdp can observe
 // it; each point is stated beside the code that models it:

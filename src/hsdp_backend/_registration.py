@@ -6,8 +6,34 @@ the autoload entry point): the C++ extension is imported by the creator.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any, Callable, Optional
+
 BACKEND_NAME = "hsdp"
 DEVICES = ["cpu", "cuda"]  # a list: a bare string would be read letter by letter
+
+
+@dataclasses.dataclass
+class Hooks:
+    """The creator's injection points: None in a user's process.
+
+    * ``inner_cpu(opts, gloo) -> (backend, caps)``: the group's inner CPU
+      backend in place of the Gloo group built for it, with what it does
+      natively (``_C.InnerCaps``). Called before anything else is built for
+      the group; it also takes part in a split the group is created by, if
+      its backend is the one split from.
+    * ``host_identity(opts) -> str | None``: the host this rank is on,
+      in place of the machine's own (None: the machine's).
+
+    The tests set them (tests/hooks.py): a test double of NCCL as the inner
+    CPU backend, several pretended hosts on one machine.
+    """
+
+    inner_cpu: Optional[Callable[[Any, Any], tuple]] = None
+    host_identity: Optional[Callable[[Any], Optional[str]]] = None
+
+
+hooks = Hooks()
 
 
 def register() -> None:
@@ -133,13 +159,12 @@ def _create_backend(opts, backend_options):
     # As torch does for its own Gloo groups: splitting (what builds the
     # inter-host groups) maps the new group's ranks through this list.
     cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
+    cpu_caps = None
+    if hooks.inner_cpu is not None:
+        cpu, cpu_caps = hooks.inner_cpu(opts, cpu)
     settings = config.resolve()
     _wrap_nccl_creators()
-    parent = _split_parent(opts, settings)
-    if parent is not None and settings.engine == "nccl_contract":
-        # The double stands for this group's NCCL: it joins the split.
-        _C._nccl_contract_join_split(parent, _group_color(opts), size)
-        parent = None
+    parent = _split_parent(opts)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
         cuda = dist.ProcessGroupNCCL(
@@ -150,9 +175,8 @@ def _create_backend(opts, backend_options):
         )
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
-    backend = _C.create_backend(
-        store, rank, size, timeout, cpu, cuda, settings, _test_host_identity(settings)
-    )
+    host = hooks.host_identity(opts) if hooks.host_identity is not None else None
+    backend = _C.create_backend(store, rank, size, timeout, cpu, cuda, settings, host, cpu_caps)
     engine, why_not, _ = _C.cpu_engine(backend)
     if engine == "gloo" and settings.engine == "auto":
         # One line: the group was meant for shared memory and did not get it.
@@ -166,15 +190,14 @@ def _create_backend(opts, backend_options):
     return backend
 
 
-def _split_parent(opts, settings):
-    """The communicator this group's NCCL is to be split from, or None.
+def _split_parent(opts):
+    """The ProcessGroupNCCL this group's NCCL is to be split from, or None.
 
     torch hands the creator one (``opts.split_from``) when the default
     group is device-bound; its non-members then join the split through
     ``perform_nocolor_split``, collective over every rank of the parent, so
-    the members must join it too or everyone blocks. A ProcessGroupNCCL (or,
-    in the tests, the NCCL-contract double that stands for one) can be split
-    from; anything else (an hsdp default group: its non-members do nothing)
+    the members must join it too or everyone blocks. Anything but a
+    ProcessGroupNCCL (an hsdp default group: its non-members do nothing)
     means a communicator of our own.
     """
     import torch.distributed as dist
@@ -182,17 +205,12 @@ def _split_parent(opts, settings):
     from hsdp_backend import _torch_compat
 
     parent = _torch_compat.split_source(opts)
-    if parent is None:
-        return None
-    if dist.is_nccl_available() and isinstance(parent, dist.ProcessGroupNCCL):
+    if (
+        parent is not None
+        and dist.is_nccl_available()
+        and isinstance(parent, dist.ProcessGroupNCCL)
+    ):
         return parent
-    if settings.engine == "nccl_contract":
-        from hsdp_backend import _C
-
-        # A build without the double refuses the engine in create_backend.
-        is_double = getattr(_C, "_is_nccl_contract", None)
-        if is_double is not None and is_double(parent):
-            return parent
     return None
 
 
@@ -254,17 +272,3 @@ def _collect_cycles_before_finalization() -> None:
 
         atexit.register(gc.collect)
         _exit_hook_registered = True
-
-
-def _test_host_identity(settings):
-    """HSDP_TEST_HOSTS (tests only): this rank's pretended host, or None."""
-    import os
-
-    hosts = settings.test_hosts
-    if not hosts:
-        return None
-    rank = int(os.environ.get("RANK", "0"))
-    if rank >= len(hosts):
-        raise ValueError(f"HSDP_TEST_HOSTS names {len(hosts)} hosts but this is global rank {rank}")
-    name = hosts[rank]
-    return "" if name == "?" else f"{name}|test-host"

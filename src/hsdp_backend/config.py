@@ -89,7 +89,6 @@ SECTIONS = {
     "trace": "Flight recorder",
     "fsdp": "FSDP2 shim",
     "launcher": "Launcher (`python -m hsdp_backend.run`; set by it, not by hand)",
-    "hosts": "Pretended hosts (several hosts on one machine, for the tests; not for training jobs)",
 }
 
 # fmt: off
@@ -97,9 +96,7 @@ _TABLE = [
     Var("HSDP_ENGINE", "engine", "engine", parse_text, str,
         "CPU engine: `auto` (shared memory when the group's ranks can share it: one host, or "
         "hierarchical across hosts with the same number of ranks each; else gloo), `shm` "
-        "(shared memory on one host, or an error), `gloo` (always the inner gloo group), "
-        "`nccl_contract` (tests only: CPU tensors take the CUDA route's code over the "
-        "NCCL-contract double)"),
+        "(shared memory on one host, or an error), `gloo` (always the inner gloo group)"),
     Var("HSDP_SHM_SLOT_BYTES", "engine", "slot_bytes", parse_int, str,
         "bytes a rank moves through shared memory per step (>= 64 KiB, a multiple of 64); the "
         "segment holds 2 slots per rank; larger messages are pipelined"),
@@ -165,11 +162,6 @@ _TABLE = [
         "`cpu:gloo,cuda:nccl` runs on hsdp (read by the injected `sitecustomize`)"),
     Var("HSDP_RUN_VERBOSE", "launcher", "run_verbose", parse_flag, lambda on: str(int(on)),
         "`1`: each rank prints one line on stderr per mapped call"),
-    Var("HSDP_TEST_HOSTS", "hosts", "test_hosts", parse_hosts, ",".join,
-        "the host name of each global rank, comma-separated (`?`: a rank whose identity cannot "
-        "be read), used instead of the real host identities, so hierarchical groups run on one "
-        "machine (the tests set it, e.g. `a,a,b,b`; `tools/simhosts.py` simulates whole hosts "
-        "instead)"),
 ]
 # fmt: on
 

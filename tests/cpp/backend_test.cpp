@@ -205,8 +205,8 @@ struct Group {
   }
 };
 
-constexpr InnerCaps kPacking{"fake"};                            // as Gloo
-constexpr InnerCaps kNative{"fake", /*nativeScale=*/true, true}; // as NCCL
+const InnerCaps kPacking{"fake"};                            // as Gloo
+const InnerCaps kNative{"fake", /*nativeScale=*/true, true}; // as NCCL
 
 void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
   if (work) {

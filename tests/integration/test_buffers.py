@@ -6,6 +6,7 @@ bodies in buffer_cases.py)."""
 import buffer_cases
 import pytest
 from harness import run_ranks
+from hooks import NCCL_CONTRACT, engine_env
 
 
 @pytest.mark.quick
@@ -46,7 +47,7 @@ def test_no_pool_says_why(env):
 
 
 def test_nccl_contract_allocation_reaches_the_inner_backend():
-    run_ranks(buffer_cases.the_nccl_double_allocates, 2, env={"HSDP_ENGINE": "nccl_contract"})
+    run_ranks(buffer_cases.the_nccl_double_allocates, 2, env=engine_env(NCCL_CONTRACT))
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ NCCL-contract double stands for the CUDA route, which serves none of them)."""
 import c10d_surface_cases
 import pytest
 from conftest import engine_worlds
+from hooks import engine_env
 
 NAMES = list(c10d_surface_cases.CASES)
 
@@ -14,4 +15,4 @@ NAMES = list(c10d_surface_cases.CASES)
 )
 @pytest.mark.parametrize("name", NAMES)
 def test_c10d_surface(launcher, name, world, engine):
-    launcher.check("c10d_surface_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})
+    launcher.check("c10d_surface_cases", NAMES, name, world, env=engine_env(engine))

@@ -5,6 +5,7 @@ the NCCL-contract double, and a hierarchical group across pretended hosts."""
 import callback_cases
 import pytest
 from conftest import engine_worlds
+from hooks import engine_env
 
 NAMES = list(callback_cases.CASES)
 # A launch takes 5-20 s; a hang is what these tests exist to catch.
@@ -19,7 +20,7 @@ def test_callback(launcher, name, world, engine):
         NAMES,
         name,
         world,
-        env={"HSDP_ENGINE": engine},
+        env=engine_env(engine),
         timeout_s=LAUNCH_TIMEOUT_S,
     )
 

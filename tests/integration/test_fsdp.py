@@ -9,6 +9,7 @@ import pytest
 import torch
 from fsdp_parity import SCENARIOS, Scenario
 from harness import run_ranks
+from hooks import engine_env
 
 from hsdp_backend import config
 
@@ -68,7 +69,7 @@ class Launches:
                 world,
                 backend=backend,
                 timeout_s=900,
-                env={"HSDP_ENGINE": engine} if engine else None,
+                env=engine_env(engine) if engine else None,
                 names=names,
                 checkpoint_root=str(self.tmp_root),
             )

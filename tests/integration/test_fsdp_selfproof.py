@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 from harness import run_ranks
+from hooks import ENGINES, NCCL_CONTRACT, engine_env, nccl_contract_inner
 
 # The shim's tail runs once per param group and backward: three groups, two backwards.
 FINISHES_PER_CASE = 3 * 2
@@ -102,9 +103,14 @@ def test_the_proof_passes_on_this_torch_having_compared_real_gradients(shim, mon
     assert shim.enable() is True and len(proofs) == 2
 
 
-@pytest.mark.parametrize("engine", ["shm", "gloo", "nccl_contract"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_the_proof_passes_on_every_engine(shim, monkeypatch, engine):
-    monkeypatch.setenv("HSDP_ENGINE", engine)  # the proof's groups take the process's settings
+    from hsdp_backend import _registration
+
+    for name, value in engine_env(engine).items():  # the proof's groups take the process's
+        monkeypatch.setenv(name, value)
+    if engine == NCCL_CONTRACT:  # ... and its hooks
+        monkeypatch.setattr(_registration.hooks, "inner_cpu", nccl_contract_inner)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert shim.enable() is True

@@ -5,6 +5,7 @@ tensors take through NCCL."""
 import fusion_cases
 import pytest
 from conftest import engine_worlds
+from hooks import engine_env
 
 NAMES = list(fusion_cases.CASES)
 
@@ -12,4 +13,4 @@ NAMES = list(fusion_cases.CASES)
 @pytest.mark.parametrize("engine,world", engine_worlds())
 @pytest.mark.parametrize("name", NAMES)
 def test_fusion(launcher, name, world, engine):
-    launcher.check("fusion_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})
+    launcher.check("fusion_cases", NAMES, name, world, env=engine_env(engine))

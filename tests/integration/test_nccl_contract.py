@@ -7,6 +7,7 @@ import nccl_contract_cases
 import pytest
 from conftest import NCCL_CONTRACT_WORLDS
 from harness import run_ranks
+from hooks import NCCL_CONTRACT, engine_env
 
 from hsdp_backend import _torch_compat
 
@@ -16,7 +17,7 @@ NAMES = list(nccl_contract_cases.CASES)
 @pytest.mark.parametrize("world", NCCL_CONTRACT_WORLDS)
 @pytest.mark.parametrize("name", NAMES)
 def test_nccl_contract(launcher, name, world):
-    launcher.check("nccl_contract_cases", NAMES, name, world, env={"HSDP_ENGINE": "nccl_contract"})
+    launcher.check("nccl_contract_cases", NAMES, name, world, env=engine_env(NCCL_CONTRACT))
 
 
 @pytest.mark.parametrize(
@@ -39,6 +40,4 @@ def test_nccl_contract_splits(body):
     """Groups created under a device-bound default group (nccl_contract_splits.py)."""
     import nccl_contract_splits
 
-    run_ranks(
-        getattr(nccl_contract_splits, body), 3, backend=None, env={"HSDP_ENGINE": "nccl_contract"}
-    )
+    run_ranks(getattr(nccl_contract_splits, body), 3, backend=None, env=engine_env(NCCL_CONTRACT))

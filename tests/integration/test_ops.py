@@ -3,6 +3,7 @@
 import ops_cases
 import pytest
 from conftest import engine_worlds
+from hooks import engine_env
 
 NAMES = list(ops_cases.CASES)
 
@@ -10,7 +11,7 @@ NAMES = list(ops_cases.CASES)
 @pytest.mark.parametrize("engine,world", engine_worlds())
 @pytest.mark.parametrize("name", NAMES)
 def test_op(launcher, name, world, engine):
-    launcher.check("ops_cases", NAMES, name, world, env={"HSDP_ENGINE": engine})
+    launcher.check("ops_cases", NAMES, name, world, env=engine_env(engine))
 
 
 # Hosts pretended through HSDP_TEST_HOSTS (host name per global rank; "?":

@@ -209,7 +209,4 @@ def test_inner_nccl_takes_the_users_nccl_options_and_the_groups_fields():
     assert isinstance(other, dist.ProcessGroupNCCL.Options)
     # a split source that is not a ProcessGroupNCCL (an hsdp or gloo parent)
     # is not NCCL's to split: the inner NCCL is built from scratch
-    import types
-
-    settings = types.SimpleNamespace(engine="auto")
-    assert _registration._split_parent(_creator_opts(split_from=object()), settings) is None
+    assert _registration._split_parent(_creator_opts(split_from=object())) is None

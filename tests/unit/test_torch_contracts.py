@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from harness import cmake_configure, run_ranks
+from hooks import NCCL_CONTRACT, engine_env
 
 from hsdp_backend import _torch_compat
 
@@ -151,7 +152,7 @@ def test_a_split_before_the_communicator_exists_raises_clearly_and_the_group_sta
     inner ones: torch's own error, on every rank, before any split starts
     (were hsdp to answer true, its split would raise its own error instead:
     ProcessGroupHSDP::split checks too, for callers that do not ask)."""
-    results = run_ranks(split_before_any_collective_body, 2, env={"HSDP_ENGINE": "nccl_contract"})
+    results = run_ranks(split_before_any_collective_body, 2, env=engine_env(NCCL_CONTRACT))
     for result in results:
         assert result["first"].startswith("RuntimeError"), result
         assert "Parent process group backend is not initialized" in result["first"], result

@@ -1,7 +1,7 @@
 #pragma once
 
 // The route to an inner c10d backend (ProcessGroupGloo, ProcessGroupNCCL, or
-// the NCCL-contract test double): the one place that knows how an inner
+// an inner CPU backend injected in Gloo's place): the one place that knows how an inner
 // backend's Work behaves and how hsdp's post-step is ordered after it.
 //
 // The contract, as ProcessGroupNCCL defines it since torch 2.8 (Gloo is the
@@ -47,8 +47,11 @@
 namespace hsdp {
 
 // What an inner backend does natively.
+// The Python creator builds the group's inner backends and hands them over
+// with these: Gloo's and NCCL's are fixed; an inner CPU backend injected in
+// their place (hsdp_backend._registration.hooks) brings its own.
 struct InnerCaps {
-  const char* name; // "gloo", "nccl", "nccl_contract"
+  std::string name; // "gloo", "nccl", or an injected backend's
   // Runs AVG and PREMUL_SUM inside the reduction (NCCL's ncclAvg and
   // ncclRedOpCreatePreMulSum): hsdp passes them through, no extra kernel.
   bool nativeScale = false;
@@ -60,11 +63,14 @@ struct InnerCaps {
   // instead, so callbacks that wait for collectives they issue cannot
   // exhaust that pool (see OpQueue.hpp).
   bool fixedCompletionPool = false;
-  // Tests only (the NCCL-contract double): CPU tensors take the CUDA
-  // branch, on a device whose streams are hsdp's completion workers: the
-  // side stream's waits and post-step run there, and the returned Work is
-  // a WorkOnStream. Everything the CUDA branch decides (which Works order
-  // the result, through what, how errors and timeouts surface) runs.
+  // Its CPU Works follow NCCL's stream contract (InnerRoute.hpp's list, a
+  // stream-ordered future included), so CPU tensors take the CUDA branch,
+  // on a device whose streams are hsdp's completion workers: the side
+  // stream's waits and post-step run there, and the returned Work is a
+  // WorkOnStream. Only an injected inner backend declares it (the tests'
+  // NCCL-contract double does: everything the CUDA branch decides, which
+  // Works order the result, through what, how errors and timeouts surface,
+  // then runs on CPU).
   bool hostStreams = false;
 };
 
@@ -96,7 +102,7 @@ class InnerRoute final : public Route {
   InnerRoute& operator=(const InnerRoute&) = delete;
 
   const char* name() const override {
-    return caps_.name;
+    return caps_.name.c_str();
   }
   bool scalesNatively() const override {
     return caps_.nativeScale;

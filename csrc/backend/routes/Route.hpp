@@ -6,8 +6,8 @@
 // plan and says how it completes. Routes:
 //   * ShmRoute: the shared-memory engine (one host) or that engine within
 //     hosts and Gloo between them (hierarchical), CPU tensors;
-//   * InnerRoute: an inner c10d backend (Gloo for CPU, NCCL for CUDA, the
-//     NCCL-contract double in tests), which also serves every op the other
+//   * InnerRoute: an inner c10d backend (Gloo for CPU, or one injected in
+//     its place; NCCL for CUDA), which also serves every op the other
 //     route has no form for, as it is (InnerRoute::finish).
 // What a route serves decides how a call is planned: a route that scales
 // natively gets AVG and PREMUL_SUM as they are, one that coalesces
