@@ -42,16 +42,10 @@ void checkedField(py::class_<hsdp::Config>& cls, const char* name, T hsdp::Confi
       });
 }
 
-} // namespace
-
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "hsdp c10d backend (C++ core)";
-  // Registers c10d's Python types (Backend, Work, ReduceOp) before we use them.
-  py::module::import("torch.distributed");
-
-  // Argument errors (common/Errors.hpp): RuntimeError as gloo's, and
-  // ValueError/TypeError as NCCL's. Registered after torch's translator, so
-  // tried before it, wherever the exception surfaces (a call, or wait()).
+// Argument errors (common/Errors.hpp): RuntimeError as gloo's, and
+// ValueError/TypeError as NCCL's. Registered after torch's translator, so
+// tried before it, wherever the exception surfaces (a call, or wait()).
+void bindErrors(py::module& m) {
   auto newError = [&m](const char* name, PyObject* base, const char* doc) {
     auto bases = py::make_tuple(py::handle(PyExc_RuntimeError), py::handle(base));
     auto cls = py::reinterpret_steal<py::object>(PyErr_NewExceptionWithDoc(
@@ -78,7 +72,11 @@ PYBIND11_MODULE(_C, m) {
       PyErr_SetString(argumentTypeError, e.what_without_backtrace());
     }
   });
+}
 
+// The settings object (common/Config.hpp), and what an inner backend does
+// natively (routes/InnerRoute.hpp).
+void bindSettings(py::module& m) {
   // The settings object (common/Config.hpp). Every assignment is checked:
   // a value out of range raises ValueError naming the field.
   py::class_<hsdp::Config> config(
@@ -128,7 +126,10 @@ PYBIND11_MODULE(_C, m) {
       py::arg("fixed_completion_pool") = false,
       py::arg("host_streams") = false);
   caps.def_readonly("name", &hsdp::InnerCaps::name);
+}
 
+// Creating a group, and what a group says about itself.
+void bindGroups(py::module& m) {
   m.def(
       "create_backend",
       [](c10d::Store& store,
@@ -229,7 +230,10 @@ PYBIND11_MODULE(_C, m) {
   });
 
   m.def("reset_comm_stats", [](c10d::Backend* backend) { asHSDP(backend).stats().reset(); });
+}
 
+// The collectives hsdp adds to c10d's (hsdp_backend/__init__.py).
+void bindCollectives(py::module& m) {
   m.def(
       "all_reduce_divided_by",
       [](c10d::Backend* backend,
@@ -281,4 +285,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("async_op"),
       py::arg("divide_by") = 1.0,
       py::call_guard<py::gil_scoped_release>());
+}
+
+} // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "hsdp c10d backend (C++ core)";
+  // Registers c10d's Python types (Backend, Work, ReduceOp) before we use them.
+  py::module::import("torch.distributed");
+  bindErrors(m);
+  bindSettings(m);
+  bindGroups(m);
+  bindCollectives(m);
 }
