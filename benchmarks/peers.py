@@ -11,8 +11,10 @@ in the table and the JSON; it is never dropped silently.
 Ops, per rank size (default 64K, 1M, 16M, 64M; --quick: 64K, 1M):
 all_gather (out of place), all_gather_inplace (FSDP2's form: the input is
 the output's own slice; MPI_IN_PLACE for the MPIs), reduce_scatter (SUM),
-all_reduce (SUM, plus an 8-byte latency row). Once per run, a 1-rank hsdp
-8-byte all_reduce: the per-call floor of torch.distributed plus the backend.
+all_reduce (SUM, plus an 8-byte latency row). Once per run, a 1-rank 8-byte
+all_reduce, interleaved: hsdp (the per-call floor of torch.distributed plus
+hsdp), hsdp with its flight recorder off, and torch's fake backend, which
+does nothing (torch.distributed's own floor).
 
 Launches, per world size, each interleaving its contenders on the same
 buffers as benchmarks/timing.py does (check once, calibrate, alternate
@@ -191,6 +193,44 @@ def _kernel_module():
             "-C cmake.define.HSDP_BUILD_TESTING=ON"
         ) from exc
     return hsdp_testing
+
+
+def _floors(ctx: RankContext, sampling) -> dict:
+    """The 1-rank 8-byte all_reduce, interleaved: hsdp as users run it, hsdp
+    with its flight recorder off, and torch's fake backend (a backend that
+    does nothing: torch.distributed's own per-call floor)."""
+    import torch
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers "fake"
+
+    os.environ["HSDP_TRACE_ENTRIES"] = "0"  # read when the group is created
+    try:
+        no_recorder = dist.new_group(backend="hsdp")
+    finally:
+        del os.environ["HSDP_TRACE_ENTRIES"]
+    groups = {
+        "hsdp": ctx.hsdp,
+        "hsdp_no_recorder": no_recorder,
+        "torch": dist.new_group(backend="fake"),
+    }
+    t = torch.zeros(LATENCY_BYTES // 4)
+    calls = {name: _bind_torch("all_reduce", {"t": t}, g) for name, g in groups.items()}
+    per_call = timing.calibrate(ctx.gloo, calls, sampling)
+    samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_call, sampling)
+    return timing.summarise(ctx.world, ctx.gloo, samples, per_call)
+
+
+def _floor_fields(per_world: dict) -> dict:
+    """The JSON's 1-rank 8-byte all_reduce times (None without a launch)."""
+    floor = next(iter(per_world.values()))["floor"] if per_world else {}
+    return {
+        f"floor_1rank_{key}_us": floor[name]["us"] if name in floor else None
+        for key, name in [
+            ("all_reduce_8B", "hsdp"),
+            ("all_reduce_8B_no_recorder", "hsdp_no_recorder"),
+            ("torch_all_reduce_8B", "torch"),
+        ]
+    }
 
 
 def measure_points(ctx: RankContext, config: dict, peers: dict, problems: dict) -> list[dict]:
@@ -420,15 +460,7 @@ class PeersSuite(Suite):
 
     def run_rank(self, ctx: RankContext, config: dict):
         if config["mode"] == "floor":
-            import torch
-
-            t = torch.zeros(LATENCY_BYTES // 4)
-            calls = {"hsdp": _bind_torch("all_reduce", {"t": t}, ctx.hsdp)}
-            per_call = timing.calibrate(ctx.gloo, calls, config["sampling"])
-            samples = timing.sample_interleaved(
-                ctx.rank, ctx.gloo, calls, per_call, config["sampling"]
-            )
-            return timing.summarise(ctx.world, ctx.gloo, samples, per_call)["hsdp"]
+            return _floors(ctx, config["sampling"])
         peers, problems = {}, {}
         ds = config["peers"].get("deepspeed", {})
         if ds.get("available"):
@@ -457,9 +489,7 @@ class PeersSuite(Suite):
                 for n, i in config["peers"].items()
             },
             "peer_status_by_world": status,
-            "floor_1rank_all_reduce_8B_us": next(iter(per_world.values()))["floor"]["us"]
-            if per_world
-            else None,
+            **_floor_fields(per_world),
             "memcpy1": [{"bytes": n, **m} for n, m in sorted(reference["memcpy1"].items())],
             "memcpy2": [{"bytes": n, **m} for n, m in sorted(reference["memcpy2"].items())],
             "results": rows,

@@ -13,6 +13,8 @@ from benchmarks.peers import CHECK_NAME, IN_RUN_MEMCPY, IN_RUN_REDUCE, POOL
 from benchmarks.report import KIB, Column, format_size
 
 PEER_LABEL = {"gloo": "gloo", "ompi": "ompi", "mpich": "mpich", "deepspeed": "ds"}
+# The 1-rank launch's contenders (peers.py: _floors).
+FLOOR_CONTENDERS = ("hsdp", "hsdp_no_recorder", "torch")
 
 
 def _peer_status(config: dict, launches: dict) -> dict:
@@ -239,8 +241,13 @@ def print_tables(config, reference, per_world, rows, status) -> None:
                 print(f"  {peer}: missing: {st['reason']}")
             elif st.get("library"):
                 print(f"  {peer}: {st['library']}")
-    floor = next(iter(per_world.values()))["floor"]["us"] if per_world else float("nan")
-    print(f"\n1-rank hsdp all_reduce 8 B (per-call floor): {floor:.2f} us")
+    floor = next(iter(per_world.values()))["floor"] if per_world else {}
+    us = {name: floor[name]["us"] if name in floor else float("nan") for name in FLOOR_CONTENDERS}
+    print(
+        f"\n1-rank all_reduce 8 B (per-call floor): hsdp {us['hsdp']:.2f} us, hsdp without its "
+        f"flight recorder {us['hsdp_no_recorder']:.2f} us, torch's fake backend (does nothing) "
+        f"{us['torch']:.2f} us: hsdp - torch = {us['hsdp'] - us['torch']:.2f} us"
+    )
     print(LEGEND)
 
 
