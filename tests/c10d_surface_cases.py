@@ -19,6 +19,7 @@ from ops_cases import check, data
 from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
 
 import hsdp_backend
+from hsdp_backend import _torch_compat
 
 CASES = {}
 
@@ -278,6 +279,11 @@ def monitored_barrier(rank, world, ref):
     """Every rank arrives: it returns, with and without wait_all_ranks. The
     last rank never arrives: every rank that called it raises within the
     timeout, and rank 0's error names the missing rank, as on gloo."""
+    if not _torch_compat.MONITORED_BARRIER_ON_ANY_BACKEND:
+        # torch < 2.14 refuses it in Python on any group but gloo's.
+        err = error_of(lambda: dist.monitored_barrier(timeout=datetime.timedelta(seconds=60)))
+        assert isinstance(err, ValueError) and "only implemented for GLOO" in str(err), err
+        return
     timeout = datetime.timedelta(seconds=1)
     for wait_all in (False, True):
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=60), wait_all_ranks=wait_all)

@@ -46,19 +46,26 @@ def is_quick(item) -> bool:
 
 
 # What runs on every supported torch besides the main venv's
-# (tests/system/test_torch_versions.py): the quick tier, and what meets what
-# differs between releases: registration and settings, FSDP2 parity and the
-# shim (whose contact with FSDP2's internals differs most), the version
-# contracts, splits under device-bound defaults (how torch hands split
-# sources), the backend's C++ tests. Prefixes of test ids.
+# (tests/system/test_torch_versions.py): every route once (the op cases on
+# each engine and on pretended hosts, a subset of the quick tier: the whole
+# tier on one release takes 4-8 minutes, beyond CI's time for four), and
+# what meets what differs between releases: registration and settings,
+# FSDP2 parity and the shim (whose contact with FSDP2's internals differs
+# most), the version contracts, splits under device-bound defaults (how
+# torch hands split sources), the launcher, the backend's C++ tests.
+# Prefixes of test ids.
 EVERY_TORCH = (
+    "tests/integration/test_ops.py::test_op[all_reduce_every_op-shm-2]",
+    "tests/integration/test_ops.py::test_op[all_reduce_every_op-gloo-2]",
+    "tests/integration/test_ops.py::test_op[all_reduce_every_op-nccl_contract-2]",
+    "tests/integration/test_ops.py::test_op_across_pretended_hosts[all_reduce_every_op-a,a,b,b]",
     "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
     "tests/unit/test_config.py",
+    "tests/unit/test_docs.py",
     "tests/unit/test_fsdp_buckets.py",
     "tests/unit/test_torch_contracts.py",
-    # FSDP2 1-D, and HSDP 2x2 with the shim's bucketed all-reduce (through
-    # the double: its launch runs the 2x2 scenarios alone, a quarter of the time)
     "tests/integration/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
+    "tests/integration/test_fsdp.py::test_fsdp_parity[hsdp_2x2]",
     "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
     "tests/integration/test_fsdp_selfproof.py",
     "tests/integration/test_nccl_contract.py::test_nccl_contract_splits",
@@ -75,10 +82,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.parent.name in TIERS:
             item.add_marker(getattr(pytest.mark, item.path.parent.name))
-        quick = is_quick(item)
-        if quick:
+        if is_quick(item):
             item.add_marker(pytest.mark.quick)
-        if quick or item.nodeid.startswith(EVERY_TORCH):
+        if item.nodeid.startswith(EVERY_TORCH):
             item.add_marker(pytest.mark.every_torch)
 
 

@@ -52,6 +52,11 @@ _THIS = version() or (0, 0)
 # backend (Backend._ensure_backend_registered); before, only the
 # ``torch.backends`` autoload entry point (or an import) registers "hsdp".
 LAZY_BACKEND_REGISTRATION = _THIS >= (2, 14)
+# 2.14: dist.monitored_barrier runs on any backend that implements it (hsdp
+# does); before, torch's Python refuses every backend but gloo with
+# ValueError("monitored_barrier is only implemented for GLOO backend.")
+# before the backend is reached.
+MONITORED_BARRIER_ON_ANY_BACKEND = _THIS >= (2, 14)
 
 
 def split_source(opts):
