@@ -355,7 +355,12 @@ def ddp_batched_power_sgd_hook(rank, world, ref):
 def ddp_fp16_and_bf16_compress_hooks(rank, world, ref):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    for hook in (default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook):
+    hooks = [default_hooks.fp16_compress_hook]
+    # DDP refuses the bf16 hook on every backend in a torch built without
+    # CUDA and NCCL (DistributedDataParallel._check_comm_hook).
+    if torch.version.cuda is not None and dist.is_nccl_available():
+        hooks.append(default_hooks.bf16_compress_hook)
+    for hook in hooks:
         # On 3+ ranks half-precision sums differ by their rounding (gloo
         # rounds after every addition, hsdp's engine once, in fp32), and
         # five steps carry it on: a bound far below a lost contribution.

@@ -46,18 +46,13 @@ def is_quick(item) -> bool:
 
 
 # What runs on every supported torch besides the main venv's
-# (tests/system/test_torch_versions.py): every route once (the op cases on
-# each engine and on pretended hosts, a subset of the quick tier: the whole
-# tier on one release takes 4-8 minutes, beyond CI's time for four), and
-# what meets what differs between releases: registration and settings,
-# FSDP2 parity and the shim (whose contact with FSDP2's internals differs
-# most), the version contracts, splits under device-bound defaults (how
-# torch hands split sources), the launcher, the backend's C++ tests.
-# Prefixes of test ids.
+# (tests/system/test_torch_versions.py), beyond the quick tier (every route,
+# every case at two ranks): what meets what differs between releases:
+# registration and settings, FSDP2 parity and the shim (whose contact with
+# FSDP2's internals differs most), the version contracts, splits under
+# device-bound defaults (how torch hands split sources), the launcher, the
+# backend's C++ tests. Prefixes of test ids.
 EVERY_TORCH = (
-    "tests/integration/test_ops.py::test_op[all_reduce_every_op-shm-2]",
-    "tests/integration/test_ops.py::test_op[all_reduce_every_op-gloo-2]",
-    "tests/integration/test_ops.py::test_op[all_reduce_every_op-nccl_contract-2]",
     "tests/integration/test_ops.py::test_op_across_pretended_hosts[all_reduce_every_op-a,a,b,b]",
     "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
     "tests/unit/test_config.py",

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 import hsdp_backend
+from hsdp_backend import _torch_compat
 
 CASES = {}
 
@@ -30,6 +31,19 @@ def raises(exc_type, pattern, fn, *args, **kwargs):
             f"expected {exc_type.__name__}, got {type(exc).__name__}: {exc}"
         ) from exc
     raise AssertionError(f"expected {exc_type.__name__}({pattern!r}), nothing was raised")
+
+
+def work_error(work):
+    """The error a finished Work holds, or None: Work.exception() where
+    torch's Python can read it, else what wait() raises, the same stored
+    error (_torch_compat.WORK_EXCEPTION_IN_PYTHON)."""
+    if _torch_compat.WORK_EXCEPTION_IN_PYTHON:
+        return work.exception()
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001
+        return exc
+    return None
 
 
 def still_usable(rank, world):
@@ -199,26 +213,27 @@ def devices_mixed_in_one_call(rank, world, ref):
     # A meta tensor stands in for a second device (this machine has no GPU);
     # the checks compare devices, so cuda:0 beside cuda:1 or cpu beside cuda
     # fail the same way, before anything is issued.
-    raises(
-        ValueError,
-        prefix(rank, world, "all_gather_into_tensor_coalesced")
-        + r"an input is on meta but the input is on cpu",
-        backend().all_gather_single_coalesced,
-        [torch.empty(world * 2), torch.empty(world * 2)],
-        [torch.ones(2), torch.ones(2, device="meta")],
-        dist.distributed_c10d.AllgatherOptions(),
-    )
-    still_usable(rank, world)
-    raises(
-        ValueError,
-        prefix(rank, world, "reduce_scatter_tensor_coalesced")
-        + r"an input is on meta but the input is on cpu",
-        backend().reduce_scatter_single_coalesced,
-        [torch.empty(2), torch.empty(2)],
-        [torch.ones(world * 2), torch.ones(world * 2, device="meta")],
-        dist.ReduceScatterOptions(),
-    )
-    still_usable(rank, world)
+    if _torch_compat.BACKEND_COALESCED_CALLS_IN_PYTHON:
+        raises(
+            ValueError,
+            prefix(rank, world, "all_gather_into_tensor_coalesced")
+            + r"an input is on meta but the input is on cpu",
+            backend().all_gather_single_coalesced,
+            [torch.empty(world * 2), torch.empty(world * 2)],
+            [torch.ones(2), torch.ones(2, device="meta")],
+            dist.distributed_c10d.AllgatherOptions(),
+        )
+        still_usable(rank, world)
+        raises(
+            ValueError,
+            prefix(rank, world, "reduce_scatter_tensor_coalesced")
+            + r"an input is on meta but the input is on cpu",
+            backend().reduce_scatter_single_coalesced,
+            [torch.empty(2), torch.empty(2)],
+            [torch.ones(world * 2), torch.ones(world * 2, device="meta")],
+            dist.ReduceScatterOptions(),
+        )
+        still_usable(rank, world)
     raises(
         ValueError,
         prefix(rank, world, "all_reduce_coalesced")
@@ -280,7 +295,7 @@ def coalesced_list_length_mismatch(rank, world, ref):
     raises(
         ValueError,
         prefix(rank, world, "all_gather_into_tensor_coalesced") + "got 2 inputs but 1 outputs",
-        backend().all_gather_single_coalesced,
+        dist.group.WORLD.allgather_into_tensor_coalesced,
         [torch.empty(world * 2)],
         [torch.ones(2), torch.ones(2)],
         dist.distributed_c10d.AllgatherOptions(),

@@ -12,7 +12,7 @@ import weakref
 import hsdp_testing
 import torch
 import torch.distributed as dist
-from error_cases import raises
+from error_cases import raises, work_error
 from hooks import double_of
 from ops_cases import check, data, reduce_ref, rs_expected, rs_input
 
@@ -291,8 +291,9 @@ def inner_errors_reach_the_caller(rank, world, ref):
     while not work.is_completed():
         assert time.monotonic() < deadline, "the failed Work never completed"
         time.sleep(0.005)
-    assert work.exception() is not None, "polled: the inner Work's error was lost"
-    assert "injected NCCL error (polled)" in str(work.exception())
+    error = work_error(work)
+    assert error is not None, "polled: the inner Work's error was lost"
+    assert "injected NCCL error (polled)" in str(error), error
     hsdp_testing.fail_next(double_of(backend), "injected NCCL error (sync)")
     try:
         dist.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG)
@@ -345,7 +346,7 @@ def a_bounded_wait_that_expires_aborts_as_nccl_does(rank, world, ref):
             assert "before timing out" in str(exc), exc
         else:
             raise AssertionError("wait(timeout) must raise")
-        assert work.exception() is not None
+        assert work_error(work) is not None
         try:
             dist.all_reduce(torch.ones(2), group=g)  # the communicator is gone
         except RuntimeError:

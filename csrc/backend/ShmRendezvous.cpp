@@ -275,13 +275,13 @@ std::unique_ptr<ShmRoute> connectShm(
     return give_up(firstError);
   }
   shm::EngineConfig config = options.engine;
-  c10::intrusive_ptr<c10d::Backend> column;
+  std::optional<Column> column;
   if (layout.hosts > 1) {
     config.groupRanks = layout.hostRanks(layout.host);
     config.groupSize = size;
     // The ranks with my local index, one per host: Gloo's split builds a
     // new context among them (only they take part).
-    column = splitWithOwnOptions(
+    auto group = splitWithOwnOptions(
         cpuInner,
         c10::make_intrusive<c10d::PrefixStore>(
             key.prefix() + "column" + std::to_string(layout.local) + "/",
@@ -289,9 +289,10 @@ std::unique_ptr<ShmRoute> connectShm(
         layout.columnRanks(layout.local),
         timeout);
     TORCH_CHECK(
-        column,
+        group,
         OpContext{rank, size, "init"}.prefix(),
         "the inner CPU backend returned no inter-host group");
+    column = Column{std::move(group), timeout};
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
   if (options.engine.wantsDirectReads() &&

@@ -57,6 +57,21 @@ LAZY_BACKEND_REGISTRATION = _THIS >= (2, 14)
 # ValueError("monitored_barrier is only implemented for GLOO backend.")
 # before the backend is reached.
 MONITORED_BARRIER_ON_ANY_BACKEND = _THIS >= (2, 14)
+# 2.13: Work.exception() returns a Work's error to Python; before, its
+# binding has no conversion for std::exception_ptr and raises TypeError on
+# every backend (gloo's and nccl's alike), so the error is read from wait().
+WORK_EXCEPTION_IN_PYTHON = _THIS >= (2, 13)
+# 2.14: a Backend's coalesced all-gather and reduce-scatter can be called
+# from Python directly (Backend.all_gather_single_coalesced,
+# reduce_scatter_single_coalesced); before, only through torch's dispatcher,
+# which sends a call holding a tensor of another device to that device's
+# kernel instead of the backend.
+BACKEND_COALESCED_CALLS_IN_PYTHON = _THIS >= (2, 14)
+# 2.14: ProcessGroup's sequence number is its backend's, whatever the
+# backend; before, ProcessGroup refuses it ("ProcessGroup <name> does not
+# yet support sequence numbers.") for all but gloo, nccl, xccl and ucc, so a
+# plugin's number is read from its Backend.
+SEQUENCE_NUMBERS_OF_ANY_BACKEND = _THIS >= (2, 14)
 
 
 def split_source(opts):

@@ -109,6 +109,49 @@ def test_the_build_refuses_a_torch_it_cannot_serve_saying_why(
         assert text in out, out
 
 
+def test_the_release_flags_say_what_this_torch_does(tmp_path):
+    """Each of _torch_compat's flags about torch's own API, checked against
+    the torch at hand (one rank): a flag that says the wrong thing fails
+    here, on the release where it is wrong."""
+    script = textwrap.dedent(
+        f"""
+        import torch, torch.distributed as dist
+        import hsdp_backend
+        from hsdp_backend import _torch_compat as compat
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        work = dist.all_reduce(torch.ones(2), async_op=True)
+        work.wait()
+        try:
+            readable = work.exception() is None
+        except TypeError:
+            readable = False
+        assert readable == compat.WORK_EXCEPTION_IN_PYTHON, readable
+        direct = hasattr(torch._C._distributed_c10d.Backend, "all_gather_single_coalesced")
+        assert direct == compat.BACKEND_COALESCED_CALLS_IN_PYTHON, direct
+        g = dist.new_group(backend="hsdp")
+        try:
+            any_backend = g._get_sequence_number_for_group() == 0
+        except RuntimeError as exc:
+            assert "does not yet support sequence numbers" in str(exc), exc
+            any_backend = False
+        assert any_backend == compat.SEQUENCE_NUMBERS_OF_ANY_BACKEND, any_backend
+        try:
+            dist.monitored_barrier(group=g)
+            monitored = True
+        except ValueError as exc:
+            assert "only implemented for GLOO" in str(exc), exc
+            monitored = False
+        assert monitored == compat.MONITORED_BARRIER_ON_ANY_BACKEND, monitored
+        dist.destroy_process_group()
+        print("FLAGS AGREE")
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert "FLAGS AGREE" in proc.stdout, proc.stdout + proc.stderr
+
+
 @pytest.mark.skipif(not AT_LEAST_2_15, reason="torch < 2.15 has no _FR_SELF_RECORDING_BACKENDS")
 def test_torch_attaches_no_flight_recorder_hook_to_hsdp_groups():
     from torch.distributed import distributed_c10d as c10d

@@ -67,7 +67,7 @@ std::vector<int> HostLayout::columnRanks(int l) const {
 Hierarchical::Hierarchical(
     shm::Engine& local,
     HostLayout layout,
-    c10::intrusive_ptr<c10d::Backend> column,
+    Column column,
     int rank,
     int size,
     CommStats& stats,
@@ -130,14 +130,19 @@ void Hierarchical::allGatherPieces(
 }
 
 template <typename Issue>
-void Hierarchical::acrossHosts(const char* op, uint64_t bytes, Issue&& issue, bool count) {
+void Hierarchical::acrossHosts(
+    const char* op,
+    uint64_t bytes,
+    Issue&& issue,
+    bool count,
+    std::chrono::milliseconds limit) {
   if (count) {
     stats_.record("inter_host", 1, bytes);
   }
   try {
-    for (auto& work : issue(*column_)) {
+    for (auto& work : issue(*column_.group)) {
       if (work) {
-        work->wait();
+        work->wait(limit);
       }
     }
   } catch (const std::exception& e) {
@@ -165,7 +170,7 @@ class Hierarchical::Transfers {
   ~Transfers() {
     for (auto& work : works_) {
       try {
-        work->wait();
+        work->wait(route_.column_.timeout);
       } catch (const std::exception&) {
       }
     }
@@ -179,7 +184,8 @@ class Hierarchical::Transfers {
   }
   void wait() {
     // A copy: on failure the destructor still waits for every one.
-    route_.acrossHosts(op_, bytes_, [&](c10d::Backend&) { return works_; });
+    route_.acrossHosts(
+        op_, bytes_, [&](c10d::Backend&) { return works_; }, true, route_.column_.timeout);
     works_.clear();
     bytes_ = 0;
   }

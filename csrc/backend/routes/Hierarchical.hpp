@@ -37,6 +37,7 @@
 #include "fusion/StagingPool.hpp"
 #include "shm/Engine.hpp"
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,13 +61,24 @@ struct HostLayout {
   std::vector<int> columnRanks(int l) const;
 };
 
+// This rank's column: the inter-host group, and the group's timeout, which
+// bounds each wait for its sends and receives. Gloo's collectives read the
+// group's timeout when issued, but a pairwise receive without a deadline
+// waits as long as the transport's, fixed when the group connected: torch
+// before 2.14 connects a split at its default (30 minutes; setTimeout does
+// not reach the transport).
+struct Column {
+  c10::intrusive_ptr<c10d::Backend> group;
+  std::chrono::milliseconds timeout;
+};
+
 class Hierarchical final : public shm::Collectives {
  public:
   // `local` (this host's engine) outlives this object.
   Hierarchical(
       shm::Engine& local,
       HostLayout layout,
-      c10::intrusive_ptr<c10d::Backend> column,
+      Column column,
       int rank,
       int size,
       CommStats& stats,
@@ -114,10 +126,17 @@ class Hierarchical final : public shm::Collectives {
  private:
   class Phase;     // every algorithm's preamble
   class Transfers; // pairwise sends and receives on my column
-  // Runs an inter-host phase: issue on the column group, wait. A failure
-  // breaks this host's engine and raises shm::CommError naming `op`.
+  // Runs an inter-host phase: issue on the column group, wait (at most
+  // `limit` each; Gloo bounds its collectives by the group's timeout
+  // itself). A failure breaks this host's engine and raises shm::CommError
+  // naming `op`.
   template <typename Issue>
-  void acrossHosts(const char* op, uint64_t bytes, Issue&& issue, bool count = true);
+  void acrossHosts(
+      const char* op,
+      uint64_t bytes,
+      Issue&& issue,
+      bool count = true,
+      std::chrono::milliseconds limit = ::kNoTimeout); // Work.hpp: wait for completion
   // All-reduce over my column (one rank per host) of data that is
   // identical on my host's ranks.
   void allReduceColumn(
@@ -132,7 +151,7 @@ class Hierarchical final : public shm::Collectives {
 
   shm::Engine& local_;
   HostLayout layout_;
-  c10::intrusive_ptr<c10d::Backend> column_;
+  Column column_;
   int rank_;
   int size_;
   CommStats& stats_;

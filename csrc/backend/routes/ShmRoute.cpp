@@ -13,7 +13,7 @@ namespace hsdp {
 ShmRoute::ShmRoute(
     std::unique_ptr<shm::Engine> local,
     HostLayout layout,
-    c10::intrusive_ptr<c10d::Backend> column,
+    std::optional<Column> column,
     int rank,
     int size,
     CommStats& stats,
@@ -21,7 +21,7 @@ ShmRoute::ShmRoute(
     : local_(std::move(local)), rank_(rank), size_(size) {
   if (column) {
     hierarchical_ = std::make_unique<Hierarchical>(
-        *local_, std::move(layout), std::move(column), rank, size, stats, std::move(staging));
+        *local_, std::move(layout), std::move(*column), rank, size, stats, std::move(staging));
   }
 }
 

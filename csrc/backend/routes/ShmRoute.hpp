@@ -23,6 +23,7 @@
 #include "shm/Engine.hpp"
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,7 @@ class ShmRoute final : public Route {
   ShmRoute(
       std::unique_ptr<shm::Engine> local,
       HostLayout layout,
-      c10::intrusive_ptr<c10d::Backend> column, // null when flat
+      std::optional<Column> column, // none when flat
       int rank,
       int size,
       CommStats& stats,
