@@ -18,6 +18,7 @@ SUITE_MODULES = (
     "hosts",
     "peers",
     "device_calls",
+    "breakdown",
 )
 
 
