@@ -46,11 +46,11 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks import report
+from benchmarks import peers, report
 from benchmarks.report import Column, format_size
 from benchmarks.suite import RankContext, Suite
 
-OPS = ("all_reduce", "all_gather", "all_gather_inplace")
+OPS = peers.OPS  # and their buffers and calls, as the peers suite makes them
 DEFAULT_POINTS = [("all_reduce", 8), ("all_reduce", 64 * 1024), ("all_gather_inplace", 64 * 1024)]
 PERF_HZ = 4999
 CHUNKS = 20  # a loop's time per call: the median over this many chunks
@@ -106,25 +106,6 @@ def parse_perf_report(text: str) -> dict[str, float]:
         function = re.sub(r"^\[[.k]\]\s*", "", fields[2])
         shares[part_of(fields[1], function)] += float(fields[0].rstrip("%"))
     return shares
-
-
-def _buffers(op: str, nbytes: int, rank: int, world: int) -> dict:
-    import torch
-
-    n = max(1, nbytes // 4)
-    if op == "all_reduce":
-        return {"t": torch.zeros(n)}
-    out = torch.zeros(world * n)
-    own = out.narrow(0, rank * n, n) if op == "all_gather_inplace" else torch.zeros(n)
-    return {"out": out, "in": own}
-
-
-def _call(op: str, bufs: dict, group):
-    import torch.distributed as dist
-
-    if op == "all_reduce":
-        return lambda: dist.all_reduce(bufs["t"], group=group)
-    return lambda: dist.all_gather_into_tensor(bufs["out"], bufs["in"], group=group)
 
 
 def _perf_problem() -> str | None:
@@ -218,8 +199,8 @@ class BreakdownSuite(Suite):
         with tempfile.TemporaryDirectory(prefix="hsdp-breakdown-") as scratch:
             tmp = config["perf_dir"] or scratch
             for op, nbytes in config["points"]:
-                bufs = _buffers(op, nbytes, ctx.rank, ctx.world)
-                call = _call(op, bufs, ctx.hsdp)
+                bufs = peers._buffers(op, max(1, nbytes // 4), ctx.rank, ctx.world)
+                call = peers._bind_torch(op, bufs, ctx.hsdp)
                 for _ in range(200):
                     call()
                 # Calls for the point's time, as rank 0 finds them, on every rank.
