@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Model-checks the engine's step protocol (csrc/shm/protocol.pml) with spin:
-# the protocol must be safe and deadlock-free, the overwrite rule must be
-# implied by the order of steps (NO_REUSE_WAIT safe), and each broken rule
+# Model-checks the engine's step protocol (csrc/shm/protocol.pml) and its
+# sleep/wake handshake (csrc/shm/wake.pml) with spin: the protocol must be
+# safe and deadlock-free, the overwrite rule must be implied by the order of
+# steps (NO_REUSE_WAIT safe), no wake-up may be lost, and each broken rule
 # must be caught. Exits non-zero otherwise. Needs spin and gcc (Debian's
 # spin: scripts/setup.sh installs it). About three minutes and 1 GB of memory.
 set -euo pipefail
@@ -12,10 +13,11 @@ trap 'rm -rf "$work"' EXIT
 cd "$work"
 
 # check EXPECT DEFINES...: EXPECT is "safe" (no error) or "violation".
+# The model is protocol.pml, or MODEL_FILE (named MODEL in the output).
 check() {
   local expect=$1
   shift
-  spin "$@" -a "$model" > spin.log 2>&1 || { cat spin.log; exit 1; }
+  spin "$@" -a "${MODEL_FILE:-$model}" > spin.log 2>&1 || { cat spin.log; exit 1; }
   gcc -O2 -DSAFETY -DCOLLAPSE -o pan pan.c 2> gcc.log || { cat gcc.log; exit 1; }
   ./pan -m100000 > pan.log 2>&1 || true
   local errors
@@ -26,9 +28,9 @@ check() {
     echo "[protocol] $*: search depth too small"; cat pan.log; exit 1
   fi
   if [ "$expect" = safe ] && [ "$errors" = 0 ]; then
-    echo "[protocol] ${*:-base}: safe, no deadlock ($states states)"
+    echo "[${MODEL:-protocol}] ${*:-base}: safe, no deadlock ($states states)"
   elif [ "$expect" = violation ] && [ -n "$errors" ] && [ "$errors" != 0 ]; then
-    echo "[protocol] $*: violation found, as it must be: $(grep -m1 "pan:1" pan.log)"
+    echo "[${MODEL:-protocol}] $*: violation found, as it must be: $(grep -m1 "pan:1" pan.log)"
   else
     echo "[protocol] $*: expected $expect, spin says errors=${errors:-?}"; cat pan.log; exit 1
   fi
@@ -49,3 +51,9 @@ check violation -DW=2 -DK=3 -DPOOL -DNO_POOL_RETRY
 # Pooled all-reduces: two rounds on the ranks' own buffers.
 check safe -DW=3 -DK=2 -DPOOL -DPOOL_REDUCE
 check violation -DW=2 -DK=2 -DPOOL -DPOOL_REDUCE -DNO_POOL_REDUCED_WAIT
+# The sleep/wake handshake: no lost wake-up, and each broken rule loses one.
+MODEL=wake MODEL_FILE=$(dirname "$model")/wake.pml
+check safe -DW=2 -DK=3
+check safe -DW=3 -DK=2
+check violation -DW=2 -DK=3 -DNO_RECHECK
+check violation -DW=2 -DK=3 -DSLEEPERS_FIRST

@@ -164,35 +164,30 @@ void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
   }
 }
 
-bool OpQueue::runInlineIfIdle(const std::function<void()>& task) {
+bool OpQueue::enterIfIdle() {
   State& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.busy || !s.tasks.empty()) {
+    return false;
+  }
+  s.busy = true;
+  return true;
+}
+
+void OpQueue::leaveInline() {
+  State& s = *state_;
+  bool wake;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
-    if (s.busy || !s.tasks.empty()) {
-      return false;
-    }
-    s.busy = true;
+    s.busy = false;
+    // A worker waits for `busy` only with work queued or a stop pending.
+    // Waking one otherwise (every small synchronous call) costs two futex
+    // calls and a context switch onto a core a peer rank may be spinning on.
+    wake = s.runnable() || s.stop;
   }
-  struct Release {
-    State& s;
-    ~Release() {
-      bool wake;
-      {
-        std::lock_guard<std::mutex> lock(s.mutex);
-        s.busy = false;
-        // A worker waits for `busy` only with work queued or a stop
-        // pending. Waking one otherwise (every small synchronous call) costs
-        // two futex calls and a context switch onto a core a peer rank may
-        // be spinning on.
-        wake = s.runnable() || s.stop;
-      }
-      if (wake) {
-        s.cv.notify_all();
-      }
-    }
-  } release{s};
-  task();
-  return true;
+  if (wake) {
+    s.cv.notify_all();
+  }
 }
 
 void OpQueue::loop(const std::shared_ptr<State>& state) {

@@ -58,8 +58,23 @@ class OpQueue {
   void submit(std::function<void()> task, std::function<void()> then);
 
   // Runs `task` on the calling thread if nothing is queued or running and
-  // returns true; returns false (without running it) otherwise.
-  bool runInlineIfIdle(const std::function<void()>& task);
+  // returns true; returns false (without running it) otherwise. A template:
+  // a synchronous call's task runs as it is, never wrapped in a
+  // std::function (which allocates for a capture as large as a plan).
+  template <typename Task>
+  bool runInlineIfIdle(Task&& task) {
+    if (!enterIfIdle()) {
+      return false;
+    }
+    struct Leave {
+      OpQueue& queue;
+      ~Leave() {
+        queue.leaveInline();
+      }
+    } leave{*this};
+    task();
+    return true;
+  }
 
   // How long a runnable task may wait, unstarted, behind running completion
   // steps before idle workers take it (one of them may wait for it).
@@ -97,6 +112,10 @@ class OpQueue {
       return !tasks.empty() && !busy;
     }
   };
+  // runInlineIfIdle's two halves: marks the queue busy if it is idle (and
+  // says whether it did), then idle again, waking a worker if work waits.
+  bool enterIfIdle();
+  void leaveInline();
   // Starts one more worker; `state.mutex` held.
   static void addWorkerLocked(const std::shared_ptr<State>& state);
   static void loop(const std::shared_ptr<State>& state);

@@ -38,28 +38,37 @@ void unregisterInflight(c10d::Work& work) {
 WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue::Future> future)
     : Work(rank, opType), future_(std::move(future)) {}
 
+WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs)
+    : Work(rank, opType), completeAtCreation_(true), outputs_(std::move(outputs)) {}
+
 bool WorkHSDP::isCompleted() {
-  return future_->completed();
+  return completeAtCreation_ || future_->completed();
 }
 
 bool WorkHSDP::isSuccess() const {
-  return future_->completed() && !future_->hasError();
+  return completeAtCreation_ || (future_->completed() && !future_->hasError());
 }
 
 std::exception_ptr WorkHSDP::exception() const {
-  return future_->hasError() ? future_->exception_ptr() : nullptr;
+  return !completeAtCreation_ && future_->hasError() ? future_->exception_ptr() : nullptr;
 }
 
 std::vector<at::Tensor> WorkHSDP::result() {
-  return future_->value().toTensorVector();
+  return completeAtCreation_ ? outputs_ : future_->value().toTensorVector();
 }
 
 void WorkHSDP::synchronize() {
-  future_->wait();
+  if (!completeAtCreation_) {
+    future_->wait();
+  }
   unregisterInflight(*this);
 }
 
 bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
+  if (completeAtCreation_) {
+    unregisterInflight(*this);
+    return true;
+  }
   // Without a timeout the wait is still bounded: the engine or the inner
   // collective enforces the group's deadline and completes the future with
   // an error when it expires.
@@ -89,11 +98,20 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> WorkHSDP::getFuture() {
+  if (completeAtCreation_) {
+    std::call_once(made_, [this] {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
+      future_->markCompleted(c10::IValue(outputs_));
+    });
+  }
   return future_;
 }
 
 c10::intrusive_ptr<c10d::Work>
 WorkHSDP::completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs) {
+  if (std::all_of(outputs.begin(), outputs.end(), [](const auto& t) { return t.is_cpu(); })) {
+    return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(outputs));
+  }
   auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), devicesOf(outputs));
   future->markCompleted(c10::IValue(std::move(outputs)));
   return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));

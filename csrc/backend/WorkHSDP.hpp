@@ -14,6 +14,7 @@
 #include "backend/OpQueue.hpp"
 
 #include <functional>
+#include <mutex>
 
 namespace hsdp {
 
@@ -26,6 +27,11 @@ class WorkHSDP : public c10d::Work {
  public:
   WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue::Future> future);
 
+  // A Work complete at creation, on CPU tensors: its future is made on the
+  // first getFuture() (most callers only wait, and making and completing a
+  // future is a third of a synchronous call's own cost: an allocation, a
+  // type, a lock, the outputs' storages, a wake-up).
+  WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
   WorkHSDP(const WorkHSDP&) = delete;
   WorkHSDP& operator=(const WorkHSDP&) = delete;
 
@@ -52,7 +58,10 @@ class WorkHSDP : public c10d::Work {
       std::function<void()> task);
 
  private:
+  const bool completeAtCreation_ = false;
+  std::once_flag made_; // complete at creation: future_ made (by getFuture)
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  std::vector<at::Tensor> outputs_; // complete at creation: the result
 };
 
 } // namespace hsdp

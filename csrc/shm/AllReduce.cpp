@@ -97,7 +97,7 @@ bool Engine::allReducePooled(
         // alone, in place, from sources in rank order as every algorithm
         // reduces): nobody else reads it before `reduced`.
         const size_t b = parts.begin(0, rank_), e = parts.begin(0, rank_ + 1);
-        std::vector<const void*> srcs(size_);
+        std::vector<const void*>& srcs = sources_;
         for (int q = 0; q < size_; ++q) {
           srcs[q] = buffers[q] + b * es;
         }
@@ -121,7 +121,7 @@ void Engine::allReduceOneShot(
     RedOp redop,
     Scale scale) {
   const size_t es = dtypeSize(dtype);
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = sources_;
   uint64_t s = step_ + 1;
   const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf, n * es); });
   for (int r = 0; r < size_; ++r) {
@@ -146,7 +146,7 @@ void Engine::allReduceDirect(
     Scale scale) {
   const size_t es = dtypeSize(dtype);
   const Parts parts(n, es, slotBytes(), size_);
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = sources_;
   op.steps = static_cast<uint32_t>(parts.steps());
   uint64_t last = step_;
   for (size_t k = 0; k < parts.steps(); ++k) {
@@ -192,7 +192,7 @@ void Engine::allReduceSlots(
     Scale scale) {
   const size_t es = dtypeSize(dtype);
   const Parts parts(n, es, slotBytes(), size_);
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = sources_;
   op.steps = static_cast<uint32_t>(parts.steps());
   for (size_t k = 0; k < parts.steps(); ++k) {
     char* data = buf + parts.offset(k) * es;

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <thread>
 
@@ -45,7 +46,11 @@ bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
 }
 
 Engine::Engine(Segment segment, int rank, EngineConfig config)
-    : segment_(std::move(segment)), rank_(rank), size_(segment_.nranks()), config_(config) {
+    : segment_(std::move(segment)),
+      rank_(rank),
+      size_(segment_.nranks()),
+      config_(config),
+      sources_(size_) {
   static_assert(std::size(kKindNames) == static_cast<size_t>(Kind::AllGatherPieces) + 1);
   reinterpret_cast<std::atomic<int32_t>*>(&segment_.control(rank_).pid)
       ->store(static_cast<int32_t>(getpid()), std::memory_order_release);
@@ -230,7 +235,13 @@ bool Engine::checkSignatures(const OpState& op, uint64_t step) {
   const int slot = static_cast<int>(step % kSlots);
   bool pooled = false;
   for (int q = 0; q < size_; ++q) {
-    const Signature s = segment_.control(q).sig[slot];
+    // Copied (a peer may write it again; checks and use see one value),
+    // all but the pool reference's tail, which is read only when every
+    // rank posted a pool buffer (pooledStep): one cache line.
+    const Signature& shared = segment_.control(q).sig[slot];
+    Signature s;
+    std::memcpy(
+        static_cast<void*>(&s), &shared, offsetof(Signature, pool) + sizeof(PoolRef::chunk));
     pooled = pooled || static_cast<bool>(s.pool);
     const Signature& mine = op.sig;
     // Rank q posted `step`, so its slot's signature is for `step` and was
@@ -404,8 +415,15 @@ int Engine::post(OpState& op, uint64_t& step, const std::function<void(char*)>& 
   ++op.stepIndex;
   op.at(Activity::Working);
   // Slot `slot` was last used by step - 2: reuse it once everyone is done.
-  if (step > kSlots) {
+  // Counters only grow, so what the last wait saw still holds: ranks that
+  // run in step are usually one call ahead of it, and every other call
+  // then reads no peer's `done` line.
+  if (step > kSlots && doneByAll_ < step - kSlots) {
     waitAll(op, Counter::Done, step - kSlots);
+    doneByAll_ = UINT64_MAX;
+    for (int q = 0; q < size_; ++q) {
+      doneByAll_ = std::min(doneByAll_, loadCounter(op, Counter::Done, q));
+    }
   }
   if (fill) {
     fill(segment_.slot(rank_, slot));
@@ -597,7 +615,7 @@ void Engine::reduceScatter(
     // Every rank's chunk of mine is read straight from my input: one pass,
     // in rank order as below, so the result is bitwise the same.
     if (pooledStep(op, mine, in, inputBytes, [&](const std::vector<const char*>& inputs, uint64_t) {
-          std::vector<const void*> srcs(size_);
+          std::vector<const void*>& srcs = sources_;
           for (int r = 0; r < size_; ++r) {
             srcs[r] = inputs[r] + rank_ * n * es;
           }
@@ -610,7 +628,7 @@ void Engine::reduceScatter(
   const size_t piece = std::max<size_t>(1, slotBytes() / (static_cast<size_t>(size_) * es));
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
   op.steps = static_cast<uint32_t>(steps);
-  std::vector<const void*> srcs(size_);
+  std::vector<const void*>& srcs = sources_;
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);

@@ -9,7 +9,8 @@
 // Step s uses slot s % 2 of every rank:
 //
 //   1. wait until every rank's done >= s - 2: nobody still reads my slot
-//      s % 2 from step s - 2, so I may overwrite it;
+//      s % 2 from step s - 2, so I may overwrite it (counters only grow:
+//      values an earlier wait read still count);
 //   2. write my signature and my data into slot s % 2; posted = s;
 //   3. wait until every rank's posted >= s; check their signatures;
 //   4. read peers' slots (all-reduce: reduce my part in place in my own slot,
@@ -333,8 +334,9 @@ class Engine final : public Collectives {
   const int rank_;
   const int size_;
   const EngineConfig config_;
-  uint64_t step_ = 0;   // last step this rank finished
-  uint64_t posted_ = 0; // last step this rank posted
+  uint64_t step_ = 0;      // last step this rank finished
+  uint64_t posted_ = 0;    // last step this rank posted
+  uint64_t doneByAll_ = 0; // every rank's `done` was at least this when last read
   uint64_t opSeq_ = 0;
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;
@@ -342,6 +344,8 @@ class Engine final : public Collectives {
   std::shared_ptr<const Pool> pool_;
   std::vector<std::vector<PeerChunk>> peerChunks_; // [rank][chunk - 1]
   std::atomic<uint64_t> pooledCalls_{0};           // read by other threads (stats)
+  // A reduction's sources, one per rank: reused, so a call allocates nothing.
+  std::vector<const void*> sources_;
   // A yield that lasts this long gave the core to a process outside the
   // group (or to a peer's long stretch of work); yielding then pauses for
   // kYieldPauseWaits waits.

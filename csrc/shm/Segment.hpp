@@ -16,20 +16,24 @@
 #include "shm/Types.hpp"
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 namespace hsdp::shm {
 
 constexpr uint64_t kMagic = 0x68736470'73686d31ull; // "hsdpshm1"
-constexpr uint32_t kLayoutVersion = 5;
+constexpr uint32_t kLayoutVersion = 6;
 constexpr size_t kCacheLine = 64;
 constexpr int kSlots = 2; // double buffering: step s uses slot s % 2
 
 // What a rank says about the collective it is running, per slot. Ranks
 // compare these before touching each other's data, so ranks that called
 // different collectives fail with a clear error instead of reading garbage.
-struct Signature {
+// Each begins a cache line, and what every step compares (all but the tail
+// of `pool`) fits in it: a peer's signature costs one line from its core,
+// and writing one slot's signature does not take the other's line away.
+struct alignas(kCacheLine) Signature {
   uint64_t step;
   uint64_t opSeq;
   uint64_t count;
@@ -47,6 +51,7 @@ struct Signature {
   // (Engine::pooledStep); not compared.
   PoolRef pool;
 };
+static_assert(offsetof(Signature, pool) + sizeof(PoolRef::chunk) <= kCacheLine);
 
 // What a rank is doing, published for its peers' error messages (a timeout
 // names what every late rank was last doing). Written only by its rank with
@@ -91,7 +96,8 @@ struct alignas(4096) Header {
   uint32_t nranks;
   uint64_t slotBytes;
   uint64_t totalBytes;
-  // Futex word: bumped after every counter update; waiters sleep on it.
+  // Futex word: bumped by a counter update that finds `sleepers` above 0
+  // (Engine::wake); waiters sleep on it.
   alignas(kCacheLine) std::atomic<uint32_t> wakeSeq;
   std::atomic<uint32_t> sleepers;
   // 0 while healthy; 1 + rank of the first rank that failed.

@@ -1,6 +1,7 @@
-"""The engine's step protocol, model-checked: csrc/shm/protocol.pml (next to
-Engine.hpp) checked by spin through scripts/check_protocol.sh: safe and
-deadlock-free, and every broken rule caught (so the assertions bite)."""
+"""The engine's step protocol and its sleep/wake handshake, model-checked:
+csrc/shm/protocol.pml and wake.pml (next to Engine.hpp) checked by spin
+through scripts/check_protocol.sh: safe and deadlock-free, no lost wake-up,
+and every broken rule caught (so the assertions bite)."""
 
 import pathlib
 import shutil
@@ -27,6 +28,11 @@ def test_step_protocol_model_checks():
     # 6 safe runs (3 with pooled calls, one of them pooled all-reduces),
     # 7 broken rules caught (3 of the pool).
     assert len(lines) == 13, out
+    wake = [line for line in out.splitlines() if line.startswith("[wake]")]
+    # 2 safe runs, 2 lost wake-ups found when a rule is broken.
+    assert len(wake) == 4, out
+    assert sum("safe, no deadlock" in line for line in wake) == 2, out
+    assert sum("violation found" in line for line in wake) == 2, out
     assert sum("safe, no deadlock" in line for line in lines) == 6, out
     assert sum("violation found" in line for line in lines) == 7, out
     assert sum("-DPOOL" in line for line in lines) == 6, out

@@ -117,9 +117,7 @@ Completion ShmRoute::issue(const Call& call, Plan plan) {
   }
   const uint64_t seq = call.seq;
   trace_->setRoute(seq, name());
-  auto outputs = plan.outputs;
-  // One std::function, run inline or moved to the queue: the plan is never copied.
-  std::function<void()> body = [this, seq, op = call.ctx.op, plan = std::move(plan)]() mutable {
+  auto run = [this, seq, op = call.ctx.op](const Plan& plan) {
     // Every engine collective of the plan (a fused call's buckets) is this
     // one c10d collective: the engine's messages carry its number.
     local_->setCallerSeq(seq);
@@ -128,7 +126,7 @@ Completion ShmRoute::issue(const Call& call, Plan plan) {
         plan.stageIn();
       }
       for (const auto& c : plan.collectives) {
-        run(op, c);
+        this->run(op, c);
       }
       if (plan.post) {
         plan.post();
@@ -138,11 +136,18 @@ Completion ShmRoute::issue(const Call& call, Plan plan) {
     }
     trace_->finished(seq, "");
   };
-  if (!call.asyncOp && queue_->runInlineIfIdle(body)) {
-    return {WorkHSDP::completed(rank_, call.type, std::move(outputs)), /*endRecorded=*/true};
+  if (!call.asyncOp && queue_->runInlineIfIdle([&] { run(plan); })) {
+    return {WorkHSDP::completed(rank_, call.type, std::move(plan.outputs)), /*endRecorded=*/true};
   }
+  auto outputs = plan.outputs;
+  // The plan moves into the queue's task: it is never copied.
   return {
-      WorkHSDP::onQueue(*queue_, rank_, call.type, std::move(outputs), std::move(body)),
+      WorkHSDP::onQueue(
+          *queue_,
+          rank_,
+          call.type,
+          std::move(outputs),
+          [run, plan = std::move(plan)] { run(plan); }),
       /*endRecorded=*/true};
 }
 
