@@ -16,6 +16,7 @@ import re
 import torch
 import torch.distributed as dist
 from error_cases import work_error
+from hooks import engine_under_test
 from ops_cases import check, data
 from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
 
@@ -432,6 +433,37 @@ def work_exception_and_future_chains(rank, world, ref):
         dist.destroy_process_group(g)
     if rank == 0:
         assert isinstance(errors["hsdp"], type(errors["gloo"])), errors
+
+
+@case
+def a_synchronous_work_is_a_completed_one(rank, world, ref):
+    """A synchronous call (asyncOp False: what dist.all_reduce issues) hands
+    back a Work that is complete when the call returns on the shared-memory
+    engine (gloo's, and hsdp's on gloo, once waited for: gloo runs every
+    call on its threads): is_completed, result(),
+    exception() and a future made only when asked, complete with the
+    output (every time it is asked for), whose then() chains run."""
+    want = sum(data(r, 16, torch.float32) for r in range(world))
+    for group in (None, ref):
+        t = data(rank, 16, torch.float32)
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        work = pg(group).allreduce([t], opts)
+        if group is not None or engine_under_test() != "shm":
+            work.wait()  # gloo runs every call on its own threads
+        check(t, want, f"a synchronous all_reduce ({'gloo' if group else 'hsdp'})")
+        assert work.is_completed(), "a synchronous Work is not complete"
+        assert work.wait()
+        if _torch_compat.WORK_EXCEPTION_IN_PYTHON:
+            assert work.exception() is None
+        check(work.result()[0], want, "result() of a synchronous Work")
+        future = work.get_future()
+        assert future.done(), "a synchronous Work's future is not complete"
+        check(future.value()[0], want, "the future of a synchronous Work")
+        assert future.value()[0].data_ptr() == t.data_ptr(), "the future's value is not the output"
+        again = work.get_future()  # asked twice: made once
+        assert again.value()[0].data_ptr() == t.data_ptr(), "a second future differs"
+        check(future.then(lambda f: f.value()[0] + 1).wait(), want + 1, "then() on it")
 
 
 # ------------------------------------------------------- group lifecycle

@@ -66,7 +66,7 @@ std::string Engine::rankName(int q) const {
   return "rank " + std::to_string(mapped ? config_.groupRanks[q] : q);
 }
 
-Engine::OpState::OpState(Engine& e, const char* opName, Signature signature, uint64_t number)
+Engine::OpState::OpState(Engine& e, const char* opName, const Signature& signature, uint64_t number)
     : engine(e),
       name(opName),
       sig(signature),

@@ -228,7 +228,7 @@ class Engine final : public Collectives {
   // destruction marks this rank idle, or failed if an exception is leaving.
   struct OpState {
     // `seq`: the caller's number for it (setCallerSeq), else this engine's.
-    OpState(Engine& engine, const char* name, Signature sig, uint64_t seq);
+    OpState(Engine& engine, const char* name, const Signature& sig, uint64_t seq);
     OpState(const OpState&) = delete;
     OpState& operator=(const OpState&) = delete;
     ~OpState();
