@@ -40,7 +40,8 @@
 // Waiting spins briefly (when every rank has a core), then polls with
 // sched_yield for a while (a peer that needs this core gets it at once),
 // then sleeps on a futex in the segment (shared, not FUTEX_PRIVATE: the
-// waker is another process). Every wait has a deadline;
+// waker is another process; the handshake is model-checked in wake.pml).
+// Every wait has a deadline;
 // while waiting, peers that have not arrived are checked for liveness, so a
 // dead peer surfaces in tens of milliseconds and a stuck one at the
 // deadline, as a CommError that names the rank and the op. The first rank
