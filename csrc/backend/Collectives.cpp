@@ -73,16 +73,17 @@ Route& ProcessGroupHSDP::shmOr(InnerRoute& inner, bool shmServes) {
   return shmServes ? static_cast<Route&>(*engine_) : inner;
 }
 
-TracedCall ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes) {
+TracedCall
+ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes, const Route& route) {
   checkUsable(call.ctx);
   stats_.record(call.ctx.op, collectives, bytes);
   call.seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
-  trace_->started(call.seq, call.ctx.op, bytes);
+  trace_->started(call.seq, call.ctx.op, bytes, route.recordedAs());
   return TracedCall(trace_, call);
 }
 
 WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan plan, uint64_t bytes) {
-  auto traced = record(call, plan.collectives.size(), bytes);
+  auto traced = record(call, plan.collectives.size(), bytes, route);
   return finish(traced, route.issue(traced.call(), std::move(plan)));
 }
 
@@ -92,16 +93,21 @@ WorkPtr ProcessGroupHSDP::forward(
     uint64_t bytes,
     const std::function<WorkPtr(c10d::Backend&)>& op,
     Plan done) {
-  auto traced = record(call, 1, bytes);
+  auto traced = record(call, 1, bytes, route);
   auto work = op(route.backend());
   return finish(traced, route.complete(traced.call(), {work}, std::move(done)));
 }
 
 WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
+  // Outside a block (most calls) no lock: a block is opened on the thread
+  // that issues its calls, which sees its own store.
+  if (!coalescing_.load(std::memory_order_acquire)) {
+    return traced.follow(std::move(done), /*inBlock=*/false);
+  }
   bool inBlock;
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
-    inBlock = coalescing_;
+    inBlock = coalescing_.load(std::memory_order_relaxed);
     if (inBlock && done.work) {
       coalescedWorks_.push_back(done.work);
     }

@@ -23,14 +23,20 @@ struct OpCounters {
 
 class CommStats {
  public:
-  void record(std::string_view op, uint64_t collectives, uint64_t bytes) {
+  // `op` is one of the backend's op-name literals: a call of the same op as
+  // the last one finds its counters by the pointer, without reading the name
+  // (this runs on every call; map nodes never move).
+  void record(const char* op, uint64_t collectives, uint64_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
-    // Found without making a std::string: this runs on every call.
-    auto it = counters_.find(op);
-    if (it == counters_.end()) {
-      it = counters_.emplace(std::string(op), OpCounters{}).first;
+    if (op != lastOp_) {
+      auto it = counters_.find(std::string_view(op));
+      if (it == counters_.end()) {
+        it = counters_.emplace(std::string(op), OpCounters{}).first;
+      }
+      lastOp_ = op;
+      last_ = &it->second;
     }
-    auto& c = it->second;
+    auto& c = *last_;
     c.calls += 1;
     c.collectives += collectives;
     c.bytes += bytes;
@@ -44,11 +50,15 @@ class CommStats {
   void reset() {
     std::lock_guard<std::mutex> lock(mutex_);
     counters_.clear();
+    lastOp_ = nullptr;
+    last_ = nullptr;
   }
 
  private:
   mutable std::mutex mutex_;
   std::map<std::string, OpCounters, std::less<>> counters_;
+  const char* lastOp_ = nullptr;
+  OpCounters* last_ = nullptr; // counters_[lastOp_]
 };
 
 } // namespace hsdp

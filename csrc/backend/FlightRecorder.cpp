@@ -127,7 +127,7 @@ FlightRecorder::Entry* FlightRecorder::find(uint64_t seq) {
   return e.seq == seq ? &e : nullptr;
 }
 
-void FlightRecorder::started(uint64_t seq, const char* op, uint64_t bytes) {
+void FlightRecorder::started(uint64_t seq, const char* op, uint64_t bytes, const char* route) {
   if (!enabled()) {
     return;
   }
@@ -136,23 +136,13 @@ void FlightRecorder::started(uint64_t seq, const char* op, uint64_t bytes) {
   Entry& e = ring_[seq % ring_.size()];
   e.seq = seq;
   e.op = op;
-  e.route = "inner";
+  e.route = route;
   e.bytes = bytes;
   e.startUs = now;
   e.endUs = 0;
   e.state = State::Started;
   e.error.clear();
   e.done = nullptr;
-}
-
-void FlightRecorder::setRoute(uint64_t seq, const char* route) {
-  if (!enabled()) {
-    return;
-  }
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (Entry* e = find(seq)) {
-    e->route = route;
-  }
 }
 
 void FlightRecorder::finished(uint64_t seq, const std::string& error) {

@@ -46,9 +46,8 @@ class FlightRecorder {
   // list that dumpAll() and SIGUSR1 write.
   void detach();
 
-  void started(uint64_t seq, const char* op, uint64_t bytes);
-  // What serves it, when not an inner backend: "shm".
-  void setRoute(uint64_t seq, const char* route);
+  // `route`: what serves it (Route::recordedAs).
+  void started(uint64_t seq, const char* op, uint64_t bytes, const char* route);
   // `error` empty: completed.
   void finished(uint64_t seq, const std::string& error);
   // The op was handed to a device that runs it later (NCCL: a Work's future

@@ -328,8 +328,8 @@ void ProcessGroupHSDP::shutdown() {
 
 void ProcessGroupHSDP::startCoalescing() {
   std::lock_guard<std::mutex> lock(coalescingMutex_);
-  TORCH_CHECK(!coalescing_, ctx("start_coalescing").prefix(), "already coalescing");
-  coalescing_ = true;
+  TORCH_CHECK(!coalescing_.load(), ctx("start_coalescing").prefix(), "already coalescing");
+  coalescing_.store(true, std::memory_order_release);
   coalescedWorks_.clear();
   for (auto* r : {cpu_.get(), cuda_.get()}) {
     if (r && r->caps().nativeCoalescing) {
@@ -343,8 +343,10 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
   {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     TORCH_CHECK(
-        coalescing_, ctx("end_coalescing").prefix(), "end_coalescing without start_coalescing");
-    coalescing_ = false;
+        coalescing_.load(),
+        ctx("end_coalescing").prefix(),
+        "end_coalescing without start_coalescing");
+    coalescing_.store(false, std::memory_order_release);
     works.swap(coalescedWorks_);
   }
   WorkPtr cudaWork;

@@ -276,7 +276,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   Route& shmOr(InnerRoute& inner, bool shmServes);
   // comm_stats' counters, the sequence number and the flight-record entry
   // of one collective call.
-  [[nodiscard]] TracedCall record(Call& call, uint64_t collectives, uint64_t bytes);
+  [[nodiscard]] TracedCall
+  record(Call& call, uint64_t collectives, uint64_t bytes, const Route& route);
   // A planned call: recorded, issued on `route`, finished.
   c10::intrusive_ptr<c10d::Work> issue(Call& call, Route& route, Plan plan, uint64_t bytes);
   // A call no route plans, issued on the inner backend as it is by `op`
@@ -346,7 +347,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::unique_ptr<ShmRoute> engine_; // null: no shared memory for this group
 
   std::mutex coalescingMutex_;
-  bool coalescing_ = false;
+  std::atomic<bool> coalescing_{false}; // written under coalescingMutex_
   std::vector<c10::intrusive_ptr<c10d::Work>> coalescedWorks_;
 };
 

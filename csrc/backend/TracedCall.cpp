@@ -101,10 +101,8 @@ void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Devic
 
 } // namespace
 
-TracedCall::TracedCall(std::shared_ptr<FlightRecorder> trace, Call call)
-    : trace_(std::move(trace)),
-      call_(std::move(call)),
-      exceptionsAtStart_(std::uncaught_exceptions()) {}
+TracedCall::TracedCall(const std::shared_ptr<FlightRecorder>& trace, Call call)
+    : trace_(trace), call_(std::move(call)), exceptionsAtStart_(std::uncaught_exceptions()) {}
 
 TracedCall::~TracedCall() {
   if (handedOver_ || call_.seq == 0 || std::uncaught_exceptions() <= exceptionsAtStart_) {

@@ -17,7 +17,9 @@ class TracedCall {
  public:
   // `call.seq` names the entry, already started; 0: the call has none
   // (point-to-point ops are not collectives).
-  TracedCall(std::shared_ptr<FlightRecorder> trace, Call call);
+  // `trace`: the group's own, which outlives the call (no reference count
+  // is taken per call; a Work's callback takes one).
+  TracedCall(const std::shared_ptr<FlightRecorder>& trace, Call call);
   TracedCall(const TracedCall&) = delete;
   TracedCall& operator=(const TracedCall&) = delete;
   ~TracedCall();
@@ -34,7 +36,7 @@ class TracedCall {
   c10::intrusive_ptr<c10d::Work> follow(Completion done, bool inBlock);
 
  private:
-  std::shared_ptr<FlightRecorder> trace_;
+  const std::shared_ptr<FlightRecorder>& trace_;
   const Call call_;
   const int exceptionsAtStart_;
   bool handedOver_ = false;

@@ -67,24 +67,30 @@ std::string Engine::rankName(int q) const {
 }
 
 Engine::OpState::OpState(Engine& e, const char* opName, const Signature& signature, uint64_t number)
-    : engine(e),
-      name(opName),
-      sig(signature),
-      deadline(Clock::now() + e.config_.timeout),
-      exceptionsAtStart(std::uncaught_exceptions()) {
+    : engine(e), name(opName), sig(signature), exceptionsAtStart(std::uncaught_exceptions()) {
   Activity& a = engine.segment_.control(engine.rank_).activity;
-  char packed[sizeof a.name] = {};
-  std::strncpy(packed, name, sizeof packed - 1);
-  for (size_t w = 0; w < std::size(a.name); ++w) {
-    uint64_t word;
-    std::memcpy(&word, packed + 8 * w, 8);
-    a.name[w].store(word, std::memory_order_relaxed);
+  if (name != engine.publishedName_) {
+    char packed[sizeof a.name] = {};
+    std::strncpy(packed, name, sizeof packed - 1);
+    for (size_t w = 0; w < std::size(a.name); ++w) {
+      uint64_t word;
+      std::memcpy(&word, packed + 8 * w, 8);
+      a.name[w].store(word, std::memory_order_relaxed);
+    }
+    engine.publishedName_ = name;
   }
   a.seq.store(number, std::memory_order_relaxed);
   a.count.store(sig.count, std::memory_order_relaxed);
   a.steps.store(steps, std::memory_order_relaxed);
   a.step.store(0, std::memory_order_relaxed);
   a.state.store(Activity::Working, std::memory_order_relaxed);
+}
+
+Clock::time_point Engine::OpState::deadlineFrom(Clock::time_point now) {
+  if (!deadline) {
+    deadline = now + engine.config_.timeout;
+  }
+  return *deadline;
 }
 
 Engine::OpState::~OpState() {

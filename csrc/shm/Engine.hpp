@@ -41,12 +41,11 @@
 // sched_yield for a while (a peer that needs this core gets it at once),
 // then sleeps on a futex in the segment (shared, not FUTEX_PRIVATE: the
 // waker is another process; the handshake is model-checked in wake.pml).
-// Every wait has a deadline;
-// while waiting, peers that have not arrived are checked for liveness, so a
-// dead peer surfaces in tens of milliseconds and a stuck one at the
-// deadline, as a CommError that names the rank and the op. The first rank
-// that fails marks the segment broken and wakes everyone, so all ranks fail
-// fast; a broken engine refuses further work.
+// Every wait has a deadline (the group's timeout from the op's first wait
+// that does not pass at once); while waiting, peers that have not arrived are checked for liveness,
+// so a dead peer surfaces in tens of milliseconds and a stuck one at the deadline, as a CommError
+// that names the rank and the op. The first rank that fails marks the segment broken and wakes
+// everyone, so all ranks fail fast; a broken engine refuses further work.
 //
 // Tested on its own, ranks as threads, plain and under ThreadSanitizer and
 // ASan+UBSan: tests/cpp/engine_test.cpp (bash scripts/cpp_tests.sh).
@@ -58,6 +57,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -236,10 +236,15 @@ class Engine final : public Collectives {
     // Publishes that this rank is at step `stepIndex` (of `steps`) in `state`.
     void at(Activity::State state) const;
 
+    // The op's deadline, set by its first wait that does not pass at once
+    // (most small ops never need one, and a clock read is 30 ns in a VM):
+    // the group's timeout counts from there.
+    std::chrono::steady_clock::time_point deadlineFrom(std::chrono::steady_clock::time_point now);
+
     Engine& engine;
     const char* name;
     Signature sig;
-    std::chrono::steady_clock::time_point deadline;
+    std::optional<std::chrono::steady_clock::time_point> deadline;
     uint32_t steps = 1;
     uint32_t stepIndex = 0;
     int exceptionsAtStart;
@@ -338,6 +343,9 @@ class Engine final : public Collectives {
   uint64_t step_ = 0;      // last step this rank finished
   uint64_t posted_ = 0;    // last step this rank posted
   uint64_t doneByAll_ = 0; // every rank's `done` was at least this when last read
+  // The op name this rank's Activity holds (an op-name literal): the next
+  // op of the same name does not write it again.
+  const char* publishedName_ = nullptr;
   uint64_t opSeq_ = 0;
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;

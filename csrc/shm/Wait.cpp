@@ -143,7 +143,9 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   // post 0.8 us late on average, most of an 8-byte all-reduce's handshake.
   // No spin at all when ranks share cores (spin 0): the peer may need
   // this one.
-  const auto spinUntil = Clock::now() + config_.spin;
+  const auto waitStart = Clock::now();
+  const auto spinUntil = waitStart + config_.spin;
+  op.deadlineFrom(waitStart);
   for (uint32_t i = 1; config_.spin.count() > 0; ++i) {
     _mm_pause();
     if (ready()) {
@@ -205,7 +207,8 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       }
       checkBroken(); // markBroken wakes only announced sleepers too
       const auto now = Clock::now();
-      if (now >= op.deadline) {
+      const auto deadline = op.deadlineFrom(now);
+      if (now >= deadline) {
         // "Timed out", as gloo words it: code that matches gloo's timeout
         // message (PyTorch's own tests do) matches this one.
         fail(
@@ -215,7 +218,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
                 " of the group; is it stuck, or did it call a different collective?). " +
                 whereEveryRankIs());
       }
-      futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, op.deadline - now));
+      futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, deadline - now));
     }
     if (ready()) {
       return;

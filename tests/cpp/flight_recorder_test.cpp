@@ -38,7 +38,7 @@ class FlightRecorderTest : public ::testing::Test {
 
 TEST_F(FlightRecorderTest, AnOpOnADeviceIsStartedUntilADumpFindsItDone) {
   hsdp::FlightRecorder r(0, 1, {8, dir_});
-  r.started(1, "all_reduce", 64);
+  r.started(1, "all_reduce", 64, "inner");
   bool ran = false;
   int asked = 0;
   r.completesWhen(1, [&] {
@@ -57,7 +57,7 @@ TEST_F(FlightRecorderTest, AnOpOnADeviceIsStartedUntilADumpFindsItDone) {
 
 TEST_F(FlightRecorderTest, AFailureIsKeptAndTheEventNotAsked) {
   hsdp::FlightRecorder r(0, 1, {8, dir_});
-  r.started(1, "all_reduce", 64);
+  r.started(1, "all_reduce", 64, "inner");
   int asked = 0;
   r.completesWhen(1, [&] { return ++asked > 0; });
   r.finished(1, "NCCL error");
@@ -68,10 +68,10 @@ TEST_F(FlightRecorderTest, AFailureIsKeptAndTheEventNotAsked) {
 
 TEST_F(FlightRecorderTest, AReusedSlotDropsTheEarlierOpsEvent) {
   hsdp::FlightRecorder r(0, 1, {2, dir_});
-  r.started(1, "all_reduce", 64);
+  r.started(1, "all_reduce", 64, "inner");
   int asked = 0;
   r.completesWhen(1, [&] { return ++asked > 0; });
-  r.started(3, "broadcast", 8); // same slot of a ring of 2
+  r.started(3, "broadcast", 8, "inner"); // same slot of a ring of 2
   const std::string path = r.dump("t");
   EXPECT_EQ(asked, 0);
   EXPECT_EQ(entry(path, 1), "");
@@ -80,7 +80,7 @@ TEST_F(FlightRecorderTest, AReusedSlotDropsTheEarlierOpsEvent) {
 
 TEST_F(FlightRecorderTest, ADeviceErrorWhileAskingFailsTheEntryNotTheDump) {
   hsdp::FlightRecorder r(0, 1, {8, dir_});
-  r.started(1, "all_reduce", 64);
+  r.started(1, "all_reduce", 64, "inner");
   r.completesWhen(
       1, []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); });
   const std::string e = entry(r.dump("t"), 1);

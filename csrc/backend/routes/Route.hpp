@@ -15,6 +15,7 @@
 // one packed buffer per collective.
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <chrono>
@@ -82,7 +83,9 @@ struct Collective {
 // if the call fails before `post` runs).
 struct Plan {
   std::function<void()> stageIn; // empty: nothing to copy in
-  std::vector<Collective> collectives;
+  // Inline room for one: most calls are one collective, and a heap
+  // allocation is a measurable share of a small call's own cost.
+  c10::SmallVector<Collective, 1> collectives;
   std::function<void()> post;        // empty: nothing to do after
   std::vector<at::Tensor> outputs;   // the value of the Work's future
   std::vector<at::Tensor> keepAlive; // buffers the op or `post` still use
@@ -104,6 +107,12 @@ class Route {
   virtual ~Route() = default;
 
   virtual const char* name() const = 0;
+  // The route a flight-record entry names: hsdp's own routes by name, an
+  // inner backend as "inner" (a record tells calls hsdp ran from calls it
+  // handed on).
+  virtual const char* recordedAs() const {
+    return "inner";
+  }
   // AVG and PREMUL_SUM run inside the reduction (planReduce's nativeScale).
   virtual bool scalesNatively() const = 0;
   // A collective may hold lists (Collective::inputs), run as one launch.

@@ -116,7 +116,6 @@ Completion ShmRoute::issue(const Call& call, Plan plan) {
     C10_THROW_ERROR(DistBackendError, call.ctx.prefix() + "the process group was shut down");
   }
   const uint64_t seq = call.seq;
-  trace_->setRoute(seq, name());
   auto run = [this, seq, op = call.ctx.op](const Plan& plan) {
     // Every engine collective of the plan (a fused call's buckets) is this
     // one c10d collective: the engine's messages carry its number.

@@ -43,6 +43,9 @@ class ShmRoute final : public Route {
   const char* name() const override {
     return hierarchical_ ? "hierarchical" : "shm";
   }
+  const char* recordedAs() const override {
+    return name();
+  }
   bool scalesNatively() const override {
     return false; // the scale is fused into the reduction's kernel: one pass, no extra kernel
   }
