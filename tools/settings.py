@@ -58,6 +58,9 @@ _TABLE = [
     Var("HSDP_TEST_CONFORMANCE_FULL", "tests", None, parse_flag, str,
         "`1`: torch's DistributedTest conformance run runs every test, adds world size 3 and "
         "re-checks gloo", "0"),
+    Var("HSDP_TEST_PROTOCOL_FULL", "tests", None, parse_flag, str,
+        "`1`: the spin model proves the step protocol at 3 ranks x 4 calls and pooled calls at "
+        "3 ranks x 2 (about 4 min instead of 1; `scripts/check_protocol.sh`)", "0"),
     Var("HSDP_COMPAT_RUN", "tests", None, parse_text, str,
         "set by `tests/system/test_torch_versions.py` in its runs on the other torch releases, so "
         "those runs do not start it again"),
