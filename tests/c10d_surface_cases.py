@@ -466,6 +466,38 @@ def a_synchronous_work_is_a_completed_one(rank, world, ref):
         check(future.then(lambda f: f.value()[0] + 1).wait(), want + 1, "then() on it")
 
 
+@case
+def a_synchronous_work_holds_its_outputs_weakly(rank, world, ref):
+    """On the shared-memory engine a synchronous call's Work does not keep
+    the caller's tensors alive (WorkHSDP::completedInline: releasing them
+    would retake the GIL in the Work's destructor on every call); once they
+    are freed, result() and get_future() raise, naming the rank and the op.
+    gloo's Work (and hsdp's on gloo) holds them, as c10d's do."""
+    import gc
+    import weakref
+
+    for group in (None, ref):
+        t = data(rank, 16, torch.float32)
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        work = pg(group).allreduce([t], opts)
+        work.wait()
+        alive = weakref.ref(t)
+        del t
+        gc.collect()
+        weak = group is None and engine_under_test() == "shm"
+        assert (alive() is None) == weak, (
+            f"{'hsdp' if group is None else 'gloo'}: the output "
+            f"{'outlived' if weak else 'did not outlive'} the caller's reference"
+        )
+        if weak:
+            for ask in (work.result, work.get_future):
+                msg = str(error_of(ask))
+                assert f"[rank {rank}]" in msg and "ALLREDUCE" in msg and "freed" in msg, msg
+        else:
+            check(work.result()[0], sum(data(r, 16, torch.float32) for r in range(world)), "result")
+
+
 # ------------------------------------------------------- group lifecycle
 
 

@@ -41,6 +41,39 @@ WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue
 WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs)
     : Work(rank, opType), completeAtCreation_(true), outputs_(std::move(outputs)) {}
 
+WorkHSDP::WorkHSDP(
+    int rank,
+    c10d::OpType opType,
+    const std::vector<at::Tensor>& outputs,
+    HeldWeakly)
+    : Work(rank, opType), completeAtCreation_(true), weak_(true) {
+  for (const auto& t : outputs) {
+    weakOutputs_.emplace_back(t.getIntrusivePtr());
+  }
+}
+
+std::vector<at::Tensor> WorkHSDP::outputs() const {
+  if (!weak_) {
+    return outputs_;
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(weakOutputs_.size());
+  for (const auto& w : weakOutputs_) {
+    at::Tensor t(w.lock());
+    TORCH_CHECK_VALUE(
+        t.defined(),
+        "[rank ",
+        rank_,
+        "] ",
+        c10d::opTypeToString(opType_),
+        ": the output tensors of this synchronous call (async_op=False) were freed before "
+        "result() or get_future() was called: its Work holds them weakly. Keep the tensors, "
+        "or issue the call with async_op=True");
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 bool WorkHSDP::isCompleted() {
   return completeAtCreation_ || future_->completed();
 }
@@ -54,7 +87,7 @@ std::exception_ptr WorkHSDP::exception() const {
 }
 
 std::vector<at::Tensor> WorkHSDP::result() {
-  return completeAtCreation_ ? outputs_ : future_->value().toTensorVector();
+  return completeAtCreation_ ? outputs() : future_->value().toTensorVector();
 }
 
 void WorkHSDP::synchronize() {
@@ -100,8 +133,9 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
 c10::intrusive_ptr<c10::ivalue::Future> WorkHSDP::getFuture() {
   if (completeAtCreation_) {
     std::call_once(made_, [this] {
+      auto out = outputs(); // may raise: then no future is made
       future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
-      future_->markCompleted(c10::IValue(outputs_));
+      future_->markCompleted(c10::IValue(std::move(out)));
     });
   }
   return future_;
@@ -115,6 +149,14 @@ WorkHSDP::completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outpu
   auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType(), devicesOf(outputs));
   future->markCompleted(c10::IValue(std::move(outputs)));
   return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
+}
+
+c10::intrusive_ptr<c10d::Work>
+WorkHSDP::completedInline(int rank, c10d::OpType opType, const std::vector<at::Tensor>& outputs) {
+  if (std::all_of(outputs.begin(), outputs.end(), [](const auto& t) { return t.is_cpu(); })) {
+    return c10::make_intrusive<WorkHSDP>(rank, opType, outputs, HeldWeakly{});
+  }
+  return completed(rank, opType, outputs);
 }
 
 c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(

@@ -13,6 +13,8 @@
 
 #include "backend/OpQueue.hpp"
 
+#include <c10/util/SmallVector.h>
+
 #include <functional>
 #include <mutex>
 
@@ -32,6 +34,9 @@ class WorkHSDP : public c10d::Work {
   // future is a third of a synchronous call's own cost: an allocation, a
   // type, a lock, the outputs' storages, a wake-up).
   WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
+  // The same, holding `outputs` weakly (completedInline).
+  struct HeldWeakly {};
+  WorkHSDP(int rank, c10d::OpType opType, const std::vector<at::Tensor>& outputs, HeldWeakly);
   WorkHSDP(const WorkHSDP&) = delete;
   WorkHSDP& operator=(const WorkHSDP&) = delete;
 
@@ -46,6 +51,18 @@ class WorkHSDP : public c10d::Work {
   // A Work that is already complete with `outputs`.
   static c10::intrusive_ptr<c10d::Work>
   completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
+
+  // The Work of a synchronous call that completed on the caller's thread,
+  // on CPU tensors: it holds `outputs` weakly. c10d's functions wait for
+  // such a Work and drop it (dist.all_reduce returns None), and a Work
+  // that held the caller's tensors would be the last C++ owner of their
+  // Python objects: releasing them from the Work's destructor, which pybind
+  // runs without the GIL, retakes the GIL on every call (torch 2.11 and
+  // later: c10::intrusive_ptr::reset_not_null_ decrefs the PyObject). The
+  // outputs come back from result() and getFuture() while the caller holds
+  // them; once they were freed, those raise, naming the call.
+  static c10::intrusive_ptr<c10d::Work>
+  completedInline(int rank, c10d::OpType opType, const std::vector<at::Tensor>& outputs);
 
   // A Work that completes with `outputs` once `task` has run on `queue`
   // (or fails with what it threw). The future completes after the queue is
@@ -62,6 +79,12 @@ class WorkHSDP : public c10d::Work {
   std::once_flag made_; // complete at creation: future_ made (by getFuture)
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_; // complete at creation: the result
+  using WeakTensor = c10::weak_intrusive_ptr<at::TensorImpl, c10::UndefinedTensorImpl>;
+  c10::SmallVector<WeakTensor, 1> weakOutputs_; // completedInline: the result
+  const bool weak_ = false;
+
+  // The outputs of a complete-at-creation Work; raises for freed weak ones.
+  std::vector<at::Tensor> outputs() const;
 };
 
 } // namespace hsdp

@@ -136,7 +136,7 @@ Completion ShmRoute::issue(const Call& call, Plan plan) {
     trace_->finished(seq, "");
   };
   if (!call.asyncOp && queue_->runInlineIfIdle([&] { run(plan); })) {
-    return {WorkHSDP::completed(rank_, call.type, std::move(plan.outputs)), /*endRecorded=*/true};
+    return {WorkHSDP::completedInline(rank_, call.type, plan.outputs), /*endRecorded=*/true};
   }
   auto outputs = plan.outputs;
   // The plan moves into the queue's task: it is never copied.
