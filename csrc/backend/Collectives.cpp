@@ -82,7 +82,7 @@ ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes, const
   return TracedCall(trace_, call);
 }
 
-WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan plan, uint64_t bytes) {
+WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan&& plan, uint64_t bytes) {
   auto traced = record(call, plan.collectives.size(), bytes, route);
   return finish(traced, route.issue(traced.call(), std::move(plan)));
 }

@@ -279,7 +279,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   [[nodiscard]] TracedCall
   record(Call& call, uint64_t collectives, uint64_t bytes, const Route& route);
   // A planned call: recorded, issued on `route`, finished.
-  c10::intrusive_ptr<c10d::Work> issue(Call& call, Route& route, Plan plan, uint64_t bytes);
+  c10::intrusive_ptr<c10d::Work> issue(Call& call, Route& route, Plan&& plan, uint64_t bytes);
   // A call no route plans, issued on the inner backend as it is by `op`
   // and finished by `done`'s post-step.
   c10::intrusive_ptr<c10d::Work> forward(

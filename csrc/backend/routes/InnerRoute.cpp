@@ -208,7 +208,7 @@ InnerRoute::WorkPtr InnerRoute::run(const Call& call, const Collective& c) {
   TORCH_INTERNAL_ASSERT(false, "unknown collective kind");
 }
 
-Completion InnerRoute::issue(const Call& call, Plan plan) {
+Completion InnerRoute::issue(const Call& call, Plan&& plan) {
   if (plan.stageIn) {
     plan.stageIn();
   }

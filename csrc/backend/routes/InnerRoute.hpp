@@ -113,7 +113,7 @@ class InnerRoute final : public Route {
   // Stages in, issues each collective on the inner backend (a list as its
   // *_coalesced form), and finishes with the deferred scales, then the
   // plan's post-step.
-  Completion issue(const Call& call, Plan plan) override;
+  Completion issue(const Call& call, Plan&& plan) override;
   // The completion of an op the override issued on backend() itself (the
   // forms no route plans: gather, scatter, all-to-all, point-to-point, list
   // and sparse forms), finished by `plan`'s post-step.

@@ -130,7 +130,9 @@ class Route {
   virtual bool serves(const ReducePlan& plan, at::ScalarType dtype) const {
     return true;
   }
-  virtual Completion issue(const Call& call, Plan plan) = 0;
+  // `plan` stays the caller's: a route moves out what it keeps (a queued
+  // task takes the whole plan), so a call run at once moves nothing.
+  virtual Completion issue(const Call& call, Plan&& plan) = 0;
 };
 
 } // namespace hsdp

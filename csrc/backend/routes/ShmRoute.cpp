@@ -111,7 +111,7 @@ void ShmRoute::fail(const shm::CommError& e, uint64_t seq) {
           " reads every rank's and names the first collective where they diverge)");
 }
 
-Completion ShmRoute::issue(const Call& call, Plan plan) {
+Completion ShmRoute::issue(const Call& call, Plan&& plan) {
   if (!queue_) {
     C10_THROW_ERROR(DistBackendError, call.ctx.prefix() + "the process group was shut down");
   }

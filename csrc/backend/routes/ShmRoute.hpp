@@ -65,7 +65,7 @@ class ShmRoute final : public Route {
   // the queue is idle, else on its worker, in issue order. The call's
   // flight-record entry ends with it; a failure is raised (or fails the
   // Work) as DistBackendError naming this rank's flight record.
-  Completion issue(const Call& call, Plan plan) override;
+  Completion issue(const Call& call, Plan&& plan) override;
   // Where issue() records calls' ends; set once, before the first call.
   void recordInto(std::shared_ptr<FlightRecorder> trace) {
     trace_ = std::move(trace);
