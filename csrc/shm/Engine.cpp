@@ -401,7 +401,7 @@ void Engine::allGatherPieces(
 void Engine::directStep(
     OpState& op,
     const void* source,
-    const std::function<void(int, uint64_t)>& readFrom) {
+    FunctionRef<void(int, uint64_t)> readFrom) {
   uint64_t s = step_ + 1;
   op.sig.sourceAddress = reinterpret_cast<uint64_t>(source);
   const int slot = post(op, s, nullptr);
@@ -416,7 +416,7 @@ void Engine::directStep(
   step_ = s;
 }
 
-int Engine::post(OpState& op, uint64_t& step, const std::function<void(char*)>& fill) {
+int Engine::post(OpState& op, uint64_t& step, FunctionRef<void(char*)> fill) {
   const int slot = static_cast<int>(step % kSlots);
   ++op.stepIndex;
   op.at(Activity::Working);
@@ -511,7 +511,7 @@ bool Engine::pooledStep(
     const PoolRef& mine,
     const char* own,
     size_t bytes,
-    const std::function<void(const std::vector<const char*>&, uint64_t)>& use) {
+    FunctionRef<void(const std::vector<const char*>&, uint64_t)> use) {
   uint64_t s = step_ + 1;
   op.sig.pool = mine;
   const int slot = post(op, s, nullptr);
@@ -586,8 +586,8 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
 void Engine::pipelineBytes(
     OpState& op,
     size_t n,
-    const std::function<void(char*, size_t, size_t)>& fill,
-    const std::function<void(int, size_t, size_t)>& drain) {
+    FunctionRef<void(char*, size_t, size_t)> fill,
+    FunctionRef<void(int, size_t, size_t)> drain) {
   const size_t piece = slotBytes();
   const size_t steps = std::max<size_t>(1, ceilDiv(n, piece)); // >= 1: an empty call still syncs
   op.steps = static_cast<uint32_t>(steps);

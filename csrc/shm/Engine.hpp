@@ -51,11 +51,11 @@
 // ASan+UBSan: tests/cpp/engine_test.cpp (bash scripts/cpp_tests.sh).
 
 #include "shm/Collectives.hpp"
+#include "shm/FunctionRef.hpp"
 #include "shm/Segment.hpp"
 #include "shm/Types.hpp"
 
 #include <chrono>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -255,7 +255,7 @@ class Engine final : public Collectives {
   // first post of a call that meets a peer's pool step (pooledStep) while
   // its own buffer is ordinary closes that step and posts again at the next
   // one: `step` is then one more than it was.
-  int post(OpState& op, uint64_t& step, const std::function<void(char*)>& fill);
+  int post(OpState& op, uint64_t& step, FunctionRef<void(char*)> fill);
   // My pool buffer holding [p, p + bytes), if the call may read pool
   // buffers: direct reads on and `perRank` bytes a rank at least the
   // direct-read threshold (below it the pooled step's final wait for every
@@ -274,7 +274,7 @@ class Engine final : public Collectives {
       const PoolRef& mine,
       const char* own,
       size_t bytes,
-      const std::function<void(const std::vector<const char*>&, uint64_t)>& use);
+      FunctionRef<void(const std::vector<const char*>&, uint64_t)> use);
   // Rank q's pool buffer `ref`, `bytes` long, in this process (maps its
   // chunk on first use); fails the op on a reference hsdp never writes.
   const char* peerBuffer(const OpState& op, int q, const PoolRef& ref, size_t bytes);
@@ -309,16 +309,15 @@ class Engine final : public Collectives {
   // Publishes `source`'s address, waits for every peer's, and calls
   // `readFrom(q, q's address)` for each peer; returns only after every peer
   // finished reading mine.
-  void
-  directStep(OpState& op, const void* source, const std::function<void(int, uint64_t)>& readFrom);
+  void directStep(OpState& op, const void* source, FunctionRef<void(int, uint64_t)> readFrom);
   // Moves an n-byte message through the slots, a slot-sized piece a step:
   // `fill(mySlot, offset, length)` writes this rank's piece, then
   // `drain(slot, offset, length)` reads the peers' slots of that step.
   void pipelineBytes(
       OpState& op,
       size_t n,
-      const std::function<void(char*, size_t, size_t)>& fill,
-      const std::function<void(int, size_t, size_t)>& drain);
+      FunctionRef<void(char*, size_t, size_t)> fill,
+      FunctionRef<void(int, size_t, size_t)> drain);
   void wake();
   // The all-reduce's algorithms (selectAllReduce picks one).
   void allReduceOneShot(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
