@@ -18,6 +18,7 @@ case "$mode" in
   *) echo "usage: $0 [plain|tsan|asan] [gtest arguments...]" >&2; exit 2 ;;
 esac
 
+source scripts/compiler_cache.sh
 build=build/cpp-$mode
 cmake -S tests/cpp -B "$build" -DHSDP_SANITIZE="$sanitize" > "$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }

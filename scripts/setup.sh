@@ -26,11 +26,11 @@ fi
 # build them with their own sanitizer flags. spin (Debian): the model checker
 # of the engine's protocol (scripts/check_protocol.sh). iproute2: simulated
 # hosts (tools/simhosts.py, tests/system/test_hosts.py). clang-format: the C++ half
-# of scripts/format.sh.
+# of scripts/format.sh. ccache: every build's compiler cache (scripts/compiler_cache.sh).
 if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null || ! command -v ip > /dev/null ||
-   ! command -v clang-format > /dev/null; then
-  echo "[setup] installing googletest, spin, iproute2 and clang-format (Debian)"
-  pkgs="googletest spin iproute2 clang-format"
+   ! command -v clang-format > /dev/null || ! command -v ccache > /dev/null; then
+  echo "[setup] installing googletest, spin, iproute2, clang-format and ccache (Debian)"
+  pkgs="googletest spin iproute2 clang-format ccache"
   if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1 ||
          { apt-get update -q > /dev/null 2>&1 &&
            DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1; }; }; then
@@ -39,6 +39,7 @@ if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null 
   fi
 fi
 
+source scripts/compiler_cache.sh
 # The tests' build: with the tests' module beside the package (hsdp_testing:
 # the NCCL-contract double, the engine's kernel for the benchmarks).
 build_package "$PY" build/.setup-stamp -C cmake.define.HSDP_BUILD_TESTING=ON

@@ -14,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv_steps.sh
+source scripts/compiler_cache.sh
 
 # The release of each minor version that is tested (docs/versions.md). 2.13
 # is the local CPU wheel (a CPU build of torch); the others come from PyPI as
