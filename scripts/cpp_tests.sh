@@ -20,6 +20,7 @@ esac
 
 source scripts/compiler_cache.sh
 build=build/cpp-$mode
+mkdir -p build
 cmake -S tests/cpp -B "$build" -DHSDP_SANITIZE="$sanitize" > "$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" --target engine_tests -j "$(nproc)" > "$build.build.log" 2>&1 ||
