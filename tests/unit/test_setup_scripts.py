@@ -1,4 +1,5 @@
-"""scripts/sync_python.py: the set-up's shortcut when only a package's Python files changed.
+"""The set-up's steps. scripts/sync_python.py: the shortcut when only a package's Python files
+changed; scripts/compiler_cache.sh: every build's compiler cache.
 
 A venv whose installed copy of the package is refreshed by copying must end up exactly as a
 rebuild would leave it, or the shortcut must refuse (exit 1) so that the caller rebuilds.
@@ -81,3 +82,45 @@ def test_an_up_to_date_venv_is_left_alone_whichever_way_its_python_is_named():
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout + proc.stderr == "", (python, proc.stdout + proc.stderr)
+
+
+def compiler_cache_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    """The build environment scripts/compiler_cache.sh leaves, sourced from the root with a
+    `ccache` on PATH (a stand-in: the script only looks it up)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "ccache").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "ccache").chmod(0o755)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("CCACHE_", "CMAKE_", "HSDP_NO_CCACHE", "HSDP_VENV_CACHE"))
+    }
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", HSDP_VENV_CACHE=str(tmp_path / "cache"), **extra)
+    out = subprocess.run(
+        ["bash", "-c", "source scripts/compiler_cache.sh && env -0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=60,
+        check=True,
+    ).stdout.decode()
+    return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+
+
+def test_builds_compile_through_ccache_with_paths_relative_to_the_clone(tmp_path):
+    """CMake takes the launcher from the environment; a second clone hits the first one's
+    entries only if paths under the clone are hashed relative to it and the build directory
+    is not hashed."""
+    env = compiler_cache_env(tmp_path)
+    assert env.get("CMAKE_CXX_COMPILER_LAUNCHER") == "ccache"
+    assert env.get("CMAKE_C_COMPILER_LAUNCHER") == "ccache"
+    assert env.get("CCACHE_BASEDIR") == str(ROOT)
+    assert env.get("CCACHE_NOHASHDIR") == "1"
+    assert env.get("CCACHE_DIR") == str(tmp_path / "cache" / "ccache")
+
+
+def test_hsdp_no_ccache_compiles_without_it(tmp_path):
+    env = compiler_cache_env(tmp_path, HSDP_NO_CCACHE="1")
+    assert "CMAKE_CXX_COMPILER_LAUNCHER" not in env
+    assert "CCACHE_DIR" not in env
