@@ -22,6 +22,7 @@ SECTIONS = {
     "tests": "The test suite",
     "peers": "Benchmarks against peers (`python -m benchmarks peers`)",
     "cpp": "C++ tests (`bash scripts/cpp_tests.sh`)",
+    "build": "Builds (`scripts/setup.sh`, `scripts/setup_compat.sh`, `scripts/cpp_tests.sh`)",
 }
 
 # fmt: off
@@ -76,6 +77,12 @@ _TABLE = [
         "trials of the engine's C++ corruption fuzzer (`tests/cpp/corruption_test.cpp`)", "120"),
     Var("HSDP_FUZZ_SEED", "cpp", None, parse_int, str,
         "the fuzzer's seed (random when unset; printed, to replay a run)"),
+    Var("HSDP_VENV_CACHE", "build", None, parse_text, str,
+        "where the other torch releases' venvs and the compiler cache live (outside the clone, "
+        "so a second clone reuses them; `scripts/setup_compat.sh`, `scripts/compiler_cache.sh`)",
+        "~/.cache/hsdp-backend"),
+    Var("HSDP_NO_CCACHE", "build", None, parse_flag, str,
+        "`1`: builds compile without ccache (`scripts/compiler_cache.sh`)", "0"),
 ]
 # fmt: on
 
