@@ -27,7 +27,7 @@ declare -A TORCH_REQS=(
 )
 MINOR=${1:?usage: setup_compat.sh MINOR (one of: ${!TORCH_REQS[*]})}
 TORCH_REQ=${TORCH_REQS[$MINOR]:?"no tested release for torch $MINOR (known: ${!TORCH_REQS[*]})"}
-CACHE=${HSDP_VENV_CACHE:-$HOME/.cache/hsdp-backend}
+CACHE=$HSDP_CACHE_DIR
 VENV=$CACHE/venv-torch$MINOR
 PY=$VENV/bin/python
 
