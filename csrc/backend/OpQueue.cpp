@@ -133,7 +133,11 @@ size_t OpQueue::workerCount() const {
 }
 
 void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
-  State& s = *state_;
+  // Held to the end: once the lock is released, the task may run and its
+  // completion step drop the queue's last reference, and the worker then
+  // frees the state as it exits, while this thread still has to notify.
+  const std::shared_ptr<State> state = state_;
+  State& s = *state;
   enum { kNobody, kOne, kAll } wake = kNobody;
   {
     std::lock_guard<std::mutex> lock(s.mutex);
@@ -146,7 +150,7 @@ void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
         ++s.waitingSteps;
       }
       if (s.idle == 0) {
-        addWorkerLocked(state_);
+        addWorkerLocked(state);
       }
       wake = kAll;
     } else if (!s.busy && s.inThen == 0) {
@@ -176,17 +180,20 @@ bool OpQueue::enterIfIdle() {
 
 void OpQueue::leaveInline() {
   State& s = *state_;
-  bool wake;
+  std::shared_ptr<State> keep; // as in submit: the notify outlives the lock
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.busy = false;
     // A worker waits for `busy` only with work queued or a stop pending.
     // Waking one otherwise (every small synchronous call) costs two futex
-    // calls and a context switch onto a core a peer rank may be spinning on.
-    wake = s.runnable() || s.stop;
+    // calls and a context switch onto a core a peer rank may be spinning on,
+    // and the hot path then takes no reference either.
+    if (s.runnable() || s.stop) {
+      keep = state_;
+    }
   }
-  if (wake) {
-    s.cv.notify_all();
+  if (keep) {
+    keep->cv.notify_all();
   }
 }
 

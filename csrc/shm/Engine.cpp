@@ -478,6 +478,15 @@ const char* Engine::peerBuffer(const OpState& op, int q, const PoolRef& ref, siz
             " bytes) cannot hold the " + std::to_string(bytes) + " bytes this call moves" +
             kCorrupted);
   }
+  // A real buffer starts on an element (a tensor's data does), so the
+  // reduction may load whole elements from it.
+  const size_t element = dtypeSize(static_cast<DType>(op.sig.dtype));
+  if (ref.offset % element != 0) {
+    fail(
+        op,
+        rankName(q) + "'s pool buffer starts at offset " + std::to_string(ref.offset) +
+            " of its chunk, not on a " + std::to_string(element) + "-byte element" + kCorrupted);
+  }
   if (peerChunks_.empty()) {
     peerChunks_.resize(size_);
   }

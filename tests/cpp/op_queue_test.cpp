@@ -173,18 +173,23 @@ TEST(OpQueue, DestructorRunsWhatIsQueued) {
 }
 
 TEST(OpQueue, LastReferenceDroppedInACompletionStep) {
-  auto q = std::make_shared<OpQueue>();
-  Flag done;
-  std::weak_ptr<OpQueue> weak = q;
-  OpQueue* raw = q.get();
-  raw->submit(
-      [] {},
-      [q = std::move(q), &done]() mutable {
-        q.reset(); // destroys the queue on its own worker
-        done.set();
-      });
-  ASSERT_TRUE(done.waitFor(kDeadline));
-  EXPECT_TRUE(weak.expired());
+  // Many times over: the worker, just started, may find the task, run it,
+  // drop the queue and exit while submit() is still waking it (a race only
+  // a ThreadSanitizer build sees, and only when the threads meet there).
+  for (int i = 0; i < 500; ++i) {
+    auto q = std::make_shared<OpQueue>();
+    Flag done;
+    std::weak_ptr<OpQueue> weak = q;
+    OpQueue* raw = q.get();
+    raw->submit(
+        [] {},
+        [q = std::move(q), &done]() mutable {
+          q.reset(); // destroys the queue on its own worker
+          done.set();
+        });
+    ASSERT_TRUE(done.waitFor(kDeadline));
+    EXPECT_TRUE(weak.expired());
+  }
 }
 
 } // namespace
