@@ -1,6 +1,6 @@
 # Compiles through ccache when it is installed (scripts/setup.sh installs it):
 # sourced, from the repository root, by the scripts that build (setup.sh,
-# setup_compat.sh, cpp_tests.sh). A clean clone otherwise compiles the
+# setup_compat.sh, cpp_tests.sh, engine_bench.sh). A clean clone otherwise compiles the
 # extension, the other releases' builds and the engine's C++ tests under
 # three sanitizer settings from nothing, minutes each on 2 cores, for sources
 # that rarely changed. CMake (3.17+) reads the launcher from the environment

@@ -49,7 +49,7 @@ _TABLE = [
         ""),
     Var("HSDP_TEST_EXIT_RUNS", "tests", None, parse_int, str,
         "consecutive trainings per exit mode in `tests/system/test_hosts.py` (50 in the long run)",
-        "3"),
+        "2"),
     Var("HSDP_TEST_SOAK_OPS", "tests", None, parse_int, str,
         "collectives of the shared-memory soak test", "5000"),
     Var("HSDP_TEST_SOAK_SECONDS", "tests", None, float, str,
@@ -63,8 +63,8 @@ _TABLE = [
         "`1`: the spin model proves the step protocol at 3 ranks x 4 calls and pooled calls at "
         "3 ranks x 2 (about 4 min instead of 1; `scripts/check_protocol.sh`)", "0"),
     Var("HSDP_TEST_EVERY_TORCH_FULL", "tests", None, parse_flag, str,
-        "`1`: the quick tier runs on every other supported torch release, not only on 2.11 "
-        "(about 10 min more; `tests/system/test_torch_versions.py`)", "0"),
+        "`1`: the quick tier runs on every other supported torch release too "
+        "(about 10-15 min more; `tests/system/test_torch_versions.py`)", "0"),
     Var("HSDP_COMPAT_RUN", "tests", None, parse_text, str,
         "set by `tests/system/test_torch_versions.py` in its runs on the other torch releases, so "
         "those runs do not start it again"),

@@ -2,7 +2,7 @@
 scripts/setup_compat.sh builds it against that release in a venv of its own
 (cached outside the clone: docs/versions.md), then what meets torch's
 differences (conftest.py: EVERY_TORCH) runs there with that venv's pytest,
-with the quick tier on the oldest (SUBSETS below). A fresh machine
+and the quick tier too with HSDP_TEST_EVERY_TORCH_FULL=1 (SUBSETS below). A fresh machine
 spends a minute or two per release installing torch and about two building;
 a second run only runs the tests."""
 
@@ -16,12 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 # Every supported minor release but the main venv's (scripts/setup_compat.sh's table).
 OTHER_RELEASES = ["2.11", "2.12", "2.13", "2.15"]
-# The oldest supported release, the farthest from the main venv's 2.14, runs
-# the quick tier (every case at two ranks, on every route) and what differs
-# between releases (the shim on the release's FSDP2, ...); the others run
-# what differs, and the quick tier too with HSDP_TEST_EVERY_TORCH_FULL=1
-# (about 3-6 minutes more each on 2 cores).
-QUICK_TIER_ON = ("2.11",)
+# Every release runs what differs between releases (the shim on the
+# release's FSDP2, the version contracts, ...); with
+# HSDP_TEST_EVERY_TORCH_FULL=1 the quick tier too (every case at two ranks,
+# on every route: about 2-6 minutes more each on 2 cores).
 FULL = os.environ.get("HSDP_TEST_EVERY_TORCH_FULL") == "1"
 # {release kind: (pytest's -m, what it passes less a margin: it must not
 # shrink unnoticed)}
@@ -31,8 +29,8 @@ SUBSETS = {
 }
 
 
-def subset_of(release: str) -> tuple[str, int]:
-    return SUBSETS["quick tier" if FULL or release in QUICK_TIER_ON else "differences"]
+def subset() -> tuple[str, int]:
+    return SUBSETS["quick tier" if FULL else "differences"]
 
 
 # Set in the compat run, so that the suite run there does not start itself again.
@@ -65,7 +63,7 @@ def test_on_every_supported_torch(release):
         timeout=120,
     )
     assert version.stdout.startswith(release + "."), version.stdout + version.stderr
-    marks, min_passed = subset_of(release)
+    marks, min_passed = subset()
     proc = subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", marks, "tests"],
         cwd=ROOT,
