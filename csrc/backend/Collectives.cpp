@@ -128,7 +128,9 @@ Plan completes(
     std::function<void()> post = {},
     std::vector<at::Tensor> keepAlive = {}) {
   return Plan{
-      .post = std::move(post), .outputs = std::move(outputs), .keepAlive = std::move(keepAlive)};
+      .post = std::move(post),
+      .outputs = Tensors(outputs.begin(), outputs.end()),
+      .keepAlive = std::move(keepAlive)};
 }
 
 // The deferred scale of a reduction on tensors the inner backend reduced

@@ -145,7 +145,7 @@ void FlightRecorder::started(uint64_t seq, const char* op, uint64_t bytes, const
   e.done = nullptr;
 }
 
-void FlightRecorder::finished(uint64_t seq, const std::string& error) {
+void FlightRecorder::finished(uint64_t seq, std::string_view error) {
   if (!enabled()) {
     return;
   }
@@ -154,7 +154,7 @@ void FlightRecorder::finished(uint64_t seq, const std::string& error) {
   if (Entry* e = find(seq); e != nullptr && e->state == State::Started) {
     e->endUs = now;
     e->state = error.empty() ? State::Completed : State::Failed;
-    e->error = error;
+    e->error.assign(error);
     e->done = nullptr;
   }
 }

@@ -14,6 +14,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace hsdp {
@@ -48,8 +49,8 @@ class FlightRecorder {
 
   // `route`: what serves it (Route::recordedAs).
   void started(uint64_t seq, const char* op, uint64_t bytes, const char* route);
-  // `error` empty: completed.
-  void finished(uint64_t seq, const std::string& error);
+  // `error` empty: completed (a view: a completed call builds no string).
+  void finished(uint64_t seq, std::string_view error);
   // The op was handed to a device that runs it later (NCCL: a Work's future
   // completes when the op is enqueued): the entry stays "started" until a
   // dump finds `done()` true (a device event queried then, never polled),

@@ -120,8 +120,14 @@ std::vector<DtypeGroup> groupByDtype(
 Plan planInPlace(Kind kind, const at::Tensor& t, ReducePlan reduce, int root) {
   const auto arg = FlatArg::of(t);
   Plan plan;
-  plan.collectives.push_back({kind, {arg.flat}, {}, false, std::move(reduce), root});
-  plan.outputs = {t};
+  // Built in place: the one-tensor forms are the small calls, where each
+  // temporary's reference counts show.
+  auto& c = plan.collectives.emplace_back();
+  c.kind = kind;
+  c.inputs.push_back(arg.flat);
+  c.reduce = std::move(reduce);
+  c.root = root;
+  plan.outputs.push_back(t);
   if (arg.staged()) {
     stageAround(plan, {arg}, /*copyIn=*/true, /*copyBack=*/true);
   }
@@ -145,7 +151,7 @@ Plan planAllGatherToList(const at::Tensor& input, const std::vector<at::Tensor>&
   auto gathered = at::empty({static_cast<int64_t>(outputs.size()) * n}, input.options());
   Plan plan;
   plan.collectives.push_back({Kind::AllGather, {in.flat}, {gathered}});
-  plan.outputs = outputs;
+  plan.outputs.assign(outputs.begin(), outputs.end());
   if (in.staged()) {
     stageAround(plan, {in}, /*copyIn=*/true, /*copyBack=*/false);
   }
@@ -200,7 +206,7 @@ Plan planAllGatherCoalesced(
     int size,
     const std::shared_ptr<StagingPool>& pool) {
   Plan plan;
-  plan.outputs = outputs;
+  plan.outputs.assign(outputs.begin(), outputs.end());
   const bool native = route.coalescesNatively();
   if (native || route.gathersPieces(inputs.size(), bytesOf(inputs))) {
     // The callers' tensors as they are (outputs are contiguous: checked);
@@ -211,7 +217,7 @@ Plan planAllGatherCoalesced(
       c.inputs.push_back(native ? realView(in) : in);
       c.outputs.push_back(native ? realView(outputs[i]) : outputs[i]);
     }
-    plan.keepAlive = c.inputs;
+    plan.keepAlive.assign(c.inputs.begin(), c.inputs.end());
     plan.collectives.push_back(std::move(c));
     return plan;
   }
@@ -234,7 +240,7 @@ Plan planReduceScatterCoalesced(
     int size,
     const std::shared_ptr<StagingPool>& pool) {
   Plan plan;
-  plan.outputs = outputs;
+  plan.outputs.assign(outputs.begin(), outputs.end());
   if (route.coalescesNatively()) {
     // One launch per dtype (a PREMUL_SUM factor is typed), of the callers'
     // tensors (outputs are contiguous: checked).
@@ -278,7 +284,7 @@ Plan planAllReduceBuckets(
     const Route& route,
     const std::shared_ptr<StagingPool>& pool) {
   Plan plan;
-  plan.outputs = tensors;
+  plan.outputs.assign(tensors.begin(), tensors.end());
   if (route.coalescesNatively()) {
     // One launch per bucket, of the callers' tensors: nothing is packed.
     std::vector<FlatArg> args;

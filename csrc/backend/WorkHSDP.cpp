@@ -41,11 +41,7 @@ WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue
 WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs)
     : Work(rank, opType), completeAtCreation_(true), outputs_(std::move(outputs)) {}
 
-WorkHSDP::WorkHSDP(
-    int rank,
-    c10d::OpType opType,
-    const std::vector<at::Tensor>& outputs,
-    HeldWeakly)
+WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs, HeldWeakly)
     : Work(rank, opType), completeAtCreation_(true), weak_(true) {
   for (const auto& t : outputs) {
     weakOutputs_.emplace_back(t.getIntrusivePtr());
@@ -152,11 +148,11 @@ WorkHSDP::completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outpu
 }
 
 c10::intrusive_ptr<c10d::Work>
-WorkHSDP::completedInline(int rank, c10d::OpType opType, const std::vector<at::Tensor>& outputs) {
+WorkHSDP::completedInline(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs) {
   if (std::all_of(outputs.begin(), outputs.end(), [](const auto& t) { return t.is_cpu(); })) {
     return c10::make_intrusive<WorkHSDP>(rank, opType, outputs, HeldWeakly{});
   }
-  return completed(rank, opType, outputs);
+  return completed(rank, opType, outputs.vec());
 }
 
 c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(

@@ -36,7 +36,7 @@ class WorkHSDP : public c10d::Work {
   WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
   // The same, holding `outputs` weakly (completedInline).
   struct HeldWeakly {};
-  WorkHSDP(int rank, c10d::OpType opType, const std::vector<at::Tensor>& outputs, HeldWeakly);
+  WorkHSDP(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs, HeldWeakly);
   WorkHSDP(const WorkHSDP&) = delete;
   WorkHSDP& operator=(const WorkHSDP&) = delete;
 
@@ -62,7 +62,7 @@ class WorkHSDP : public c10d::Work {
   // outputs come back from result() and getFuture() while the caller holds
   // them; once they were freed, those raise, naming the call.
   static c10::intrusive_ptr<c10d::Work>
-  completedInline(int rank, c10d::OpType opType, const std::vector<at::Tensor>& outputs);
+  completedInline(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs);
 
   // A Work that completes with `outputs` once `task` has run on `queue`
   // (or fails with what it threw). The future completes after the queue is

@@ -154,8 +154,9 @@ InnerRoute::WorkPtr InnerRoute::run(const Call& call, const Collective& c) {
   const auto timeout = call.timeout;
   const bool async = call.asyncOp;
   const auto op = c.reduce.innerOp;
-  auto ins = c.inputs;
-  auto outs = c.outputs;
+  // c10d's signatures take vectors.
+  std::vector<at::Tensor> ins(c.inputs.begin(), c.inputs.end());
+  std::vector<at::Tensor> outs(c.outputs.begin(), c.outputs.end());
   const bool list = c.asList;
   // Gloo's *_base ops insist on 1-D shapes (a fatal check otherwise).
   auto flat = [](const at::Tensor& t) { return t.dim() == 1 ? t : t.view({-1}); };
@@ -242,7 +243,7 @@ Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Pl
       call.type,
       call.asyncOp,
       std::move(works),
-      std::move(plan.outputs),
+      std::vector<at::Tensor>(plan.outputs.begin(), plan.outputs.end()),
       std::move(plan.post),
       std::move(plan.keepAlive))};
 }

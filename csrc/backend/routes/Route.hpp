@@ -52,6 +52,10 @@ inline ReducePlan noReduction() {
   return {c10d::ReduceOp::SUM, DeferredScale::none()};
 }
 
+// A collective's or a call's tensors: inline room for one, as most calls
+// have (a heap allocation is a measurable share of a small call's own cost).
+using Tensors = c10::SmallVector<at::Tensor, 1>;
+
 enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, Barrier };
 
 // One collective on contiguous tensors (a route flattens them where its
@@ -62,8 +66,8 @@ enum class Kind { AllReduce, Broadcast, Reduce, AllGather, ReduceScatter, Barrie
 // is empty for the in-place kinds.
 struct Collective {
   Kind kind;
-  std::vector<at::Tensor> inputs;
-  std::vector<at::Tensor> outputs = {};
+  Tensors inputs;
+  Tensors outputs = {};
   bool asList = false;
   // Reductions: what the transport runs and the deferred scale of the
   // result (applied by the route: fused into the engine's kernel, or after
@@ -72,7 +76,7 @@ struct Collective {
   int root = 0;
 
   // The tensors that hold the result.
-  const std::vector<at::Tensor>& results() const {
+  const Tensors& results() const {
     return outputs.empty() ? inputs : outputs;
   }
 };
@@ -87,7 +91,7 @@ struct Plan {
   // allocation is a measurable share of a small call's own cost.
   c10::SmallVector<Collective, 1> collectives;
   std::function<void()> post;        // empty: nothing to do after
-  std::vector<at::Tensor> outputs;   // the value of the Work's future
+  Tensors outputs;                   // the value of the Work's future
   std::vector<at::Tensor> keepAlive; // buffers the op or `post` still use
 };
 

@@ -138,7 +138,7 @@ Completion ShmRoute::issue(const Call& call, Plan&& plan) {
   if (!call.asyncOp && queue_->runInlineIfIdle([&] { run(plan); })) {
     return {WorkHSDP::completedInline(rank_, call.type, plan.outputs), /*endRecorded=*/true};
   }
-  auto outputs = plan.outputs;
+  std::vector<at::Tensor> outputs(plan.outputs.begin(), plan.outputs.end());
   // The plan moves into the queue's task: it is never copied.
   return {
       WorkHSDP::onQueue(
