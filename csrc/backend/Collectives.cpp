@@ -11,6 +11,7 @@
 #include "backend/Checks.hpp"
 #include "backend/WorkHSDP.hpp"
 
+#include <iterator>
 #include <numeric>
 
 namespace hsdp {
@@ -129,7 +130,8 @@ Plan completes(
     std::vector<at::Tensor> keepAlive = {}) {
   return Plan{
       .post = std::move(post),
-      .outputs = Tensors(outputs.begin(), outputs.end()),
+      .outputs =
+          Tensors(std::make_move_iterator(outputs.begin()), std::make_move_iterator(outputs.end())),
       .keepAlive = std::move(keepAlive)};
 }
 

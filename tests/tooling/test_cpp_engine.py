@@ -83,7 +83,7 @@ def test_a_peer_that_finishes_and_exits_is_not_reported_dead():
     for _ in range(800):
         proc = subprocess.run(
             [
-                str(ROOT / "build" / "engine_bench"),
+                str(ROOT / "build" / "engine-bench" / "engine_bench"),
                 "barrier",
                 "8",
                 "4",

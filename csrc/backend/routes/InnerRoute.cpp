@@ -243,7 +243,9 @@ Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Pl
       call.type,
       call.asyncOp,
       std::move(works),
-      std::vector<at::Tensor>(plan.outputs.begin(), plan.outputs.end()),
+      std::vector<at::Tensor>(
+          std::make_move_iterator(plan.outputs.begin()),
+          std::make_move_iterator(plan.outputs.end())),
       std::move(plan.post),
       std::move(plan.keepAlive))};
 }

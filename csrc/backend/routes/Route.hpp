@@ -86,13 +86,11 @@ struct Collective {
 // a StagingLease it holds, which gives its buffers back when destroyed
 // if the call fails before `post` runs).
 struct Plan {
-  std::function<void()> stageIn; // empty: nothing to copy in
-  // Inline room for one: most calls are one collective, and a heap
-  // allocation is a measurable share of a small call's own cost.
-  c10::SmallVector<Collective, 1> collectives;
-  std::function<void()> post;        // empty: nothing to do after
-  Tensors outputs;                   // the value of the Work's future
-  std::vector<at::Tensor> keepAlive; // buffers the op or `post` still use
+  std::function<void()> stageIn;               // empty: nothing to copy in
+  c10::SmallVector<Collective, 1> collectives; // inline room, as Tensors
+  std::function<void()> post;                  // empty: nothing to do after
+  Tensors outputs;                             // the value of the Work's future
+  std::vector<at::Tensor> keepAlive;           // buffers the op or `post` still use
 };
 
 // How a routed call completes.
