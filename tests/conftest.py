@@ -65,6 +65,8 @@ EVERY_TORCH = (
     "tests/integration/test_fsdp_selfproof.py",
     "tests/integration/test_nccl_contract.py::test_nccl_contract_splits",
     "tests/integration/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
+    # hsdp's Work as a Python subclass of the Work this release's c10d binds
+    "tests/integration/test_ops.py::test_op[work_gives_up_the_gil_while_its_op_is_pending-shm-2]",
     "tests/tooling/test_cpp_backend.py",
 )
 

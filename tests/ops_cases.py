@@ -556,6 +556,63 @@ def waited_work_leaves_the_inflight_registry(rank, world, ref):
         c10d._set_allow_inflight_collective_as_graph_input(False)
 
 
+@case
+def work_gives_up_the_gil_while_its_op_is_pending(rank, world, ref):
+    """wait() gives up the GIL while the op is pending, as c10d's own
+    Work.wait does: another Python thread of the waiting rank runs meanwhile
+    (here while rank 0 waits for peers that join a second late; at world 1
+    nothing is pending). hsdp's Work
+    has a wait() of its own that keeps the GIL only for a Work that waits
+    for nothing: complete at creation (a synchronous call that ran on the
+    caller's thread), outside c10d's in-flight registry; under that registry
+    (torch.compile's eager path) it gives the GIL up as before, and waiting
+    still takes the Work off the registry."""
+    import threading
+    import time
+
+    from torch._C import _distributed_c10d as c10d
+
+    shm = hsdp_backend.cpu_engine() == "shm"  # the group's calls run on the engine alone
+    t = data(rank, 8, torch.float32)
+    if rank != 0:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    if rank == 0 and world > 1:
+        ran = []
+        thread = threading.Thread(target=lambda: (time.sleep(0.2), ran.append(time.monotonic())))
+        thread.start()
+        work.wait()
+        returned = time.monotonic()
+        thread.join(timeout=30)
+        assert ran and ran[0] < returned, "no other thread ran while wait() waited for peers"
+    else:
+        work.wait()
+    check(t, reduce_ref(dist.ReduceOp.SUM, world, 8, torch.float32), "all_reduce waited for")
+    if shm:
+        assert isinstance(work, dist.Work) and type(work) is hsdp_backend._C.Work, type(work)
+        assert not work._waits_for_nothing
+
+    group = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    for inflight in (False, True):
+        c10d._set_allow_inflight_collective_as_graph_input(inflight)
+        try:
+            before = c10d._get_work_registry_size()
+            u = data(rank, 8, torch.float32)
+            work = group.allreduce([u], opts)
+            if shm:
+                assert type(work) is hsdp_backend._C.Work, type(work)
+                assert work._waits_for_nothing is not inflight, inflight
+            if work is not None:  # None: the NCCL-contract route's synchronous calls
+                assert work.wait()
+                assert c10d._get_work_registry_size() == before, inflight
+            check(u, reduce_ref(dist.ReduceOp.SUM, world, 8, torch.float32), "synchronous")
+            del work
+        finally:
+            c10d._set_allow_inflight_collective_as_graph_input(False)
+
+
 # -------------------------------------------------------- subgroups, meshes
 
 

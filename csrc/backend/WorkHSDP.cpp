@@ -39,10 +39,16 @@ WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue
     : Work(rank, opType), future_(std::move(future)) {}
 
 WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs)
-    : Work(rank, opType), completeAtCreation_(true), outputs_(std::move(outputs)) {}
+    : Work(rank, opType),
+      completeAtCreation_(true),
+      mayBeInflight_(c10d::allow_inflight_collective_as_graph_input()),
+      outputs_(std::move(outputs)) {}
 
 WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs, HeldWeakly)
-    : Work(rank, opType), completeAtCreation_(true), weak_(true) {
+    : Work(rank, opType),
+      completeAtCreation_(true),
+      mayBeInflight_(c10d::allow_inflight_collective_as_graph_input()),
+      weak_(true) {
   for (const auto& t : outputs) {
     weakOutputs_.emplace_back(t.getIntrusivePtr());
   }
@@ -90,12 +96,16 @@ void WorkHSDP::synchronize() {
   if (!completeAtCreation_) {
     future_->wait();
   }
-  unregisterInflight(*this);
+  if (mayBeInflight_) {
+    unregisterInflight(*this);
+  }
 }
 
 bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
   if (completeAtCreation_) {
-    unregisterInflight(*this);
+    if (mayBeInflight_) {
+      unregisterInflight(*this);
+    }
     return true;
   }
   // Without a timeout the wait is still bounded: the engine or the inner

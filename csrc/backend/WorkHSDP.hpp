@@ -48,6 +48,15 @@ class WorkHSDP : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
+  // Whether wait() returns at once and destroying this Work takes no lock
+  // that another thread may hold while it waits for the GIL: complete at
+  // creation, and made while c10d kept no in-flight registry (which wait()
+  // and the destructor would lock). The Python binding keeps the GIL for
+  // such a Work (bindings.cpp).
+  bool waitsForNothing() const {
+    return completeAtCreation_ && !mayBeInflight_;
+  }
+
   // A Work that is already complete with `outputs`.
   static c10::intrusive_ptr<c10d::Work>
   completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
@@ -76,6 +85,10 @@ class WorkHSDP : public c10d::Work {
 
  private:
   const bool completeAtCreation_ = false;
+  // c10d registers a Work in its in-flight registry (after the backend
+  // returns it) only under allow_inflight_collective_as_graph_input; a
+  // Work made while that was off has nothing to take off it.
+  const bool mayBeInflight_ = true;
   std::once_flag made_; // complete at creation: future_ made (by getFuture)
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_; // complete at creation: the result
