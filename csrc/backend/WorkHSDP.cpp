@@ -96,16 +96,12 @@ void WorkHSDP::synchronize() {
   if (!completeAtCreation_) {
     future_->wait();
   }
-  if (mayBeInflight_) {
-    unregisterInflight(*this);
-  }
+  leaveInflightRegistry();
 }
 
 bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
   if (completeAtCreation_) {
-    if (mayBeInflight_) {
-      unregisterInflight(*this);
-    }
+    leaveInflightRegistry();
     return true;
   }
   // Without a timeout the wait is still bounded: the engine or the inner
@@ -132,7 +128,7 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
     }
   }
   future_->waitAndThrow();
-  unregisterInflight(*this);
+  leaveInflightRegistry();
   return true;
 }
 

@@ -48,11 +48,10 @@ class WorkHSDP : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Whether wait() returns at once and destroying this Work takes no lock
-  // that another thread may hold while it waits for the GIL: complete at
-  // creation, and made while c10d kept no in-flight registry (which wait()
-  // and the destructor would lock). The Python binding keeps the GIL for
-  // such a Work (bindings.cpp).
+  // Whether wait() returns at once and takes no lock that another thread
+  // may hold while it waits for the GIL: complete at creation, and made
+  // while c10d kept no in-flight registry (whose lock wait() would take).
+  // The Python binding keeps the GIL for such a Work (bindings.cpp).
   bool waitsForNothing() const {
     return completeAtCreation_ && !mayBeInflight_;
   }
@@ -98,6 +97,12 @@ class WorkHSDP : public c10d::Work {
 
   // The outputs of a complete-at-creation Work; raises for freed weak ones.
   std::vector<at::Tensor> outputs() const;
+  // What waiting ends with: off c10d's in-flight registry, if it may be on it.
+  void leaveInflightRegistry() {
+    if (mayBeInflight_) {
+      unregisterInflight(*this);
+    }
+  }
 };
 
 } // namespace hsdp

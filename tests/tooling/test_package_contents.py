@@ -24,6 +24,26 @@ def test_the_extension_names_no_test_double_and_no_benchmark_kernel():
     assert not [t for t in TEST_ONLY if t in symbols]
 
 
+def plt_callees(module: str) -> list[str]:
+    """The functions a module calls through its PLT (its jump-slot relocations)."""
+    relocations = subprocess.run(
+        ["readelf", "-rW", module], capture_output=True, text=True, check=True
+    ).stdout
+    return [line.split()[4] for line in relocations.splitlines() if "JUMP_SLOT" in line]
+
+
+def test_the_extension_calls_its_own_functions_directly():
+    """Built with -fno-semantic-interposition and linked with
+    -Bsymbolic-functions (CMakeLists.txt): a call between two of hsdp's
+    functions is a direct call, not a jump through the PLT (an indirect jump
+    and a line of the instruction cache more, on a path that crosses some
+    sixty of them per call)."""
+    callees = plt_callees(_C.__file__)
+    assert any(name.startswith("_ZN3c10") for name in callees), callees  # torch's: still there
+    own = [name for name in callees if "4hsdp" in name]  # mangled: a name in namespace hsdp
+    assert not own, f"{len(own)} of hsdp's own functions called through the PLT: {own[:5]}"
+
+
 def test_the_users_settings_hold_no_setting_of_the_tests():
     assert not set(config.VARS) & set(settings.VARS)
     assert not [name for name in config.VARS if "TEST" in name]
