@@ -436,66 +436,51 @@ def work_exception_and_future_chains(rank, world, ref):
 
 
 @case
-def a_synchronous_work_is_a_completed_one(rank, world, ref):
-    """A synchronous call (asyncOp False: what dist.all_reduce issues) hands
-    back a Work that is complete when the call returns on the shared-memory
-    engine (gloo's, and hsdp's on gloo, once waited for: gloo runs every
-    call on its threads): is_completed, result(),
-    exception() and a future made only when asked, complete with the
-    output (every time it is asked for), whose then() chains run."""
+def a_synchronous_call_returns_no_work(rank, world, ref):
+    """A synchronous call (asyncOp False: what dist.all_reduce issues) whose
+    result is in place when it returns hands back no Work, as NCCL's
+    synchronous calls do (torch.distributed's functions take None for done):
+    on the shared-memory engine, and wherever hsdp finishes the call itself
+    (a strided tensor, staged through a copy); gloo's own Work passes
+    through. Under allow_inflight_collective_as_graph_input (torch.compile's
+    eager path) c10d registers what a call returns with its tensors and
+    wait_tensor() calls wait() on every entry, so there every call returns a
+    complete Work: waiting for it, or wait_tensor() on the output, empties
+    the registry again (a null entry would crash wait_tensor)."""
+    from torch._C import _distributed_c10d as c10d
+
     want = sum(data(r, 16, torch.float32) for r in range(world))
-    for group in (None, ref):
+
+    def synchronous_all_reduce(layout):
         t = data(rank, 16, torch.float32)
+        if layout == "strided":
+            t = torch.empty(16, 2)[:, 0].copy_(t)
         opts = dist.AllreduceOptions()
         opts.asyncOp = False
-        work = pg(group).allreduce([t], opts)
-        if group is not None or engine_under_test() != "shm":
-            work.wait()  # gloo runs every call on its own threads
-        check(t, want, f"a synchronous all_reduce ({'gloo' if group else 'hsdp'})")
-        assert work.is_completed(), "a synchronous Work is not complete"
-        assert work.wait()
-        if _torch_compat.WORK_EXCEPTION_IN_PYTHON:
-            assert work.exception() is None
-        check(work.result()[0], want, "result() of a synchronous Work")
-        future = work.get_future()
-        assert future.done(), "a synchronous Work's future is not complete"
-        check(future.value()[0], want, "the future of a synchronous Work")
-        assert future.value()[0].data_ptr() == t.data_ptr(), "the future's value is not the output"
-        again = work.get_future()  # asked twice: made once
-        assert again.value()[0].data_ptr() == t.data_ptr(), "a second future differs"
-        check(future.then(lambda f: f.value()[0] + 1).wait(), want + 1, "then() on it")
+        return t, pg(None).allreduce([t], opts)
 
-
-@case
-def a_synchronous_work_holds_its_outputs_weakly(rank, world, ref):
-    """On the shared-memory engine a synchronous call's Work does not keep
-    the caller's tensors alive (WorkHSDP::completedInline: releasing them
-    would retake the GIL in the Work's destructor on every call); once they
-    are freed, result() and get_future() raise, naming the rank and the op.
-    gloo's Work (and hsdp's on gloo) holds them, as c10d's do."""
-    import gc
-    import weakref
-
-    for group in (None, ref):
-        t = data(rank, 16, torch.float32)
-        opts = dist.AllreduceOptions()
-        opts.asyncOp = False
-        work = pg(group).allreduce([t], opts)
-        work.wait()
-        alive = weakref.ref(t)
-        del t
-        gc.collect()
-        weak = group is None and engine_under_test() == "shm"
-        assert (alive() is None) == weak, (
-            f"{'hsdp' if group is None else 'gloo'}: the output "
-            f"{'outlived' if weak else 'did not outlive'} the caller's reference"
-        )
-        if weak:
-            for ask in (work.result, work.get_future):
-                msg = str(error_of(ask))
-                assert f"[rank {rank}]" in msg and "ALLREDUCE" in msg and "freed" in msg, msg
-        else:
-            check(work.result()[0], sum(data(r, 16, torch.float32) for r in range(world)), "result")
+    for inflight in (False, True):
+        c10d._set_allow_inflight_collective_as_graph_input(inflight)
+        try:
+            for layout in ("contiguous", "strided"):
+                what = f"{layout}, in-flight registry {'on' if inflight else 'off'}"
+                before = c10d._get_work_registry_size()
+                t, work = synchronous_all_reduce(layout)
+                gloo_passes = engine_under_test() == "gloo" and layout == "contiguous"
+                if inflight or gloo_passes:
+                    assert work is not None, what
+                    assert work.wait(), what
+                else:
+                    assert work is None, f"{what}: {work!r}"
+                check(t, want, f"a synchronous all_reduce ({what})")
+                assert c10d._get_work_registry_size() == before, what
+                if inflight:
+                    t, _ = synchronous_all_reduce(layout)
+                    torch.ops._c10d_functional.wait_tensor(t)
+                    check(t, want, f"wait_tensor after a synchronous all_reduce ({what})")
+                    assert c10d._get_work_registry_size() == before, what
+        finally:
+            c10d._set_allow_inflight_collective_as_graph_input(False)
 
 
 # ------------------------------------------------------- group lifecycle

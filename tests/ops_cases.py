@@ -563,10 +563,10 @@ def work_gives_up_the_gil_while_its_op_is_pending(rank, world, ref):
     (here while rank 0 waits for peers that join a second late; at world 1
     nothing is pending). hsdp's Work
     has a wait() of its own that keeps the GIL only for a Work that waits
-    for nothing: complete at creation (a synchronous call that ran on the
-    caller's thread), outside c10d's in-flight registry; under that registry
-    (torch.compile's eager path) it gives the GIL up as before, and waiting
-    still takes the Work off the registry."""
+    for nothing: complete at creation, outside c10d's in-flight registry.
+    A synchronous call that ran on the caller's thread returns no Work, but
+    under that registry (torch.compile's eager path) a complete one, which
+    gives the GIL up as before, and waiting takes it off the registry."""
     import threading
     import time
 
@@ -601,10 +601,12 @@ def work_gives_up_the_gil_while_its_op_is_pending(rank, world, ref):
             before = c10d._get_work_registry_size()
             u = data(rank, 8, torch.float32)
             work = group.allreduce([u], opts)
-            if shm:
-                assert type(work) is hsdp_backend._C.Work, type(work)
-                assert work._waits_for_nothing is not inflight, inflight
-            if work is not None:  # None: the NCCL-contract route's synchronous calls
+            if shm:  # no Work, but one for c10d's in-flight registry
+                assert (work is None) is not inflight, (inflight, work)
+                if inflight:
+                    assert type(work) is hsdp_backend._C.Work, type(work)
+                    assert not work._waits_for_nothing
+            if work is not None:
                 assert work.wait()
                 assert c10d._get_work_registry_size() == before, inflight
             check(u, reduce_ref(dist.ReduceOp.SUM, world, 8, torch.float32), "synchronous")

@@ -100,20 +100,22 @@ WorkPtr ProcessGroupHSDP::forward(
 }
 
 WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
+  bool inBlock = false;
   // Outside a block (most calls) no lock: a block is opened on the thread
   // that issues its calls, which sees its own store.
-  if (!coalescing_.load(std::memory_order_acquire)) {
-    return traced.follow(std::move(done), /*inBlock=*/false);
-  }
-  bool inBlock;
-  {
+  if (coalescing_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(coalescingMutex_);
     inBlock = coalescing_.load(std::memory_order_relaxed);
     if (inBlock && done.work) {
       coalescedWorks_.push_back(done.work);
     }
   }
-  return traced.follow(std::move(done), inBlock);
+  const Call& call = traced.call();
+  auto work = traced.follow(std::move(done), inBlock);
+  if (!work && !call.asyncOp && !inBlock) {
+    return WorkHSDP::ofSynchronousCall(rank_, call.type);
+  }
+  return work;
 }
 
 WorkPtr ProcessGroupHSDP::untraced(const Call& call, Completion done) {

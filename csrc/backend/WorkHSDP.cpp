@@ -44,38 +44,6 @@ WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> output
       mayBeInflight_(c10d::allow_inflight_collective_as_graph_input()),
       outputs_(std::move(outputs)) {}
 
-WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs, HeldWeakly)
-    : Work(rank, opType),
-      completeAtCreation_(true),
-      mayBeInflight_(c10d::allow_inflight_collective_as_graph_input()),
-      weak_(true) {
-  for (const auto& t : outputs) {
-    weakOutputs_.emplace_back(t.getIntrusivePtr());
-  }
-}
-
-std::vector<at::Tensor> WorkHSDP::outputs() const {
-  if (!weak_) {
-    return outputs_;
-  }
-  std::vector<at::Tensor> out;
-  out.reserve(weakOutputs_.size());
-  for (const auto& w : weakOutputs_) {
-    at::Tensor t(w.lock());
-    TORCH_CHECK_VALUE(
-        t.defined(),
-        "[rank ",
-        rank_,
-        "] ",
-        c10d::opTypeToString(opType_),
-        ": the output tensors of this synchronous call (async_op=False) were freed before "
-        "result() or get_future() was called: its Work holds them weakly. Keep the tensors, "
-        "or issue the call with async_op=True");
-    out.push_back(std::move(t));
-  }
-  return out;
-}
-
 bool WorkHSDP::isCompleted() {
   return completeAtCreation_ || future_->completed();
 }
@@ -89,7 +57,7 @@ std::exception_ptr WorkHSDP::exception() const {
 }
 
 std::vector<at::Tensor> WorkHSDP::result() {
-  return completeAtCreation_ ? outputs() : future_->value().toTensorVector();
+  return completeAtCreation_ ? outputs_ : future_->value().toTensorVector();
 }
 
 void WorkHSDP::synchronize() {
@@ -135,9 +103,8 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
 c10::intrusive_ptr<c10::ivalue::Future> WorkHSDP::getFuture() {
   if (completeAtCreation_) {
     std::call_once(made_, [this] {
-      auto out = outputs(); // may raise: then no future is made
       future_ = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
-      future_->markCompleted(c10::IValue(std::move(out)));
+      future_->markCompleted(c10::IValue(outputs_));
     });
   }
   return future_;
@@ -153,12 +120,11 @@ WorkHSDP::completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outpu
   return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
 }
 
-c10::intrusive_ptr<c10d::Work>
-WorkHSDP::completedInline(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs) {
-  if (std::all_of(outputs.begin(), outputs.end(), [](const auto& t) { return t.is_cpu(); })) {
-    return c10::make_intrusive<WorkHSDP>(rank, opType, outputs, HeldWeakly{});
+c10::intrusive_ptr<c10d::Work> WorkHSDP::ofSynchronousCall(int rank, c10d::OpType opType) {
+  if (!c10d::allow_inflight_collective_as_graph_input()) {
+    return {};
   }
-  return completed(rank, opType, outputs.vec());
+  return c10::make_intrusive<WorkHSDP>(rank, opType, std::vector<at::Tensor>{});
 }
 
 c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(

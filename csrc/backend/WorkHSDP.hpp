@@ -13,8 +13,6 @@
 
 #include "backend/OpQueue.hpp"
 
-#include <c10/util/SmallVector.h>
-
 #include <functional>
 #include <mutex>
 
@@ -34,9 +32,6 @@ class WorkHSDP : public c10d::Work {
   // future is a third of a synchronous call's own cost: an allocation, a
   // type, a lock, the outputs' storages, a wake-up).
   WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
-  // The same, holding `outputs` weakly (completedInline).
-  struct HeldWeakly {};
-  WorkHSDP(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs, HeldWeakly);
   WorkHSDP(const WorkHSDP&) = delete;
   WorkHSDP& operator=(const WorkHSDP&) = delete;
 
@@ -60,17 +55,13 @@ class WorkHSDP : public c10d::Work {
   static c10::intrusive_ptr<c10d::Work>
   completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
 
-  // The Work of a synchronous call that completed on the caller's thread,
-  // on CPU tensors: it holds `outputs` weakly. c10d's functions wait for
-  // such a Work and drop it (dist.all_reduce returns None), and a Work
-  // that held the caller's tensors would be the last C++ owner of their
-  // Python objects: releasing them from the Work's destructor, which pybind
-  // runs without the GIL, retakes the GIL on every call (torch 2.11 and
-  // later: c10::intrusive_ptr::reset_not_null_ decrefs the PyObject). The
-  // outputs come back from result() and getFuture() while the caller holds
-  // them; once they were freed, those raise, naming the call.
-  static c10::intrusive_ptr<c10d::Work>
-  completedInline(int rank, c10d::OpType opType, at::ArrayRef<at::Tensor> outputs);
+  // What a synchronous call returns once its result is in place (or
+  // ordered on the caller's stream): no Work, as NCCL's synchronous calls
+  // (torch.distributed's functions take None for done). Under
+  // allow_inflight_collective_as_graph_input (torch.compile's eager path)
+  // a complete Work instead: c10d registers what a call returns with its
+  // tensors, and wait_tensor() calls wait() on every entry, a null one too.
+  static c10::intrusive_ptr<c10d::Work> ofSynchronousCall(int rank, c10d::OpType opType);
 
   // A Work that completes with `outputs` once `task` has run on `queue`
   // (or fails with what it threw). The future completes after the queue is
@@ -91,12 +82,6 @@ class WorkHSDP : public c10d::Work {
   std::once_flag made_; // complete at creation: future_ made (by getFuture)
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   std::vector<at::Tensor> outputs_; // complete at creation: the result
-  using WeakTensor = c10::weak_intrusive_ptr<at::TensorImpl, c10::UndefinedTensorImpl>;
-  c10::SmallVector<WeakTensor, 1> weakOutputs_; // completedInline: the result
-  const bool weak_ = false;
-
-  // The outputs of a complete-at-creation Work; raises for freed weak ones.
-  std::vector<at::Tensor> outputs() const;
   // What waiting ends with: off c10d's in-flight registry, if it may be on it.
   void leaveInflightRegistry() {
     if (mayBeInflight_) {

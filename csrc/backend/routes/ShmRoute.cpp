@@ -136,7 +136,8 @@ Completion ShmRoute::issue(const Call& call, Plan&& plan) {
     trace_->finished(seq, "");
   };
   if (!call.asyncOp && queue_->runInlineIfIdle([&] { run(plan); })) {
-    return {WorkHSDP::completedInline(rank_, call.type, plan.outputs), /*endRecorded=*/true};
+    // The result is in place (ProcessGroupHSDP::finish: no Work).
+    return {nullptr, /*endRecorded=*/true};
   }
   std::vector<at::Tensor> outputs(plan.outputs.begin(), plan.outputs.end());
   // The plan moves into the queue's task: it is never copied.
