@@ -6,50 +6,8 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "backend/ProcessGroupHSDP.hpp"
-#include "backend/WorkHSDP.hpp"
-
-#include <type_traits>
 
 namespace py = pybind11;
-
-namespace {
-
-// The holder of hsdp's Works in Python. c10d binds its Work with a holder
-// that drops the reference without the GIL (IntrusivePtrNoGilDestructor,
-// torch/csrc/distributed/c10d/init.cpp): a Work's destructor may block or
-// take locks that threads waiting for the GIL hold. This one does the same,
-// except for a Work that waits for nothing (WorkHSDP::waitsForNothing),
-// whose destruction takes no such lock: the GIL stays, and retaking it is
-// no longer a cost of every synchronous call.
-//
-// pybind builds it from the c10::intrusive_ptr<c10d::Work> that c10d's
-// bindings return (the instance's most derived registered type picks the
-// holder; pybind copies the returned pointer as this type), as torch's own
-// holder is built: so it is exactly one intrusive_ptr.
-template <typename T>
-class WorkHolder {
- public:
-  WorkHolder() = default;
-  explicit WorkHolder(T* work) : work_(c10::intrusive_ptr<T>::unsafe_steal_from_new(work)) {}
-  WorkHolder(const WorkHolder&) = default;
-  WorkHolder& operator=(const WorkHolder&) = default;
-  ~WorkHolder() {
-    if (work_ && !work_->waitsForNothing() && PyGILState_Check()) {
-      py::gil_scoped_release nogil;
-      work_.reset();
-    }
-  }
-  T* get() const noexcept {
-    return work_.get();
-  }
-
- private:
-  c10::intrusive_ptr<T> work_;
-};
-
-} // namespace
-
-PYBIND11_DECLARE_HOLDER_TYPE(T, WorkHolder<T>, true);
 
 namespace {
 
@@ -329,25 +287,6 @@ void bindCollectives(py::module& m) {
       py::call_guard<py::gil_scoped_release>());
 }
 
-// hsdp's Works as Python sees them: c10d's Work, whose wait() releases the
-// GIL (as c10d's binding does) unless the Work waits for nothing.
-void bindWork(py::module& m) {
-  static_assert(sizeof(WorkHolder<hsdp::WorkHSDP>) == sizeof(c10::intrusive_ptr<c10d::Work>));
-  static_assert(std::is_standard_layout_v<WorkHolder<hsdp::WorkHSDP>>);
-  py::class_<hsdp::WorkHSDP, WorkHolder<hsdp::WorkHSDP>, c10d::Work>(m, "Work")
-      .def(
-          "wait",
-          [](hsdp::WorkHSDP& work, std::chrono::milliseconds timeout) {
-            if (work.waitsForNothing()) {
-              return work.wait(timeout);
-            }
-            py::gil_scoped_release nogil;
-            return work.wait(timeout);
-          },
-          py::arg("timeout") = kNoTimeout)
-      .def_property_readonly("_waits_for_nothing", &hsdp::WorkHSDP::waitsForNothing);
-}
-
 } // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -358,5 +297,4 @@ PYBIND11_MODULE(_C, m) {
   bindSettings(m);
   bindGroups(m);
   bindCollectives(m);
-  bindWork(m);
 }

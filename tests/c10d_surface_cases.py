@@ -16,7 +16,6 @@ import re
 import torch
 import torch.distributed as dist
 from error_cases import work_error
-from hooks import engine_under_test
 from ops_cases import check, data
 from torch.testing._internal.common_distributed import simple_sparse_reduce_tests
 
@@ -433,54 +432,6 @@ def work_exception_and_future_chains(rank, world, ref):
         dist.destroy_process_group(g)
     if rank == 0:
         assert isinstance(errors["hsdp"], type(errors["gloo"])), errors
-
-
-@case
-def a_synchronous_call_returns_no_work(rank, world, ref):
-    """A synchronous call (asyncOp False: what dist.all_reduce issues) whose
-    result is in place when it returns hands back no Work, as NCCL's
-    synchronous calls do (torch.distributed's functions take None for done):
-    on the shared-memory engine, and wherever hsdp finishes the call itself
-    (a strided tensor, staged through a copy); gloo's own Work passes
-    through. Under allow_inflight_collective_as_graph_input (torch.compile's
-    eager path) c10d registers what a call returns with its tensors and
-    wait_tensor() calls wait() on every entry, so there every call returns a
-    complete Work: waiting for it, or wait_tensor() on the output, empties
-    the registry again (a null entry would crash wait_tensor)."""
-    from torch._C import _distributed_c10d as c10d
-
-    want = sum(data(r, 16, torch.float32) for r in range(world))
-
-    def synchronous_all_reduce(layout):
-        t = data(rank, 16, torch.float32)
-        if layout == "strided":
-            t = torch.empty(16, 2)[:, 0].copy_(t)
-        opts = dist.AllreduceOptions()
-        opts.asyncOp = False
-        return t, pg(None).allreduce([t], opts)
-
-    for inflight in (False, True):
-        c10d._set_allow_inflight_collective_as_graph_input(inflight)
-        try:
-            for layout in ("contiguous", "strided"):
-                what = f"{layout}, in-flight registry {'on' if inflight else 'off'}"
-                before = c10d._get_work_registry_size()
-                t, work = synchronous_all_reduce(layout)
-                gloo_passes = engine_under_test() == "gloo" and layout == "contiguous"
-                if inflight or gloo_passes:
-                    assert work is not None, what
-                    assert work.wait(), what
-                else:
-                    assert work is None, f"{what}: {work!r}"
-                check(t, want, f"a synchronous all_reduce ({what})")
-                assert c10d._get_work_registry_size() == before, what
-                if inflight:
-                    t, _ = synchronous_all_reduce(layout)
-                    torch.ops._c10d_functional.wait_tensor(t)
-                    check(t, want, f"wait_tensor after a synchronous all_reduce ({what})")
-                    assert c10d._get_work_registry_size() == before, what
-        finally:
-            c10d._set_allow_inflight_collective_as_graph_input(False)
 
 
 # ------------------------------------------------------- group lifecycle

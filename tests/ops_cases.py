@@ -557,22 +557,63 @@ def waited_work_leaves_the_inflight_registry(rank, world, ref):
 
 
 @case
+def a_synchronous_call_returns_no_work(rank, world, ref):
+    """A synchronous call (asyncOp False: what dist.all_reduce issues) whose
+    result is in place when it returns hands back no Work, as NCCL's
+    synchronous calls do (torch.distributed's functions take None for done):
+    on the shared-memory engine, and wherever hsdp finishes the call itself
+    (a strided tensor, staged through a copy); gloo's own Work passes
+    through, NCCL's none. Under allow_inflight_collective_as_graph_input (torch.compile's
+    eager path) c10d registers what a call returns with its tensors and
+    wait_tensor() calls wait() on every entry, so there every call returns a
+    complete Work: waiting for it, or wait_tensor() on the output, empties
+    the registry again (a null entry would crash wait_tensor)."""
+    from torch._C import _distributed_c10d as c10d
+
+    want = sum(data(r, 16, torch.float32) for r in range(world))
+    gloo_serves = engine_under_test() != "nccl_contract" and hsdp_backend.cpu_engine() == "gloo"
+
+    def synchronous_all_reduce(layout):
+        t = data(rank, 16, torch.float32)
+        if layout == "strided":
+            t = torch.empty(16, 2)[:, 0].copy_(t)
+        opts = dist.AllreduceOptions()
+        opts.asyncOp = False
+        return t, dist.distributed_c10d._get_default_group().allreduce([t], opts)
+
+    for inflight in (False, True):
+        c10d._set_allow_inflight_collective_as_graph_input(inflight)
+        try:
+            for layout in ("contiguous", "strided"):
+                what = f"{layout}, in-flight registry {'on' if inflight else 'off'}"
+                before = c10d._get_work_registry_size()
+                t, work = synchronous_all_reduce(layout)
+                gloo_passes = gloo_serves and layout == "contiguous"
+                if inflight or gloo_passes:
+                    assert work is not None, what
+                    assert work.wait(), what
+                else:
+                    assert work is None, f"{what}: {work!r}"
+                check(t, want, f"a synchronous all_reduce ({what})")
+                assert c10d._get_work_registry_size() == before, what
+                if inflight:
+                    t, _ = synchronous_all_reduce(layout)
+                    torch.ops._c10d_functional.wait_tensor(t)
+                    check(t, want, f"wait_tensor after a synchronous all_reduce ({what})")
+                    assert c10d._get_work_registry_size() == before, what
+        finally:
+            c10d._set_allow_inflight_collective_as_graph_input(False)
+
+
+@case
 def work_gives_up_the_gil_while_its_op_is_pending(rank, world, ref):
     """wait() gives up the GIL while the op is pending, as c10d's own
     Work.wait does: another Python thread of the waiting rank runs meanwhile
     (here while rank 0 waits for peers that join a second late; at world 1
-    nothing is pending). hsdp's Work
-    has a wait() of its own that keeps the GIL only for a Work that waits
-    for nothing: complete at creation, outside c10d's in-flight registry.
-    A synchronous call that ran on the caller's thread returns no Work, but
-    under that registry (torch.compile's eager path) a complete one, which
-    gives the GIL up as before, and waiting takes it off the registry."""
+    nothing is pending)."""
     import threading
     import time
 
-    from torch._C import _distributed_c10d as c10d
-
-    shm = hsdp_backend.cpu_engine() == "shm"  # the group's calls run on the engine alone
     t = data(rank, 8, torch.float32)
     if rank != 0:
         time.sleep(1.0)
@@ -588,31 +629,6 @@ def work_gives_up_the_gil_while_its_op_is_pending(rank, world, ref):
     else:
         work.wait()
     check(t, reduce_ref(dist.ReduceOp.SUM, world, 8, torch.float32), "all_reduce waited for")
-    if shm:
-        assert isinstance(work, dist.Work) and type(work) is hsdp_backend._C.Work, type(work)
-        assert not work._waits_for_nothing
-
-    group = dist.distributed_c10d._get_default_group()
-    opts = dist.AllreduceOptions()
-    opts.asyncOp = False
-    for inflight in (False, True):
-        c10d._set_allow_inflight_collective_as_graph_input(inflight)
-        try:
-            before = c10d._get_work_registry_size()
-            u = data(rank, 8, torch.float32)
-            work = group.allreduce([u], opts)
-            if shm:  # no Work, but one for c10d's in-flight registry
-                assert (work is None) is not inflight, (inflight, work)
-                if inflight:
-                    assert type(work) is hsdp_backend._C.Work, type(work)
-                    assert not work._waits_for_nothing
-            if work is not None:
-                assert work.wait()
-                assert c10d._get_work_registry_size() == before, inflight
-            check(u, reduce_ref(dist.ReduceOp.SUM, world, 8, torch.float32), "synchronous")
-            del work
-        finally:
-            c10d._set_allow_inflight_collective_as_graph_input(False)
 
 
 # -------------------------------------------------------- subgroups, meshes

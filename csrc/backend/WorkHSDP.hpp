@@ -43,14 +43,6 @@ class WorkHSDP : public c10d::Work {
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
-  // Whether wait() returns at once and takes no lock that another thread
-  // may hold while it waits for the GIL: complete at creation, and made
-  // while c10d kept no in-flight registry (whose lock wait() would take).
-  // The Python binding keeps the GIL for such a Work (bindings.cpp).
-  bool waitsForNothing() const {
-    return completeAtCreation_ && !mayBeInflight_;
-  }
-
   // A Work that is already complete with `outputs`.
   static c10::intrusive_ptr<c10d::Work>
   completed(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
