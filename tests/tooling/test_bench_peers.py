@@ -95,10 +95,11 @@ def test_peers_suite_smallest(tmp_path):
             else:
                 assert cell["status"] == "measured" and cell["checked"], (peer, cell)
                 assert cell["speedup_vs"] == cell["us"] / cell["hsdp_us_same_launch"]
+    # No order among them: torch's fake backend does nothing but still hands
+    # back a Work that Python waits for, and hsdp's synchronous call
+    # returns none, so hsdp may run below it.
     floors = {k: section[f"floor_1rank_{k}_us"] for k in FLOORS}
-    assert all(us > 0 for us in floors.values()), floors
-    # torch's fake backend does nothing: hsdp's floor cannot be below it
-    assert floors["all_reduce_8B"] > floors["torch_all_reduce_8B"], floors
+    assert all(math.isfinite(us) and us > 0 for us in floors.values()), floors
     assert {m["bytes"] for m in section["memcpy2"]} == {8, 65536}
 
 
