@@ -14,7 +14,9 @@ the output's own slice; MPI_IN_PLACE for the MPIs), reduce_scatter (SUM),
 all_reduce (SUM, plus an 8-byte latency row). Once per run, a 1-rank 8-byte
 all_reduce, interleaved: hsdp (the per-call floor of torch.distributed plus
 hsdp), hsdp with its flight recorder off, and torch's fake backend, which
-does nothing (torch.distributed's own floor).
+does nothing but return a Work that Python waits for (torch.distributed's
+own floor for a backend that returns one; hsdp's synchronous calls return
+none).
 
 Launches, per world size, each interleaving its contenders on the same
 buffers as benchmarks/timing.py does (check once, calibrate, alternate

@@ -566,8 +566,9 @@ def a_synchronous_call_returns_no_work(rank, world, ref):
     through, NCCL's none. Under allow_inflight_collective_as_graph_input (torch.compile's
     eager path) c10d registers what a call returns with its tensors and
     wait_tensor() calls wait() on every entry, so there every call returns a
-    complete Work: waiting for it, or wait_tensor() on the output, empties
-    the registry again (a null entry would crash wait_tensor)."""
+    complete Work, inside a coalescing block too: waiting for it, or
+    wait_tensor() on the output, empties the registry again (a null entry
+    would crash wait_tensor)."""
     from torch._C import _distributed_c10d as c10d
 
     want = sum(data(r, 16, torch.float32) for r in range(world))
@@ -601,6 +602,13 @@ def a_synchronous_call_returns_no_work(rank, world, ref):
                     torch.ops._c10d_functional.wait_tensor(t)
                     check(t, want, f"wait_tensor after a synchronous all_reduce ({what})")
                     assert c10d._get_work_registry_size() == before, what
+            if inflight:  # in a coalescing block too (Python holds back no broadcast)
+                b = data(rank, 16, torch.float32)
+                with dist._coalescing_manager(device=torch.device("cpu")):
+                    dist.broadcast(b, 0)
+                assert c10d._get_work_registry_size() == before, "a synchronous call in a block"
+                torch.ops._c10d_functional.wait_tensor(b)
+                check(b, data(0, 16, torch.float32), "a synchronous broadcast in a block")
         finally:
             c10d._set_allow_inflight_collective_as_graph_input(False)
 

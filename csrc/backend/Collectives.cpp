@@ -112,7 +112,7 @@ WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
   }
   const Call& call = traced.call();
   auto work = traced.follow(std::move(done), inBlock);
-  if (!work && !call.asyncOp && !inBlock) {
+  if (!work && !call.asyncOp) {
     return WorkHSDP::ofSynchronousCall(rank_, call.type);
   }
   return work;

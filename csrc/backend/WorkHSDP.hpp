@@ -19,8 +19,9 @@
 namespace hsdp {
 
 // Under allow_inflight_collective_as_graph_input (torch.compile's eager
-// path) c10d registers an async Work with its tensors; a Work that was
-// waited for must take itself off that registry, as WorkNCCL and Gloo's do.
+// path) c10d registers the Work a call returns with its tensors; a Work that
+// was waited for must take itself off that registry, as WorkNCCL and Gloo's
+// do.
 void unregisterInflight(c10d::Work& work);
 
 class WorkHSDP : public c10d::Work {
@@ -28,9 +29,9 @@ class WorkHSDP : public c10d::Work {
   WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue::Future> future);
 
   // A Work complete at creation, on CPU tensors: its future is made on the
-  // first getFuture() (most callers only wait, and making and completing a
-  // future is a third of a synchronous call's own cost: an allocation, a
-  // type, a lock, the outputs' storages, a wake-up).
+  // first getFuture() (most callers only wait; making and completing a
+  // future costs an allocation, a type, a lock, the outputs' storages and a
+  // wake-up).
   WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> outputs);
   WorkHSDP(const WorkHSDP&) = delete;
   WorkHSDP& operator=(const WorkHSDP&) = delete;
