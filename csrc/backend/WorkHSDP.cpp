@@ -124,7 +124,7 @@ c10::intrusive_ptr<c10d::Work> WorkHSDP::ofSynchronousCall(int rank, c10d::OpTyp
   if (!c10d::allow_inflight_collective_as_graph_input()) {
     return {};
   }
-  return c10::make_intrusive<WorkHSDP>(rank, opType, std::vector<at::Tensor>{});
+  return completed(rank, opType, {});
 }
 
 c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(
