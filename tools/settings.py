@@ -57,8 +57,8 @@ _TABLE = [
     Var("HSDP_TEST_SOAK_SEED", "tests", None, parse_int, str,
         "the seed that draws which rank the soak test kills, and when", "7"),
     Var("HSDP_TEST_CONFORMANCE_FULL", "tests", None, parse_flag, str,
-        "`1`: torch's DistributedTest conformance run runs every test, adds world size 3 and "
-        "re-checks gloo", "0"),
+        "`1`: torch's DistributedTest conformance run spawns each test's ranks instead of "
+        "forking them, runs every test and re-checks gloo's baselines", "0"),
     Var("HSDP_TEST_PROTOCOL_FULL", "tests", None, parse_flag, str,
         "`1`: the spin model proves the step protocol at 3 ranks x 4 calls and pooled calls at "
         "3 ranks x 2 (about 4 min instead of 1; `scripts/check_protocol.sh`)", "0"),

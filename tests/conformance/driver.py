@@ -3,7 +3,7 @@ matches the installed torch) on one backend and world size, CPU only, and
 writes every test's outcome as JSON.
 
     python tests/conformance/driver.py --backend hsdp --world 2 --out results.json \
-        [-k PATTERN] [--only NAMES.txt ...]
+        [-k PATTERN] [--only NAMES.txt ...] [--start spawn|fork]
 
 The suite is configured as PyTorch's test_distributed_spawn.py does (BACKEND
 and WORLD_SIZE before import, a TestDistBackend subclass that spawns the ranks
@@ -57,10 +57,19 @@ if __name__ == "__main__":
         help="a file of test names (the first word of each line, # comments ignored): "
         "run only those; may repeat",
     )
+    _args.add_argument(
+        "--start",
+        choices=["spawn", "fork"],
+        default="spawn",
+        help="how each test starts its ranks: fresh interpreters (spawn, as "
+        "test_distributed_spawn.py) or forks of this one (fork)",
+    )
     ARGS = _args.parse_args()
     _configure(ARGS.backend, ARGS.world)
 # Spawned ranks re-import this module: the environment above is theirs already.
 BACKEND = os.environ["CONFORMANCE_BACKEND"]
+
+import torch  # noqa: E402
 
 import hsdp_backend  # noqa: E402,F401  registers "hsdp"
 
@@ -82,10 +91,16 @@ for _table in (DistTestCases.skip_collective, DistTestCases.backend_feature):
             _backends.add(BACKEND)
 
 
-class TestDistBackendWithSpawn(TestDistBackend, DistributedTest._DistTestBase):
+class TestDistBackendOnCPU(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if ARGS.start == "fork":
+            # As PyTorch's test_distributed_fork.py ran this suite on gloo: the
+            # ranks inherit the imported torch and the registered backend
+            # instead of importing them again (seconds a test on 2 cores).
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 
     def run_test(self, test_name, parent_pipe):
         # In the rank, after _run has created the group on the backend under test.
@@ -144,10 +159,10 @@ def main() -> int:
     only = _named_in(ARGS.only)
     names = [
         n
-        for n in loader.getTestCaseNames(TestDistBackendWithSpawn)
+        for n in loader.getTestCaseNames(TestDistBackendOnCPU)
         if (not ARGS.pattern or ARGS.pattern in n) and (not only or n in only)
     ]
-    suite = unittest.TestSuite(TestDistBackendWithSpawn(n) for n in names)
+    suite = unittest.TestSuite(TestDistBackendOnCPU(n) for n in names)
     runner = unittest.TextTestRunner(resultclass=_Outcomes, verbosity=1, stream=sys.stderr)
     result = runner.run(suite)
     with open(ARGS.out, "w") as f:

@@ -7,10 +7,14 @@ recorded from gloo on this torch) must pass on hsdp, unless
 conformance/expected_hsdp_w{W}.txt lists it with its reason; a listed test
 that passes fails this test too, so the list stays true. The suite's gates
 are read as for gloo (driver.py): hsdp is held to every test gloo passes.
-World size 2 runs by default, and only the tests this file checks (gloo's
-passing set and the listed gaps: the rest of the suite skips on CPU, yet each
-test spawns its ranks before it skips). HSDP_TEST_CONFORMANCE_FULL=1 runs every
-test, adds world size 3 and re-runs gloo to check the recorded baselines.
+By default world sizes 2 and 3 run, each test's ranks forked from the driver
+(as PyTorch's test_distributed_fork.py ran the suite on gloo: a spawned rank
+imports torch again, ~10 s a test on 2 cores, a forked one inherits it), and
+only the tests this file checks (gloo's passing set and the listed gaps: the
+rest of the suite skips on CPU).
+HSDP_TEST_CONFORMANCE_FULL=1 spawns the ranks (as test_distributed_spawn.py,
+where the baselines were recorded), runs every test and re-runs gloo to check
+the recorded baselines.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from tools import settings
 
 HERE = pathlib.Path(__file__).resolve().parents[1] / "conformance"
 FULL = settings.read("HSDP_TEST_CONFORMANCE_FULL")
-WORLDS = [2, 3] if FULL else [2]
+WORLDS = [2, 3]
+START = "spawn" if FULL else "fork"
 
 
 def listed(path: pathlib.Path) -> dict[str, str]:
@@ -54,6 +59,8 @@ def run_suite(
             str(world),
             "--out",
             str(out),
+            "--start",
+            START,
             *(arg for path in only for arg in ("--only", str(path))),
         ],
         cwd=tmp_path,
