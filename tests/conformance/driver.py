@@ -6,8 +6,9 @@ writes every test's outcome as JSON.
         [-k PATTERN] [--only NAMES.txt ...] [--start spawn|fork]
 
 The suite is configured as PyTorch's test_distributed_spawn.py does (BACKEND
-and WORLD_SIZE before import, a TestDistBackend subclass that spawns the ranks
-per test). hsdp is held to everything gloo is: the suite's gates, which it
+and WORLD_SIZE before import, a TestDistBackend subclass that starts the ranks
+per test: spawned, or with --start fork forked from this process, as the
+retired test_distributed_fork.py did). hsdp is held to everything gloo is: the suite's gates, which it
 evaluates by backend name when its classes are defined (``BACKEND == "gloo"``,
 ``require_backend_is_available({"gloo"})``, DistTestCases.backend_feature), are
 evaluated with the name "gloo"; then the name becomes "hsdp", so every group
