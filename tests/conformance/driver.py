@@ -8,11 +8,12 @@ writes every test's outcome as JSON.
 The suite is configured as PyTorch's test_distributed_spawn.py does (BACKEND
 and WORLD_SIZE before import, a TestDistBackend subclass that starts the ranks
 per test: spawned, or with --start fork forked from this process, as the
-retired test_distributed_fork.py did). hsdp is held to everything gloo is: the suite's gates, which it
-evaluates by backend name when its classes are defined (``BACKEND == "gloo"``,
-``require_backend_is_available({"gloo"})``, DistTestCases.backend_feature), are
-evaluated with the name "gloo"; then the name becomes "hsdp", so every group
-the tests create, and every name they check, is hsdp's. A test gloo passes and
+retired test_distributed_fork.py did). hsdp is held to everything gloo is: the
+suite's gates, which it evaluates by backend name when its classes are defined
+(``BACKEND == "gloo"``, ``require_backend_is_available({"gloo"})``,
+DistTestCases.backend_feature), are evaluated with the name "gloo"; then the
+name becomes "hsdp", so every group the tests create, and every name they
+check, is hsdp's. A test gloo passes and
 hsdp does not is a gap, listed with its reason in expected_hsdp_w{W}.txt.
 """
 
