@@ -6,9 +6,11 @@
 //
 // OP: all_gather, all_gather_inplace, reduce_scatter, all_reduce (fp32 SUM),
 // broadcast, barrier; BYTES per rank. Keys set EngineConfig fields:
-// spin_us, yield_us, one_shot_bytes, direct_read_bytes,
+// spin_us, yield_us, one_shot_bytes, direct_read_bytes, pooled_read_bytes,
 // direct_all_reduce_bytes, stream_store_bytes, slot_bytes (defaults: hsdp::Config's, the
-// package's only copy of them, for a group of RANKS on this machine); two
+// package's only copy of them, for a group of RANKS on this machine; without
+// direct_read_bytes the ranks measure it as a group does, and rank 0 prints
+// the timings and the threshold chosen); two
 // keys shape the caller: page_offset (where every buffer starts in its page;
 // default 0: torch's tensors start at multiples of 64 bytes, and the direct
 // all-reduce is a third slower there than 16 bytes into a line) and gap_us
@@ -19,6 +21,7 @@
 // calls, each loop after a barrier.
 
 #include "common/Config.hpp"
+#include "shm/Crossover.hpp"
 #include "shm/Engine.hpp"
 #include "shm/Pool.hpp"
 
@@ -62,11 +65,30 @@ void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
   micros("yield_us", c.yield);
   c.oneShotBytes = key(a, "one_shot_bytes", c.oneShotBytes);
   c.directReadBytes = key(a, "direct_read_bytes", c.directReadBytes);
+  c.pooledReadBytes = key(a, "pooled_read_bytes", c.pooledReadBytes);
   c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", c.directAllReduceBytes);
   c.streamStoreBytes = key(a, "stream_store_bytes", c.streamStoreBytes);
   Engine e(Segment::open(name, a.ranks, slotBytes), r, c);
   e.barrier("start");
   e.enableDirectReads(); // every rank of one machine may read every other (same user)
+  if (a.keys.count("direct_read_bytes") == 0 && c.measureDirectReadBytes) {
+    std::vector<ReadSample> samples;
+    const size_t from = agreeDirectReadBytes(e, std::nullopt, [&] {
+      samples = timeDirectReads(e);
+      return samples;
+    });
+    e.setDirectReadBytes(from);
+    if (r == 0) {
+      for (const ReadSample& s : samples) {
+        std::printf(
+            "direct-read probe %zu B: direct %.2f us, slots %.2f us\n",
+            s.bytes,
+            s.direct.count() / 1e3,
+            s.slots.count() / 1e3);
+      }
+      std::printf("direct reads from %zu B (0: never)\n", from);
+    }
+  }
   const size_t n = a.bytes;
   // Every buffer starts `page_offset` bytes into a page: the cost of some
   // paths depends on it, and torch's tensors start at multiples of 64.

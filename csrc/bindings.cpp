@@ -91,6 +91,7 @@ void bindSettings(py::module& m) {
   checkedField(config, "yield_us", &hsdp::Config::yieldUs);
   checkedField(config, "one_shot_bytes", &hsdp::Config::oneShotBytes);
   checkedField(config, "direct_read_bytes", &hsdp::Config::directReadBytes);
+  config.def("pooled_read_bytes", &hsdp::Config::pooledReadBytes);
   checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);
   checkedField(config, "stream_store_bytes", &hsdp::Config::streamStoreBytes);
   checkedField(config, "pool_bytes", &hsdp::Config::poolBytes);
@@ -196,9 +197,11 @@ void bindGroups(py::module& m) {
     return hsdp::FlightRecorder::dumpAll(reason);
   });
 
+  // (what serves the group's CPU collectives, why not shared memory if it
+  // does not, from what size per rank it reads peers directly: 0 never).
   m.def("cpu_engine", [](c10d::Backend* backend) {
     auto& hsdp = asHSDP(backend);
-    return py::make_tuple(hsdp.cpuEngine(), hsdp.shmUnavailableReason(), hsdp.shmDirectReads());
+    return py::make_tuple(hsdp.cpuEngine(), hsdp.shmUnavailableReason(), hsdp.shmDirectReadBytes());
   });
 
   m.def("is_hsdp", [](c10d::Backend* backend) {

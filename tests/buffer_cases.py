@@ -63,9 +63,9 @@ def collectives_match_gloo(rank, world, flat=True):
                     if world == 2:
                         assert torch.equal(got, ref), (dtype, n, op)
                     torch.testing.assert_close(got, ref)
-            # Pooled from the direct-read threshold on (below it the slots are
-            # faster); the ordinary-memory references never are.
-            if n * mine.element_size() >= config.resolve().direct_read_bytes:
+            # Pooled from the pool's direct-read threshold on (below it the
+            # slots are faster); the ordinary-memory references never are.
+            if n * mine.element_size() >= config.resolve().pooled_read_bytes():
                 calls += 4
     stats = hsdp_backend.buffer_stats()
     if flat:

@@ -235,8 +235,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10d::Backend* cudaInner() const {
     return cuda_ ? &cuda_->backend() : nullptr;
   }
-  bool shmDirectReads() const {
-    return engine_ && engine_->directReads();
+  // From what size per rank the shared-memory engine reads peers' ordinary
+  // buffers directly (all-gathers, broadcasts); 0: never, or no engine.
+  size_t shmDirectReadBytes() const {
+    return engine_ ? engine_->directReadBytes() : 0;
   }
   ShmRoute::BufferStats bufferStats() const {
     return engine_ ? engine_->bufferStats() : ShmRoute::BufferStats{};

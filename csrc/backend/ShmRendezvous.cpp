@@ -2,6 +2,7 @@
 
 #include "backend/routes/InnerRoute.hpp"
 #include "common/Errors.hpp"
+#include "shm/Crossover.hpp"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -9,6 +10,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <sstream>
 
 namespace hsdp {
@@ -47,14 +50,46 @@ class Keys {
 void adoptRankZeroSettings(c10d::Store& store, const Keys& key, int rank, ShmOptions& options) {
   if (rank == 0) {
     std::ostringstream out;
-    out << options.engine.oneShotBytes << " " << options.engine.directReadBytes << " "
-        << options.engine.directAllReduceBytes;
+    const shm::EngineConfig& e = options.engine;
+    out << e.oneShotBytes << " " << e.directReadBytes << " " << e.measureDirectReadBytes << " "
+        << e.pooledReadBytes << " " << e.directAllReduceBytes;
     store.set(key("settings"), out.str());
     return;
   }
   std::istringstream in(store.get_to_str(key("settings")));
-  in >> options.engine.oneShotBytes >> options.engine.directReadBytes >>
-      options.engine.directAllReduceBytes;
+  shm::EngineConfig& e = options.engine;
+  in >> e.oneShotBytes >> e.directReadBytes >> e.measureDirectReadBytes >> e.pooledReadBytes >>
+      e.directAllReduceBytes;
+}
+
+// The direct-read threshold a group of `ranks` ranks per host measured,
+// kept for the process's later groups of that size: the crossover is the
+// machine's, and measuring costs a few milliseconds per group.
+class MeasuredCrossovers {
+ public:
+  std::optional<size_t> find(int ranks) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = bytes_.find(ranks);
+    return it == bytes_.end() ? std::nullopt : std::optional<size_t>(it->second);
+  }
+  void keep(int ranks, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    bytes_.emplace(ranks, bytes);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int, size_t> bytes_;
+};
+
+// Sets the engine's direct-read threshold to the one its host's ranks
+// agree on (shm/Crossover.hpp). Every rank of the host calls it alike.
+void adoptMeasuredCrossover(shm::Engine& engine) {
+  static MeasuredCrossovers measured;
+  const size_t bytes = shm::agreeDirectReadBytes(
+      engine, measured.find(engine.size()), [&] { return shm::timeDirectReads(engine); });
+  engine.setDirectReadBytes(bytes);
+  measured.keep(engine.size(), bytes);
 }
 
 // Whether every rank may read every other rank's memory with
@@ -298,6 +333,9 @@ std::unique_ptr<ShmRoute> connectShm(
   if (options.engine.wantsDirectReads() &&
       probeDirectReads(store, hostKey, layout.local, layout.perHost)) {
     engine->enableDirectReads();
+    if (config.measureDirectReadBytes && layout.perHost > 1) {
+      adoptMeasuredCrossover(*engine);
+    }
   }
   return std::make_unique<ShmRoute>(
       std::move(engine), layout, std::move(column), rank, size, stats, std::move(staging));

@@ -89,7 +89,12 @@ Config::engineConfig(int groupSize, std::chrono::milliseconds groupTimeout) cons
   e.spin = spin(groupSize);
   e.yield = std::chrono::microseconds(yieldUs);
   e.oneShotBytes = static_cast<size_t>(oneShotBytes);
-  e.directReadBytes = static_cast<size_t>(directReadBytes);
+  // Set, one threshold serves both paths (0 turns both off); auto, the pool's
+  // is fixed and the ordinary buffers' provisional until the group measures
+  // its own.
+  e.pooledReadBytes = pooledReadBytes();
+  e.directReadBytes = e.pooledReadBytes;
+  e.measureDirectReadBytes = !directReadBytes.has_value();
   e.directAllReduceBytes = static_cast<size_t>(directAllReduceBytes);
   e.streamStoreBytes = streamStoreBytesFor(groupSize);
   return e;
@@ -110,7 +115,13 @@ void Config::validate() const {
   }
   expect(yieldUs >= 0, "yield_us", "an integer >= 0", yieldUs);
   expect(oneShotBytes >= 0, "one_shot_bytes", "an integer >= 0", oneShotBytes);
-  expect(directReadBytes >= 0, "direct_read_bytes", "an integer >= 0", directReadBytes);
+  if (directReadBytes) {
+    expect(
+        *directReadBytes >= 0,
+        "direct_read_bytes",
+        "an integer >= 0 (or None: auto)",
+        *directReadBytes);
+  }
   expect(
       directAllReduceBytes >= 0,
       "direct_all_reduce_bytes",

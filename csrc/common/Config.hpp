@@ -35,7 +35,13 @@ struct Config {
   // How long a wait then polls with sched_yield before sleeping.
   int64_t yieldUs = 1000;
   int64_t oneShotBytes = 32 << 10;
-  int64_t directReadBytes = 8 << 10;
+  // All-gathers and broadcasts from this many bytes per rank read peers'
+  // buffers directly (Engine.hpp: EngineConfig::directReadBytes, and
+  // pooledReadBytes for pool buffers); unset: auto, pool buffers from
+  // kPooledReadBytes, ordinary ones from the size each group measures
+  // (shm/Crossover.hpp).
+  std::optional<int64_t> directReadBytes;
+  static constexpr int64_t kPooledReadBytes = 8 << 10;
   // Measured on cache-line-aligned buffers, as torch allocates them (the
   // direct path is about a third slower on them than on buffers 16 bytes
   // into a line, where an earlier 256 KiB was chosen): 2 ranks, slots /
@@ -67,6 +73,11 @@ struct Config {
   static Engine parseEngine(const std::string& name);
   static const char* engineName(Engine engine);
 
+  // From what size per rank collectives on pool buffers read peers' through
+  // mappings: the setting, else kPooledReadBytes.
+  size_t pooledReadBytes() const {
+    return static_cast<size_t>(directReadBytes.value_or(kPooledReadBytes));
+  }
   // Spinning only helps when every rank has a core to spin on.
   std::chrono::nanoseconds spin(int groupSize) const;
   // Non-temporal stores only pay once the call's data cannot stay in the

@@ -464,7 +464,7 @@ int Engine::post(OpState& op, uint64_t& step, FunctionRef<void(char*)> fill) {
 }
 
 PoolRef Engine::pooled(const void* p, size_t bytes, size_t perRank) const {
-  return pool_ && readsDirectly(perRank, config_.directReadBytes) ? pool_->find(p, bytes)
+  return pool_ && readsDirectly(perRank, config_.pooledReadBytes) ? pool_->find(p, bytes)
                                                                   : PoolRef{};
 }
 
@@ -567,7 +567,7 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
       return;
     }
   }
-  if (readsDirectly(n, config_.directReadBytes)) {
+  if (readsDirectly(n, directReadBytes_)) {
     if (!inPlace) {
       copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
     }
@@ -679,7 +679,7 @@ void Engine::broadcast(const char* name, void* data, size_t n, int root) {
       return;
     }
   }
-  if (readsDirectly(n, config_.directReadBytes)) {
+  if (readsDirectly(n, directReadBytes_)) {
     directStep(op, buf, [&](int q, uint64_t address) {
       if (q == root) {
         readPeer(op, q, address, buf, n);

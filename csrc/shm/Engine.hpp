@@ -94,6 +94,15 @@ struct EngineConfig {
   // no staging through the slots), when every rank may read every other's
   // memory (checked at rendezvous). 0 disables it.
   size_t directReadBytes = 0;
+  // Whether the rendezvous replaces directReadBytes with the size from
+  // which direct reads are faster on this machine (Crossover.hpp): the
+  // system call's cost against a copy through the shared cache differs by
+  // CPU and hypervisor, from a few KiB to never.
+  bool measureDirectReadBytes = false;
+  // Collectives of at least this many bytes per rank whose buffers are pool
+  // buffers on every rank read them through mappings (plain loads, no
+  // system call; see setPool). 0 disables it.
+  size_t pooledReadBytes = 0;
   // The same for all-reduces (their gather half). Separate because the
   // crossover differs: an all-gather gains from a few KiB, an all-reduce,
   // whose reduce half still goes through the slots, from hundreds.
@@ -104,7 +113,7 @@ struct EngineConfig {
   size_t streamStoreBytes = 0;
   // Whether any op may read directly (then rendezvous probes for it).
   bool wantsDirectReads() const {
-    return directReadBytes > 0 || directAllReduceBytes > 0;
+    return directReadBytes > 0 || directAllReduceBytes > 0 || pooledReadBytes > 0;
   }
   // How messages name the ranks: engine rank q is rank groupRanks[q] of a
   // group of groupSize (a host's part of a group that spans hosts). Empty:
@@ -158,7 +167,7 @@ class Engine final : public Collectives {
       const std::vector<Span>& inputs,
       const std::vector<std::vector<Span>>& outputs) override;
   bool gathersPieces(size_t pieces, size_t totalBytes) const override {
-    return readsDirectly(totalBytes, config_.directReadBytes) &&
+    return readsDirectly(totalBytes, directReadBytes_) &&
         pieces * 2 * sizeof(uint64_t) <= slotBytes();
   }
 
@@ -170,12 +179,20 @@ class Engine final : public Collectives {
   bool directReads() const {
     return directReads_;
   }
+  // The all-gather and broadcast threshold (EngineConfig::directReadBytes);
+  // every rank of the group must set it alike, between collectives.
+  size_t directReadBytes() const {
+    return directReadBytes_;
+  }
+  void setDirectReadBytes(size_t bytes) {
+    directReadBytes_ = bytes;
+  }
 
   // The pool this rank's communication buffers come from (Pool.hpp). With
-  // direct reads enabled, a collective whose buffer (all-gather and
-  // reduce-scatter: the input; all-reduce and broadcast: the data) is a pool
-  // buffer on every rank reads peers' buffers through mappings of their
-  // chunks: plain loads, one pass, no staging. When only some ranks' are
+  // direct reads enabled, a collective of at least pooledReadBytes per rank
+  // whose buffer (all-gather and reduce-scatter: the input; all-reduce and
+  // broadcast: the data) is a pool buffer on every rank reads peers' buffers
+  // through mappings of their chunks: plain loads, one pass, no staging. When only some ranks' are
   // pool buffers, every rank takes the ordinary path (one extra empty
   // step). Results are bitwise those of the ordinary path.
   void setPool(std::shared_ptr<const Pool> pool) {
@@ -348,6 +365,8 @@ class Engine final : public Collectives {
   uint64_t opSeq_ = 0;
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;
+  // config_.directReadBytes until the group agrees on its own (Crossover.hpp).
+  size_t directReadBytes_ = config_.directReadBytes;
   std::vector<int32_t> pids_;
   std::shared_ptr<const Pool> pool_;
   std::vector<std::vector<PeerChunk>> peerChunks_; // [rank][chunk - 1]

@@ -109,10 +109,14 @@ _TABLE = [
         "waits after a yield that lost the core for a whole time slice); `0`: never yield"),
     Var("HSDP_SHM_ONESHOT_BYTES", "engine", "one_shot_bytes", parse_int, str,
         "all-reduces up to this size read every peer's buffer in one round instead of two"),
-    Var("HSDP_SHM_DIRECT_READ_BYTES", "engine", "direct_read_bytes", parse_int, str,
+    Var("HSDP_SHM_DIRECT_READ_BYTES", "engine", "direct_read_bytes", _int_or("auto"),
+        _shown_or("auto"),
         "all-gathers and broadcasts of at least this many bytes per rank read peers' buffers "
-        "directly (`process_vm_readv`: one copy instead of two) when the ranks may read each "
-        "other's memory; `0` disables"),
+        "directly (one copy instead of two) when the ranks may read each other's memory: "
+        "pool buffers through mappings, others with `process_vm_readv`; `auto`: pool buffers "
+        "from 8 KiB, others from the size where that is faster, measured when a group is "
+        "created (once per process and number of ranks per host; 8 KiB to 2 MiB, by CPU); "
+        "`0` disables"),
     Var("HSDP_SHM_DIRECT_ALLREDUCE_BYTES", "engine", "direct_all_reduce_bytes", parse_int, str,
         "all-reduces of at least this many bytes per rank gather the reduced parts directly "
         "from their owners' buffers (`process_vm_readv`), as above; `0` disables"),

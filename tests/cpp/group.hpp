@@ -26,6 +26,7 @@ inline EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::
   c.yield = std::chrono::microseconds(100); // every wait takes the yield path, then the futex
   c.oneShotBytes = 256;
   c.directReadBytes = 512;
+  c.pooledReadBytes = 512;
   c.directAllReduceBytes = 512;
   // Reduce-scatters from 256 bytes a rank write around the cache: the bitwise
   // checks cover both stores (all-reduces always write through the cache).
@@ -41,15 +42,15 @@ class Group {
  public:
   // W engines over one fresh segment (its name is unlinked at once), and one
   // more mapping of it that belongs to no rank: the view a stray writer has.
-  Group(int size, EngineConfig config, bool directReads) {
+  Group(int size, EngineConfig config, bool directReads, size_t slotBytes = kSlotBytes) {
     const std::string name = Segment::randomName();
     std::vector<Segment> segments;
     segments.reserve(size);
-    segments.push_back(Segment::create(name, size, kSlotBytes));
+    segments.push_back(Segment::create(name, size, slotBytes));
     for (int r = 1; r < size; ++r) {
-      segments.push_back(Segment::open(name, size, kSlotBytes));
+      segments.push_back(Segment::open(name, size, slotBytes));
     }
-    view_ = std::make_unique<Segment>(Segment::open(name, size, kSlotBytes));
+    view_ = std::make_unique<Segment>(Segment::open(name, size, slotBytes));
     Segment::unlink(name);
     for (int r = 0; r < size; ++r) {
       engines_.push_back(std::make_unique<Engine>(std::move(segments[r]), r, config));

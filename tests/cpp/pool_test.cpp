@@ -111,8 +111,12 @@ std::vector<float> values(int rank, size_t n) {
 
 // Every rank runs each call twice, on ordinary memory and with its input in
 // its pool when `pooled(rank)`, and compares the results bitwise.
-void checkPooledCalls(int size, const std::function<bool(int)>& pooled, bool expectPooledPath) {
-  Group g(size, testConfig(), /*directReads=*/true);
+void checkPooledCalls(
+    int size,
+    const std::function<bool(int)>& pooled,
+    bool expectPooledPath,
+    EngineConfig config = testConfig()) {
+  Group g(size, config, /*directReads=*/true);
   Pools pools(g);
   std::mutex mutex; // Pools' vectors are shared by the rank threads
   auto buffer = [&](int r, size_t bytes, bool inPool) {
@@ -190,6 +194,20 @@ TEST(PooledCalls, EveryRankPooledReadsPeersThroughMappingsWithTheSameResult) {
     checkPooledCalls(
         size, [](int) { return true; }, true);
   }
+}
+
+// Pool buffers have their own threshold: a machine where process_vm_readv
+// never pays (directReadBytes 0) still reads pool buffers through mappings,
+// and pooledReadBytes 0 turns only those off.
+TEST(PooledCalls, PoolBuffersHaveTheirOwnThreshold) {
+  EngineConfig noProcessReads = testConfig();
+  noProcessReads.directReadBytes = 0;
+  checkPooledCalls(
+      2, [](int) { return true; }, true, noProcessReads);
+  EngineConfig noPooledReads = testConfig();
+  noPooledReads.pooledReadBytes = 0;
+  checkPooledCalls(
+      2, [](int) { return true; }, false, noPooledReads);
 }
 
 TEST(PooledCalls, SomeRanksPooledTakeTheOrdinaryPathWithTheSameResult) {

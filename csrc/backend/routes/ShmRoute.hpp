@@ -86,6 +86,11 @@ class ShmRoute final : public Route {
   bool directReads() const {
     return local_->directReads();
   }
+  // From what size per rank all-gathers and broadcasts of ordinary buffers
+  // read peers directly; 0: never.
+  size_t directReadBytes() const {
+    return local_->directReads() ? local_->directReadBytes() : 0;
+  }
 
   // Communication buffers from a pool of at most `maxBytes`. Only with
   // direct reads (peers may open each other's descriptors); every rank of

@@ -1,0 +1,69 @@
+#pragma once
+
+// From what size a rank reads its peers' ordinary buffers directly
+// (process_vm_readv, one copy) rather than through the slots (two copies),
+// measured on the machine the group runs on.
+//
+// Neither path wins everywhere, and where they cross depends on the CPU and
+// the hypervisor: the system call pins and copies page by page, while the
+// slots' second copy reads lines the writer's core just wrote, from the
+// cache the cores share. Measured through the engine, in-place all-gathers
+// on 2 ranks: on an Intel Xeon VM direct reads won from 8 KiB (64 KiB: 5.2
+// us direct, 9.4 us through the slots); on an AMD EPYC (Zen 5) VM the slots
+// won up to 1 MiB (64 KiB: 4.1-5.1 us against 8.1-10.3 us direct), where
+// process_vm_readv moves 9-11 GB/s and a copy of lines another core just
+// wrote 35-40 GB/s. So a group measures it when it is created, instead of
+// trusting a constant measured elsewhere.
+
+#include "shm/FunctionRef.hpp"
+
+#include <chrono>
+#include <cstddef>
+#include <optional>
+#include <vector>
+
+namespace hsdp::shm {
+
+class Engine;
+
+// One message size per rank, and the fastest call each path took at it.
+struct ReadSample {
+  size_t bytes = 0;
+  std::chrono::nanoseconds direct{0};
+  std::chrono::nanoseconds slots{0};
+};
+
+// The smallest size measured from which direct reads are faster at every
+// larger size measured; when the slots win at the largest, 4 times that
+// size. `samples` in ascending size.
+//
+// Why not further: the measurement repeats one call, so its data stays in
+// the cache, where the slots' extra copy is cheap; a call a program makes
+// meets data its compute evicted. Up to 512 KiB per rank both paths' data
+// fit the caches either way and the measurement holds (AMD EPYC VM, 2
+// ranks, through torch: the slots 1.4-1.8x faster from 64 KiB to 1 MiB, as
+// measured here); from 2 MiB it overstates the slots (measured here 2x
+// faster at 4 MiB, where through torch direct reads were level in place and
+// 1.2-1.3x faster out of place). So above the sizes measured, direct reads
+// win, as they did everywhere on the Intel VM.
+size_t directReadCrossover(const std::vector<ReadSample>& samples);
+
+// Times in-place all-gathers of ordinary (non-pool) buffers through both
+// paths, alternately, at sizes per rank from 8 KiB up to 512 KiB (or the
+// slot, if smaller) by factors of 4: this rank's fastest call of each. A
+// collective: every rank of `engine`'s group calls it alike, with direct
+// reads enabled. The engine's threshold is restored before it returns.
+std::vector<ReadSample> timeDirectReads(Engine& engine);
+
+// The direct-read threshold every rank of the group adopts: rank 0's
+// `known` if it has one (the crossover an earlier group of this process
+// measured), else the crossover of rank 0's `measure()`, which then runs on
+// every rank (it must be a collective, as timeDirectReads is). A
+// collective; rank 0 alone decides, so ranks whose clocks disagree still
+// agree on the threshold, as every rank of a call must.
+size_t agreeDirectReadBytes(
+    Engine& engine,
+    std::optional<size_t> known,
+    FunctionRef<std::vector<ReadSample>()> measure);
+
+} // namespace hsdp::shm

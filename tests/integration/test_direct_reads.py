@@ -1,0 +1,104 @@
+"""From what size a group reads peers' ordinary buffers directly: measured
+by each group's ranks together when it is created (shm/Crossover.hpp),
+rank 0 deciding; a value the user sets is used as it is."""
+
+import pytest
+from harness import run_ranks
+
+KiB, MiB = 1024, 1024 * 1024
+# The sizes the measurement compares the paths at (from 8 KiB by factors of
+# 4 up to 512 KiB), and 4 times the last: where direct reads may start.
+MEASURABLE = {8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB, 2 * MiB}
+
+
+def direct_read_bytes(group=None):
+    from hsdp_backend import _C, get_hsdp_backend
+
+    return _C.cpu_engine(get_hsdp_backend(group))[2]
+
+
+def gather_and_broadcast_around(threshold, group, rank, world):
+    """All-gathers (in place and out of place) and broadcasts on each side of
+    `threshold`, compared with what every rank put in."""
+    import torch
+    import torch.distributed as dist
+
+    for n in sorted({8 * KiB, 64 * KiB, max(threshold, 4) - 4, threshold, 4 * MiB + 12}):
+        n //= 4  # floats
+        if n == 0:
+            continue
+        expected = torch.cat([torch.arange(n, dtype=torch.float32) + r * 0.5 for r in range(world)])
+        out = torch.empty(world * n)
+        out.narrow(0, rank * n, n).copy_(expected.narrow(0, rank * n, n))
+        dist.all_gather_into_tensor(out, out.narrow(0, rank * n, n), group=group)
+        assert torch.equal(out, expected), ("in place", n)
+        out2 = torch.empty(world * n)
+        dist.all_gather_into_tensor(out2, expected.narrow(0, rank * n, n).clone(), group=group)
+        assert torch.equal(out2, expected), ("out of place", n)
+        b = torch.full((n,), float(rank))
+        dist.broadcast(
+            b, src=dist.get_global_rank(group, world - 1) if group else world - 1, group=group
+        )
+        assert torch.equal(b, torch.full((n,), float(world - 1))), ("broadcast", n)
+
+
+def measured_body(rank, world):
+    import torch.distributed as dist
+
+    mine = direct_read_bytes()
+    assert mine in MEASURABLE, mine
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    assert everyone == [mine] * world, everyone
+    gather_and_broadcast_around(mine, None, rank, world)
+    # A later group of the same size adopts rank 0's earlier measurement.
+    sub = dist.new_group(list(range(world)))
+    assert direct_read_bytes(sub) == mine
+    gather_and_broadcast_around(mine, sub, rank, world)
+    return mine
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_uses_the_threshold_its_group_measured(world):
+    run_ranks(measured_body, world)
+
+
+def set_on_rank_zero_body(rank, world, value):
+    import os
+
+    import torch.distributed as dist
+
+    # Rank 0's setting is the group's: a rank whose own setting says auto
+    # does not measure alone (it would wait for peers that never join).
+    if rank == 0:
+        os.environ["HSDP_SHM_DIRECT_READ_BYTES"] = str(value)
+    import datetime
+
+    dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=30))
+    assert direct_read_bytes() == value
+    gather_and_broadcast_around(value, None, rank, world)
+
+
+@pytest.mark.parametrize("value", [0, 4096, 3 * MiB])
+def test_a_threshold_set_on_rank_zero_is_everyones_and_not_measured(value):
+    run_ranks(set_on_rank_zero_body, 2, backend=None, value=value)
+
+
+def auto_on_rank_zero_body(rank, world):
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    if rank == 1:
+        os.environ["HSDP_SHM_DIRECT_READ_BYTES"] = "4096"
+    dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=30))
+    mine = direct_read_bytes()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    assert everyone == [mine] * world and mine in MEASURABLE, everyone
+    gather_and_broadcast_around(mine, None, rank, world)
+
+
+def test_auto_on_rank_zero_measures_on_every_rank():
+    run_ranks(auto_on_rank_zero_body, 2, backend=None)
