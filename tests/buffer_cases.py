@@ -96,7 +96,7 @@ def buffers_return_to_the_pool(rank, world):
 def ordinary_memory_on_some_ranks_is_served_alike(rank, world):
     gloo = dist.new_group(backend="gloo")
     before = hsdp_backend.buffer_stats()["pooled_calls"]
-    n = 4096  # 16 KiB a rank: past the direct-read threshold
+    n = 4096  # 16 KiB a rank: past the pool's direct-read threshold
     mine = values(rank, n, torch.float32)
     out = pooled(world * n, torch.float32) if rank == 0 else torch.empty(world * n)
     out.narrow(0, rank * n, n).copy_(mine)
@@ -236,7 +236,7 @@ def fsdp_buffers(rank, world, expected):
     before = hsdp_backend.buffer_stats()["pooled_calls"]
     model(torch.randn(4, 128)).sum().backward()
     pooled_calls = hsdp_backend.buffer_stats()["pooled_calls"] - before
-    # 8 KiB a rank and more (the direct-read threshold): an all-gather and a
+    # 8 KiB a rank and more (the pool's direct-read threshold): an all-gather and a
     # reduce-scatter of 66 KB.
     assert (pooled_calls >= 2) if expected == "group" else (pooled_calls == 0), pooled_calls
     model.set_allocate_memory_from_process_group_for_comm(expected != "group")

@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <exception>
 #include <map>
 #include <mutex>
 #include <sstream>
+#include <utility>
 
 namespace hsdp {
 
@@ -62,34 +64,47 @@ void adoptRankZeroSettings(c10d::Store& store, const Keys& key, int rank, ShmOpt
       e.directAllReduceBytes;
 }
 
-// The direct-read threshold a group of `ranks` ranks per host measured,
-// kept for the process's later groups of that size: the crossover is the
-// machine's, and measuring costs a few milliseconds per group.
+// The direct-read threshold the first group of each shape (ranks per host,
+// slot size: what the measurement depends on) measured in this process,
+// for its later groups of that shape: mostly the CPU's, and measuring every
+// group would cost each one about a millisecond, more with more ranks. A
+// group's host takes its first rank's: another process may hold another
+// value, and each group is still consistent.
 class MeasuredCrossovers {
  public:
-  std::optional<size_t> find(int ranks) {
+  using Shape = std::pair<int, size_t>;
+  std::optional<size_t> find(Shape shape) {
     std::lock_guard<std::mutex> lock(mutex_);
-    const auto it = bytes_.find(ranks);
+    const auto it = bytes_.find(shape);
     return it == bytes_.end() ? std::nullopt : std::optional<size_t>(it->second);
   }
-  void keep(int ranks, size_t bytes) {
+  void keep(Shape shape, size_t bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
-    bytes_.emplace(ranks, bytes);
+    bytes_.emplace(shape, bytes);
   }
 
  private:
   std::mutex mutex_;
-  std::map<int, size_t> bytes_;
+  std::map<Shape, size_t> bytes_;
 };
 
 // Sets the engine's direct-read threshold to the one its host's ranks
 // agree on (shm/Crossover.hpp). Every rank of the host calls it alike.
 void adoptMeasuredCrossover(shm::Engine& engine) {
   static MeasuredCrossovers measured;
-  const size_t bytes = shm::agreeDirectReadBytes(
-      engine, measured.find(engine.size()), [&] { return shm::timeDirectReads(engine); });
+  const MeasuredCrossovers::Shape shape{engine.size(), engine.slotBytes()};
+  size_t bytes = 0;
+  try {
+    bytes = shm::agreeDirectReadBytes(
+        engine, measured.find(shape), [&] { return shm::timeDirectReads(engine); });
+  } catch (const std::exception& e) {
+    // Peers would otherwise wait in the measurement's next call until
+    // their deadline (this process lives on: they cannot see it gone).
+    engine.abort(std::string("measuring the direct-read threshold failed: ") + e.what());
+    throw;
+  }
   engine.setDirectReadBytes(bytes);
-  measured.keep(engine.size(), bytes);
+  measured.keep(shape, bytes);
 }
 
 // Whether every rank may read every other rank's memory with

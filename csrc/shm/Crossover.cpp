@@ -15,7 +15,9 @@ namespace {
 
 constexpr size_t kSmallest = 8 << 10;
 constexpr size_t kLargest = 512 << 10;
-// Rounds of both paths, alternating: the fastest of each is kept, so a
+// The output's bound: a host's ranks hold ranks x this between them.
+constexpr size_t kOutputBytes = 32 << 20;
+// Rounds of both paths, alternating: each path's fastest is kept, so a
 // round that lost its core to another process does not decide.
 constexpr int kRounds = 5;
 // Calls per timing: enough bytes that the clock's cost (tens of ns in a VM)
@@ -56,8 +58,8 @@ size_t directReadCrossover(const std::vector<ReadSample>& samples) {
 
 std::vector<ReadSample> timeDirectReads(Engine& engine) {
   const size_t before = engine.directReadBytes();
-  const size_t largest = std::min(kLargest, engine.slotBytes());
   const size_t ranks = static_cast<size_t>(engine.size());
+  const size_t largest = std::min({kLargest, engine.slotBytes(), kOutputBytes / ranks});
   Buffer out(largest * ranks);
   std::vector<size_t> sizes;
   for (size_t n = kSmallest; n < largest; n *= 4) {
@@ -70,7 +72,7 @@ std::vector<ReadSample> timeDirectReads(Engine& engine) {
       char* in = out.data + static_cast<size_t>(engine.rank()) * n; // in place, as FSDP2 gathers
       const int calls =
           static_cast<int>(std::clamp<size_t>(kBytesPerTiming / n, 1, kMaxCallsPerTiming));
-      auto fastest = [&](size_t threshold) {
+      auto perCall = [&](size_t threshold) {
         // 1: every size reads directly; 0: none does.
         engine.setDirectReadBytes(threshold);
         const auto start = std::chrono::steady_clock::now();
@@ -81,11 +83,11 @@ std::vector<ReadSample> timeDirectReads(Engine& engine) {
       };
       ReadSample s{n, std::chrono::nanoseconds::max(), std::chrono::nanoseconds::max()};
       // Untimed: the first calls of a size touch lines no call has yet.
-      fastest(1);
-      fastest(0);
+      perCall(1);
+      perCall(0);
       for (int r = 0; r < kRounds; ++r) {
-        s.direct = std::min(s.direct, fastest(1));
-        s.slots = std::min(s.slots, fastest(0));
+        s.direct = std::min(s.direct, perCall(1));
+        s.slots = std::min(s.slots, perCall(0));
       }
       samples.push_back(s);
     }

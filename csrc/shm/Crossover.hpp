@@ -26,7 +26,8 @@ namespace hsdp::shm {
 
 class Engine;
 
-// One message size per rank, and the fastest call each path took at it.
+// One message size per rank, and each path's time per call at it (of its
+// fastest round).
 struct ReadSample {
   size_t bytes = 0;
   std::chrono::nanoseconds direct{0};
@@ -49,10 +50,13 @@ struct ReadSample {
 size_t directReadCrossover(const std::vector<ReadSample>& samples);
 
 // Times in-place all-gathers of ordinary (non-pool) buffers through both
-// paths, alternately, at sizes per rank from 8 KiB up to 512 KiB (or the
-// slot, if smaller) by factors of 4: this rank's fastest call of each. A
-// collective: every rank of `engine`'s group calls it alike, with direct
-// reads enabled. The engine's threshold is restored before it returns.
+// paths, alternately, at sizes per rank from 8 KiB up to 512 KiB by factors
+// of 4 (less when the slot is smaller, or when the output, the size times
+// the ranks, would pass 32 MiB): this rank's time per call of each path, in
+// its fastest round. A collective: every rank of `engine`'s group calls it
+// alike, with direct reads enabled. The engine's threshold is restored
+// before it returns. Broadcasts take the threshold too: the same two ways
+// of reading one peer's buffer, of which an all-gather reads every peer's.
 std::vector<ReadSample> timeDirectReads(Engine& engine);
 
 // The direct-read threshold every rank of the group adopts: rank 0's

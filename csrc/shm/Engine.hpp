@@ -179,8 +179,9 @@ class Engine final : public Collectives {
   bool directReads() const {
     return directReads_;
   }
-  // The all-gather and broadcast threshold (EngineConfig::directReadBytes);
-  // every rank of the group must set it alike, between collectives.
+  // The all-gather and broadcast threshold (EngineConfig::directReadBytes).
+  // Every rank of the group sets it alike, between collectives, and before
+  // the engine serves other threads (gathersPieces reads it on the caller's).
   size_t directReadBytes() const {
     return directReadBytes_;
   }
@@ -365,7 +366,8 @@ class Engine final : public Collectives {
   uint64_t opSeq_ = 0;
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;
-  // config_.directReadBytes until the group agrees on its own (Crossover.hpp).
+  // config_.directReadBytes until the group agrees on its own (Crossover.hpp);
+  // declared after config_, which it is initialised from.
   size_t directReadBytes_ = config_.directReadBytes;
   std::vector<int32_t> pids_;
   std::shared_ptr<const Pool> pool_;
