@@ -18,8 +18,8 @@
 // are rank 0's on every rank; direct reads are on only if every rank can
 // read every other's memory. Unless the user set it, the size from which
 // ordinary buffers are read directly is measured then, on each host, by
-// its ranks together (shm/Crossover.hpp), once per process and number of
-// ranks per host; the host's first rank decides.
+// its ranks together (shm/Crossover.hpp), once per process, number of
+// ranks per host and slot size; the host's first rank decides.
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

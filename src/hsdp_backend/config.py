@@ -115,7 +115,7 @@ _TABLE = [
         "directly (one copy instead of two) when the ranks may read each other's memory: "
         "pool buffers through mappings, others with `process_vm_readv`; `auto`: pool buffers "
         "from 8 KiB, others from the size where that is faster, measured when a group is "
-        "created (once per process and number of ranks per host; 8 KiB to 2 MiB with the "
+        "created (once per process, ranks per host and slot size; 8 KiB to 2 MiB with the "
         "default slot, by CPU); `0` disables"),
     Var("HSDP_SHM_DIRECT_ALLREDUCE_BYTES", "engine", "direct_all_reduce_bytes", parse_int, str,
         "all-reduces of at least this many bytes per rank gather the reduced parts directly "
