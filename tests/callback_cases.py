@@ -189,6 +189,42 @@ def future_value_is_the_callers_tensor(rank, world, ref):
         check(got, torch.full(t.shape, 1.0), "broadcast value")
 
 
+@case
+def waiting_ends_after_the_callbacks_and_frees_the_tensors(rank, world, ref):
+    """Work.wait() returns once the future's callbacks ran, as Gloo's does
+    (its Work finishes after its future), and once hsdp holds nothing of
+    the call: a caller that waited and dropped its tensor frees it, even
+    before the group's next call, as with NCCL (whose watchdog keeps a copy
+    of each Work without its outputs). On an H200 a post-step kept for the
+    next op held the tensor and its staged copy until that call. A slow
+    callback keeps the completing thread busy past the future's completion:
+    waking the waiter there, the thread would still hold the tensor. A
+    tensor C++ holds keeps its Python object alive (torch preserves it), so
+    the weak reference shows it."""
+    import gc
+    import weakref
+
+    ran = []
+
+    def slow(_):
+        time.sleep(0.2)
+        ran.append(True)
+
+    # Non-contiguous, AVG: staged, summed, divided and copied back after the
+    # collective (a post-step on every route).
+    t = (torch.arange(12, dtype=torch.float32) + rank).view(3, 4).t()
+    gone = weakref.ref(t)
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+    work.get_future().then(slow)
+    work.wait()
+    assert ran, "wait() returned before the future's callbacks ran"
+    expected = (torch.arange(12, dtype=torch.float32) + (world - 1) / 2).view(3, 4).t()
+    assert torch.allclose(t, expected), f"AVG: got {t}, expected {expected}"
+    del t, work
+    gc.collect()
+    assert gone() is None, "hsdp still holds an async op's tensor after it was waited for"
+
+
 # ---------------------------------------------------------- failures
 
 

@@ -217,6 +217,10 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
       --s.idle;
       lock.unlock();
       entry.task(); // tasks catch their own exceptions
+      // Its captures (the caller's tensors, staged copies) go before the
+      // completion step wakes anyone: a caller that waited and dropped its
+      // tensors must find them freed.
+      entry.task = nullptr;
       lock.lock();
       s.busy = false;
       const bool handOver = s.runnable() && (s.waitingSteps > 0 || s.rescue);

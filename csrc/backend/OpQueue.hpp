@@ -54,7 +54,7 @@ class OpQueue {
   OpQueue& operator=(const OpQueue&) = delete;
 
   // Runs `task` on a worker in issue order, then `then` on that worker once
-  // the queue accepts work again.
+  // the queue accepts work again. `task` is destroyed before `then` runs.
   void submit(std::function<void()> task, std::function<void()> then);
 
   // Runs `task` on the calling thread if nothing is queued or running and

@@ -45,11 +45,11 @@ WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> output
       outputs_(std::move(outputs)) {}
 
 bool WorkHSDP::isCompleted() {
-  return completeAtCreation_ || future_->completed();
+  return completeAtCreation_ || endOfWait().completed();
 }
 
 bool WorkHSDP::isSuccess() const {
-  return completeAtCreation_ || (future_->completed() && !future_->hasError());
+  return completeAtCreation_ || (endOfWait().completed() && !future_->hasError());
 }
 
 std::exception_ptr WorkHSDP::exception() const {
@@ -62,7 +62,7 @@ std::vector<at::Tensor> WorkHSDP::result() {
 
 void WorkHSDP::synchronize() {
   if (!completeAtCreation_) {
-    future_->wait();
+    endOfWait().wait();
   }
   leaveInflightRegistry();
 }
@@ -75,14 +75,14 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
   // Without a timeout the wait is still bounded: the engine or the inner
   // collective enforces the group's deadline and completes the future with
   // an error when it expires.
-  if (timeout != kNoTimeout && !future_->completed()) {
+  if (timeout != kNoTimeout && !endOfWait().completed()) {
     struct Signal {
       std::mutex mutex;
       std::condition_variable cv;
       bool done = false;
     };
     auto signal = std::make_shared<Signal>();
-    future_->addCallback([signal](c10::ivalue::Future&) {
+    endOfWait().addCallback([signal](c10::ivalue::Future&) {
       std::lock_guard<std::mutex> lock(signal->mutex);
       signal->done = true;
       signal->cv.notify_all();
@@ -95,6 +95,7 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
               std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) + ")");
     }
   }
+  endOfWait().wait();
   future_->waitAndThrow();
   leaveInflightRegistry();
   return true;
@@ -127,13 +128,14 @@ c10::intrusive_ptr<c10d::Work> WorkHSDP::ofSynchronousCall(int rank, c10d::OpTyp
   return completed(rank, opType, {});
 }
 
-c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(
+c10::intrusive_ptr<WorkHSDP> WorkHSDP::onQueue(
     OpQueue& queue,
     int rank,
     c10d::OpType opType,
     std::vector<at::Tensor> outputs,
     std::function<void()> task) {
   auto future = c10::make_intrusive<c10::ivalue::Future>(tensorListType());
+  auto released = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
   auto error = std::make_shared<std::exception_ptr>();
   queue.submit(
       // The caller's thread-local state (inference mode, grad mode, ...)
@@ -147,14 +149,21 @@ c10::intrusive_ptr<c10d::Work> WorkHSDP::onQueue(
           *error = std::current_exception();
         }
       },
-      [future, error, outputs = std::move(outputs)]() {
+      [future, released, error, outputs = std::move(outputs)]() mutable {
+        // The future (its value holds the outputs) is the last of the
+        // call's that this thread holds: let go of it, then end the waits.
+        auto f = std::move(future);
         if (*error) {
-          future->setError(*error);
+          f->setError(*error);
         } else {
-          future->markCompleted(c10::IValue(outputs));
+          f->markCompleted(c10::IValue(std::move(outputs)));
         }
+        f.reset();
+        released->markCompleted();
       });
-  return c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
+  auto work = c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));
+  work->released_ = std::move(released);
+  return work;
 }
 
 } // namespace hsdp

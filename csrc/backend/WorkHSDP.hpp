@@ -59,12 +59,22 @@ class WorkHSDP : public c10d::Work {
   // A Work that completes with `outputs` once `task` has run on `queue`
   // (or fails with what it threw). The future completes after the queue is
   // free again, so its callbacks may issue collectives on the same group.
-  static c10::intrusive_ptr<c10d::Work> onQueue(
+  // Waiting ends once the future's callbacks ran (as Gloo's Work, which
+  // finishes after its future) and the queue holds nothing of the call's,
+  // so a caller that waited and then drops its tensors frees them (as with
+  // NCCL, whose watchdog's copy of a Work leaves out the outputs).
+  static c10::intrusive_ptr<WorkHSDP> onQueue(
       OpQueue& queue,
       int rank,
       c10d::OpType opType,
       std::vector<at::Tensor> outputs,
       std::function<void()> task);
+
+  // An onQueue Work's end of waiting: completes (no value, never an error)
+  // after the future, once the queue let go of the call.
+  const c10::intrusive_ptr<c10::ivalue::Future>& released() const {
+    return released_;
+  }
 
  private:
   const bool completeAtCreation_ = false;
@@ -74,7 +84,14 @@ class WorkHSDP : public c10d::Work {
   const bool mayBeInflight_ = true;
   std::once_flag made_; // complete at creation: future_ made (by getFuture)
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  // onQueue: completed after future_, once the queue dropped the call's
+  // tensors (what wait() waits for); none otherwise.
+  c10::intrusive_ptr<c10::ivalue::Future> released_;
   std::vector<at::Tensor> outputs_; // complete at creation: the result
+  // What wait() and isCompleted() look at.
+  c10::ivalue::Future& endOfWait() const {
+    return released_ ? *released_ : *future_;
+  }
   // What waiting ends with: off c10d's in-flight registry, if it may be on it.
   void leaveInflightRegistry() {
     if (mayBeInflight_) {

@@ -77,23 +77,16 @@ WorkOnStream::WorkOnStream(
     int rank,
     c10d::OpType opType,
     c10::intrusive_ptr<c10::ivalue::Future> done,
+    c10::intrusive_ptr<c10::ivalue::Future> released,
     std::vector<c10::intrusive_ptr<c10d::Work>> inners,
     std::vector<at::Tensor> outputs)
     : Work(rank, opType),
+      // `released`, not `done`, for the mark: the route keeps the mark, and
+      // `done`'s value holds the outputs.
+      mark_(std::make_shared<const PostStepMark>(std::move(released))),
       inners_(std::move(inners)),
       outputs_(std::move(outputs)),
-      future_(std::move(done)) {
-  // A future of its own for the mark: `done`'s value holds the outputs.
-  auto ended = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
-  future_->addCallback([ended](c10::ivalue::Future& f) {
-    if (f.hasError()) {
-      ended->setError(f.exception_ptr());
-    } else {
-      ended->markCompleted();
-    }
-  });
-  mark_ = std::make_shared<const PostStepMark>(std::move(ended));
-}
+      future_(std::move(done)) {}
 
 std::exception_ptr WorkOnStream::exception() const {
   for (const auto& w : inners_) {

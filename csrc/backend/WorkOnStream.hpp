@@ -40,7 +40,8 @@ class PostStepMark {
  public:
   // Right after the post-step was enqueued on `stream` (current).
   explicit PostStepMark(c10::Stream stream);
-  // Host streams: completes once the post-step has run (its value, none).
+  // Host streams: completes once the post-step has run and its worker let
+  // go of the op's tensors (its value, none).
   explicit PostStepMark(c10::intrusive_ptr<c10::ivalue::Future> hostDone);
 
   // Whether the post-step has run (never blocks; not under graph capture).
@@ -77,11 +78,13 @@ class WorkOnStream : public c10d::Work {
       std::vector<c10::intrusive_ptr<c10d::Work>> inners,
       std::vector<at::Tensor> outputs,
       std::vector<at::Tensor> keepAlive);
-  // Host streams: `done` completes (or fails) once the post-step has run.
+  // Host streams: `done` completes (or fails) once the post-step has run,
+  // and `released` after it, once the worker let go of the op's tensors.
   WorkOnStream(
       int rank,
       c10d::OpType opType,
       c10::intrusive_ptr<c10::ivalue::Future> done,
+      c10::intrusive_ptr<c10::ivalue::Future> released,
       std::vector<c10::intrusive_ptr<c10d::Work>> inners,
       std::vector<at::Tensor> outputs);
 

@@ -399,24 +399,23 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
     // The buffers stay alive until the inner ops ran (what recording them
     // on the side stream does on CUDA).
     auto done = WorkHSDP::onQueue(
-                    completions(),
-                    rank_,
-                    type,
-                    outputs,
-                    [ops = inner.ops,
-                     end = inner.blockEnd,
-                     post = std::move(post),
-                     keepAlive = std::move(keepAlive)] {
-                      orderAfter(ops, end.get());
-                      if (post) {
-                        post();
-                      }
-                    })
-                    ->getFuture();
+        completions(),
+        rank_,
+        type,
+        outputs,
+        [ops = inner.ops,
+         end = inner.blockEnd,
+         post = std::move(post),
+         keepAlive = std::move(keepAlive)] {
+          orderAfter(ops, end.get());
+          if (post) {
+            post();
+          }
+        });
     return pending(
         hasPost,
         c10::make_intrusive<WorkOnStream>(
-            rank_, type, std::move(done), inner.all(), std::move(outputs)));
+            rank_, type, done->getFuture(), done->released(), inner.all(), std::move(outputs)));
   }
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream current = impl.getStream(device);
