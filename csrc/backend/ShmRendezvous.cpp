@@ -93,16 +93,8 @@ class MeasuredCrossovers {
 void adoptMeasuredCrossover(shm::Engine& engine) {
   static MeasuredCrossovers measured;
   const MeasuredCrossovers::Shape shape{engine.size(), engine.slotBytes()};
-  size_t bytes = 0;
-  try {
-    bytes = shm::agreeDirectReadBytes(
-        engine, measured.find(shape), [&] { return shm::timeDirectReads(engine); });
-  } catch (const std::exception& e) {
-    // Peers would otherwise wait in the measurement's next call until
-    // their deadline (this process lives on: they cannot see it gone).
-    engine.abort(std::string("measuring the direct-read threshold failed: ") + e.what());
-    throw;
-  }
+  const size_t bytes = shm::agreeDirectReadBytes(
+      engine, measured.find(shape), [&] { return shm::timeDirectReads(engine); });
   engine.setDirectReadBytes(bytes);
   measured.keep(shape, bytes);
 }

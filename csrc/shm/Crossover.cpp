@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <string>
 
 namespace hsdp::shm {
 
@@ -56,16 +57,22 @@ size_t directReadCrossover(const std::vector<ReadSample>& samples) {
   return from;
 }
 
-std::vector<ReadSample> timeDirectReads(Engine& engine) {
-  const size_t before = engine.directReadBytes();
-  const size_t ranks = static_cast<size_t>(engine.size());
-  const size_t largest = std::min({kLargest, engine.slotBytes(), kOutputBytes / ranks});
-  Buffer out(largest * ranks);
+std::vector<size_t> directReadProbeSizes(int ranks, size_t slotBytes) {
+  const size_t largest =
+      std::min({kLargest, slotBytes, kOutputBytes / static_cast<size_t>(std::max(ranks, 1))});
   std::vector<size_t> sizes;
   for (size_t n = kSmallest; n < largest; n *= 4) {
     sizes.push_back(n);
   }
   sizes.push_back(largest);
+  return sizes;
+}
+
+std::vector<ReadSample> timeDirectReads(Engine& engine) {
+  const size_t before = engine.directReadBytes();
+  const size_t ranks = static_cast<size_t>(engine.size());
+  const std::vector<size_t> sizes = directReadProbeSizes(engine.size(), engine.slotBytes());
+  Buffer out(sizes.back() * ranks);
   std::vector<ReadSample> samples;
   try {
     for (const size_t n : sizes) {
@@ -107,7 +114,15 @@ size_t agreeDirectReadBytes(
   uint64_t word[2] = {known ? 1u : 0u, known.value_or(0)};
   engine.broadcast("direct-read probe", word, sizeof word, 0);
   if (word[0] == 0) {
-    const std::vector<ReadSample> samples = measure();
+    std::vector<ReadSample> samples;
+    try {
+      samples = measure();
+    } catch (const std::exception& e) {
+      // Its peers would otherwise wait in the measurement's next call until
+      // their deadline: this process lives on, so they cannot see it gone.
+      engine.abort(std::string("measuring the direct-read threshold failed: ") + e.what());
+      throw;
+    }
     word[1] = directReadCrossover(samples);
     engine.broadcast("direct-read probe", &word[1], sizeof word[1], 0);
   }

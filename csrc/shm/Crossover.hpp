@@ -49,11 +49,14 @@ struct ReadSample {
 // win, as they did everywhere on the Intel VM.
 size_t directReadCrossover(const std::vector<ReadSample>& samples);
 
+// The sizes per rank timeDirectReads measures: from 8 KiB by factors of 4,
+// and last the largest, 512 KiB, or less when the slot is smaller or when
+// the output (the size times the ranks) would pass 32 MiB.
+std::vector<size_t> directReadProbeSizes(int ranks, size_t slotBytes);
+
 // Times in-place all-gathers of ordinary (non-pool) buffers through both
-// paths, alternately, at sizes per rank from 8 KiB up to 512 KiB by factors
-// of 4 (less when the slot is smaller, or when the output, the size times
-// the ranks, would pass 32 MiB): this rank's time per call of each path, in
-// its fastest round. A collective: every rank of `engine`'s group calls it
+// paths, alternately, at directReadProbeSizes: this rank's time per call of
+// each path, in its fastest round. A collective: every rank of `engine`'s group calls it
 // alike, with direct reads enabled. The engine's threshold is restored
 // before it returns. Broadcasts take the threshold too: the same two ways
 // of reading one peer's buffer, of which an all-gather reads every peer's.
@@ -64,7 +67,8 @@ std::vector<ReadSample> timeDirectReads(Engine& engine);
 // measured), else the crossover of rank 0's `measure()`, which then runs on
 // every rank (it must be a collective, as timeDirectReads is). A
 // collective; rank 0 alone decides, so ranks whose clocks disagree still
-// agree on the threshold, as every rank of a call must.
+// agree on the threshold, as every rank of a call must. A rank whose
+// `measure()` throws aborts the engine first, so its peers fail at once.
 size_t agreeDirectReadBytes(
     Engine& engine,
     std::optional<size_t> known,

@@ -65,6 +65,43 @@ TEST(AgreeDirectReadBytes, EveryRankAdoptsRankZerosMeasurement) {
   EXPECT_EQ(agreed, (std::vector<size_t>{32 * KiB, 32 * KiB, 32 * KiB}));
 }
 
+// A rank whose measurement fails aborts the engine, so the peers waiting in
+// the measurement's collectives fail at once, not at their deadline (the
+// failing process lives on: nothing else tells them).
+TEST(AgreeDirectReadBytes, ARankWhoseMeasurementFailsFailsEveryRankAtOnce) {
+  Group g(3, testConfig(std::chrono::seconds(60)), /*directReads=*/true);
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = g.run([&](Engine& e) {
+    agreeDirectReadBytes(e, std::nullopt, [&]() -> std::vector<ReadSample> {
+      if (e.rank() == 1) {
+        throw std::runtime_error("no clock here");
+      }
+      return timeDirectReads(e); // waits for rank 1 in its all-gathers
+    });
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20))
+      << "not the 60 s deadline";
+  EXPECT_NE(errors[1].find("no clock here"), std::string::npos) << errors[1];
+  for (const int r : {0, 2}) {
+    EXPECT_NE(
+        errors[r].find("measuring the direct-read threshold failed: no clock here"),
+        std::string::npos)
+        << "rank " << r << ": " << errors[r];
+  }
+}
+
+// Factors of 4 from 8 KiB, the last bounded by 512 KiB, the slot, and 32
+// MiB of output across the ranks.
+TEST(DirectReadProbeSizes, BoundedByTheSlotAndTheOutput) {
+  using Sizes = std::vector<size_t>;
+  EXPECT_EQ(directReadProbeSizes(2, 4 * MiB), (Sizes{8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB}));
+  EXPECT_EQ(directReadProbeSizes(64, 4 * MiB), (Sizes{8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB}));
+  EXPECT_EQ(directReadProbeSizes(2, 100 * KiB), (Sizes{8 * KiB, 32 * KiB, 100 * KiB}));
+  EXPECT_EQ(directReadProbeSizes(128, 4 * MiB), (Sizes{8 * KiB, 32 * KiB, 128 * KiB, 256 * KiB}));
+  EXPECT_EQ(directReadProbeSizes(1024, 4 * MiB), (Sizes{8 * KiB, 32 * KiB}));
+  EXPECT_EQ(directReadProbeSizes(4096, 4 * MiB), (Sizes{8 * KiB}));
+}
+
 // What rank 0 already knows (an earlier group of its process measured it)
 // is adopted without measuring; what other ranks know does not count.
 TEST(AgreeDirectReadBytes, RankZerosKnownValueSkipsTheMeasurement) {
