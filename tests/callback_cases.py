@@ -225,6 +225,27 @@ def waiting_ends_after_the_callbacks_and_frees_the_tensors(rank, world, ref):
     assert gone() is None, "hsdp still holds an async op's tensor after it was waited for"
 
 
+@case
+def a_callback_waits_for_its_own_work_and_calls_the_group(rank, world, ref):
+    """A callback of an op with a post-step that waits for that op's Work
+    and makes a blocking call on the same group: Work.wait() ends after the
+    callbacks, but not inside them (a callback would wait for itself), and
+    the call orders itself after the post-step, not after the callbacks."""
+    t = (torch.arange(12, dtype=torch.float32) + rank).view(3, 4).t()
+    u = torch.full((8,), rank + 1.0)
+    work = dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=True)
+
+    def cb(_):
+        assert work.wait()
+        assert work.is_completed()
+        dist.all_reduce(u)
+        return u
+
+    check(work.get_future().then(cb).wait(), summed(world), "the callback's all_reduce")
+    expected = (torch.arange(12, dtype=torch.float32) + (world - 1) / 2).view(3, 4).t()
+    assert torch.allclose(t, expected), f"AVG: got {t}, expected {expected}"
+
+
 # ---------------------------------------------------------- failures
 
 

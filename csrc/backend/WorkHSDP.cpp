@@ -7,6 +7,7 @@
 
 #include <condition_variable>
 #include <mutex>
+#include <utility>
 
 namespace hsdp {
 
@@ -27,7 +28,21 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
   return devices;
 }
 
+// The `released` future of the Work whose completion step this thread runs
+// (its future's callbacks run in it), if any.
+thread_local const c10::ivalue::Future* releasing = nullptr;
+
 } // namespace
+
+bool waitEndsAfterThisThread(const c10::ivalue::Future& released) {
+  return releasing == &released;
+}
+
+void waitUntilReleased(c10::ivalue::Future& released) {
+  if (!waitEndsAfterThisThread(released)) {
+    released.wait();
+  }
+}
 
 void unregisterInflight(c10d::Work& work) {
   if (c10d::allow_inflight_collective_as_graph_input()) {
@@ -45,11 +60,23 @@ WorkHSDP::WorkHSDP(int rank, c10d::OpType opType, std::vector<at::Tensor> output
       outputs_(std::move(outputs)) {}
 
 bool WorkHSDP::isCompleted() {
-  return completeAtCreation_ || endOfWait().completed();
+  return completeAtCreation_ || waitIsOver();
 }
 
 bool WorkHSDP::isSuccess() const {
-  return completeAtCreation_ || (endOfWait().completed() && !future_->hasError());
+  return completeAtCreation_ || (waitIsOver() && !future_->hasError());
+}
+
+bool WorkHSDP::waitIsOver() const {
+  return future_->completed() &&
+      (!released_ || released_->completed() || waitEndsAfterThisThread(*released_));
+}
+
+void WorkHSDP::waitForTheEnd() const {
+  future_->wait();
+  if (released_) {
+    waitUntilReleased(*released_);
+  }
 }
 
 std::exception_ptr WorkHSDP::exception() const {
@@ -62,7 +89,7 @@ std::vector<at::Tensor> WorkHSDP::result() {
 
 void WorkHSDP::synchronize() {
   if (!completeAtCreation_) {
-    endOfWait().wait();
+    waitForTheEnd();
   }
   leaveInflightRegistry();
 }
@@ -75,14 +102,17 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
   // Without a timeout the wait is still bounded: the engine or the inner
   // collective enforces the group's deadline and completes the future with
   // an error when it expires.
-  if (timeout != kNoTimeout && !endOfWait().completed()) {
+  if (timeout != kNoTimeout && !waitIsOver()) {
     struct Signal {
       std::mutex mutex;
       std::condition_variable cv;
       bool done = false;
     };
     auto signal = std::make_shared<Signal>();
-    endOfWait().addCallback([signal](c10::ivalue::Future&) {
+    // Inside this Work's own completion step only the future counts: the
+    // step ends after this callback's caller.
+    auto& last = released_ && !waitEndsAfterThisThread(*released_) ? *released_ : *future_;
+    last.addCallback([signal](c10::ivalue::Future&) {
       std::lock_guard<std::mutex> lock(signal->mutex);
       signal->done = true;
       signal->cv.notify_all();
@@ -95,7 +125,7 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
               std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) + ")");
     }
   }
-  endOfWait().wait();
+  waitForTheEnd();
   future_->waitAndThrow();
   leaveInflightRegistry();
   return true;
@@ -153,11 +183,13 @@ c10::intrusive_ptr<WorkHSDP> WorkHSDP::onQueue(
         // The future (its value holds the outputs) is the last of the
         // call's that this thread holds: let go of it, then end the waits.
         auto f = std::move(future);
+        const auto* outer = std::exchange(releasing, released.get());
         if (*error) {
           f->setError(*error);
         } else {
           f->markCompleted(c10::IValue(std::move(outputs)));
         }
+        releasing = outer;
         f.reset();
         released->markCompleted();
       });

@@ -24,6 +24,14 @@ namespace hsdp {
 // do.
 void unregisterInflight(c10d::Work& work);
 
+// A queue-completed Work's wait ends with its `released` future (see
+// WorkHSDP::onQueue), after the callbacks of its future. Whether this thread
+// runs those callbacks now: a wait in them must not wait for `released`,
+// which would wait for itself (a callback may wait for its own Work).
+bool waitEndsAfterThisThread(const c10::ivalue::Future& released);
+// Waits for `released`, except in the callbacks it follows.
+void waitUntilReleased(c10::ivalue::Future& released);
+
 class WorkHSDP : public c10d::Work {
  public:
   WorkHSDP(int rank, c10d::OpType opType, c10::intrusive_ptr<c10::ivalue::Future> future);
@@ -60,9 +68,10 @@ class WorkHSDP : public c10d::Work {
   // (or fails with what it threw). The future completes after the queue is
   // free again, so its callbacks may issue collectives on the same group.
   // Waiting ends once the future's callbacks ran (as Gloo's Work, which
-  // finishes after its future) and the queue holds nothing of the call's,
-  // so a caller that waited and then drops its tensors frees them (as with
-  // NCCL, whose watchdog's copy of a Work leaves out the outputs).
+  // finishes after its future; a wait inside them ends with the future) and
+  // the queue holds nothing of the call's, so a caller that waited and then
+  // drops its tensors frees them (as with NCCL, whose watchdog's copy of a
+  // Work leaves out the outputs).
   static c10::intrusive_ptr<WorkHSDP> onQueue(
       OpQueue& queue,
       int rank,
@@ -88,10 +97,9 @@ class WorkHSDP : public c10d::Work {
   // tensors (what wait() waits for); none otherwise.
   c10::intrusive_ptr<c10::ivalue::Future> released_;
   std::vector<at::Tensor> outputs_; // complete at creation: the result
-  // What wait() and isCompleted() look at.
-  c10::ivalue::Future& endOfWait() const {
-    return released_ ? *released_ : *future_;
-  }
+  // Not complete at creation: whether waiting would return now; wait so.
+  bool waitIsOver() const;
+  void waitForTheEnd() const;
   // What waiting ends with: off c10d's in-flight registry, if it may be on it.
   void leaveInflightRegistry() {
     if (mayBeInflight_) {

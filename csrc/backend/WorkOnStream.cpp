@@ -81,12 +81,29 @@ WorkOnStream::WorkOnStream(
     std::vector<c10::intrusive_ptr<c10d::Work>> inners,
     std::vector<at::Tensor> outputs)
     : Work(rank, opType),
-      // `released`, not `done`, for the mark: the route keeps the mark, and
-      // `done`'s value holds the outputs.
-      mark_(std::make_shared<const PostStepMark>(std::move(released))),
       inners_(std::move(inners)),
       outputs_(std::move(outputs)),
-      future_(std::move(done)) {}
+      future_(std::move(done)),
+      released_(std::move(released)) {
+  // A future of its own for the mark, which the route keeps: `done`'s value
+  // holds the outputs. Completed by `done`'s first callback, so that a
+  // callback issuing on the route orders itself after the post-step, not
+  // after itself.
+  auto ended = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
+  future_->addCallback([ended](c10::ivalue::Future& f) {
+    if (f.hasError()) {
+      ended->setError(f.exception_ptr());
+    } else {
+      ended->markCompleted();
+    }
+  });
+  mark_ = std::make_shared<const PostStepMark>(std::move(ended));
+}
+
+bool WorkOnStream::postStepDone() const {
+  return mark_->done() &&
+      (!released_ || released_->completed() || waitEndsAfterThisThread(*released_));
+}
 
 std::exception_ptr WorkOnStream::exception() const {
   for (const auto& w : inners_) {
@@ -119,6 +136,9 @@ std::vector<at::Tensor> WorkOnStream::result() {
 
 void WorkOnStream::synchronize() {
   mark_->orderCurrentStreamAfter();
+  if (released_) {
+    waitUntilReleased(*released_);
+  }
   unregisterInflight(*this);
 }
 

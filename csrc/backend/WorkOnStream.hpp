@@ -40,8 +40,7 @@ class PostStepMark {
  public:
   // Right after the post-step was enqueued on `stream` (current).
   explicit PostStepMark(c10::Stream stream);
-  // Host streams: completes once the post-step has run and its worker let
-  // go of the op's tensors (its value, none).
+  // Host streams: completes once the post-step has run (its value, none).
   explicit PostStepMark(c10::intrusive_ptr<c10::ivalue::Future> hostDone);
 
   // Whether the post-step has run (never blocks; not under graph capture).
@@ -105,15 +104,16 @@ class WorkOnStream : public c10d::Work {
   }
 
  private:
-  bool postStepDone() const {
-    return mark_->done();
-  }
+  // The post-step ran (host streams: and its worker let go of the op, as
+  // waiting ends).
+  bool postStepDone() const;
 
   std::shared_ptr<const PostStepMark> mark_;
   std::vector<c10::intrusive_ptr<c10d::Work>> inners_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keepAlive_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  c10::intrusive_ptr<c10::ivalue::Future> released_; // host streams
 };
 
 } // namespace hsdp
