@@ -29,8 +29,6 @@ void unregisterInflight(c10d::Work& work);
 // runs those callbacks now: a wait in them must not wait for `released`,
 // which would wait for itself (a callback may wait for its own Work).
 bool waitEndsAfterThisThread(const c10::ivalue::Future& released);
-// Waits for `released`, except in the callbacks it follows.
-void waitUntilReleased(c10::ivalue::Future& released);
 
 class WorkHSDP : public c10d::Work {
  public:

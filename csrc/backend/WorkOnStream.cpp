@@ -135,9 +135,10 @@ std::vector<at::Tensor> WorkOnStream::result() {
 }
 
 void WorkOnStream::synchronize() {
-  mark_->orderCurrentStreamAfter();
-  if (released_) {
-    waitUntilReleased(*released_);
+  if (released_ && !waitEndsAfterThisThread(*released_)) {
+    released_->wait(); // after the mark's future: one sleep, not two
+  } else {
+    mark_->orderCurrentStreamAfter();
   }
   unregisterInflight(*this);
 }
