@@ -237,6 +237,8 @@ def a_callback_waits_for_its_own_work_and_calls_the_group(rank, world, ref):
 
     def cb(_):
         assert work.wait()
+        assert work.wait(timeout=datetime.timedelta(seconds=60))
+        work.synchronize()
         assert work.is_completed()
         dist.all_reduce(u)
         return u
@@ -244,6 +246,25 @@ def a_callback_waits_for_its_own_work_and_calls_the_group(rank, world, ref):
     check(work.get_future().then(cb).wait(), summed(world), "the callback's all_reduce")
     expected = (torch.arange(12, dtype=torch.float32) + (world - 1) / 2).view(3, 4).t()
     assert torch.allclose(t, expected), f"AVG: got {t}, expected {expected}"
+
+
+@case
+def callbacks_of_two_works_wait_for_each_other(rank, world, ref):
+    """A's callback waits for B's Work and B's callback for A's, both
+    attached while A still runs: on hsdp's completion threads a wait ends
+    with the future, so neither waits for the other's callbacks (each would
+    wait for the other forever)."""
+    big = torch.full((1 << 22,), rank + 1.0)  # 16 MiB: still running below
+    small = torch.full((8,), rank + 2.0)
+    a = dist.all_reduce(big, async_op=True)
+    b = dist.all_reduce(small, async_op=True)
+    fa = a.get_future().then(lambda _: b.wait())
+    fb = b.get_future().then(lambda _: a.wait())
+    assert fa.wait() and fb.wait()
+    a.wait()
+    b.wait()
+    check(small, summed(world, offset=1), "B")
+    check(big, summed(world, n=1 << 22), "A")
 
 
 # ---------------------------------------------------------- failures

@@ -7,7 +7,6 @@
 
 #include <condition_variable>
 #include <mutex>
-#include <utility>
 
 namespace hsdp {
 
@@ -28,14 +27,24 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
   return devices;
 }
 
-// The `released` future of the Work whose completion step this thread runs
-// (its future's callbacks run in it), if any.
-thread_local const c10::ivalue::Future* releasing = nullptr;
+// Tasks and completion steps of onQueue Works this thread is running.
+thread_local int completing = 0;
+
+struct Completing {
+  Completing() {
+    ++completing;
+  }
+  ~Completing() {
+    --completing;
+  }
+  Completing(const Completing&) = delete;
+  Completing& operator=(const Completing&) = delete;
+};
 
 } // namespace
 
-bool waitEndsAfterThisThread(const c10::ivalue::Future& released) {
-  return releasing == &released;
+bool onCompletionThread() {
+  return completing > 0;
 }
 
 void unregisterInflight(c10d::Work& work) {
@@ -62,13 +71,12 @@ bool WorkHSDP::isSuccess() const {
 }
 
 bool WorkHSDP::waitIsOver() const {
-  return future_->completed() &&
-      (!released_ || released_->completed() || waitEndsAfterThisThread(*released_));
+  return future_->completed() && (!released_ || released_->completed() || onCompletionThread());
 }
 
 void WorkHSDP::waitForTheEnd() const {
   // One sleep, not two: `released` completes after the future.
-  if (released_ && !waitEndsAfterThisThread(*released_)) {
+  if (released_ && !onCompletionThread()) {
     released_->wait();
   } else {
     future_->wait();
@@ -76,7 +84,9 @@ void WorkHSDP::waitForTheEnd() const {
 }
 
 std::exception_ptr WorkHSDP::exception() const {
-  return !completeAtCreation_ && future_->hasError() ? future_->exception_ptr() : nullptr;
+  // Failed once waiting is over, as Gloo sets the error when it finishes.
+  return !completeAtCreation_ && waitIsOver() && future_->hasError() ? future_->exception_ptr()
+                                                                     : nullptr;
 }
 
 std::vector<at::Tensor> WorkHSDP::result() {
@@ -105,9 +115,7 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
       bool done = false;
     };
     auto signal = std::make_shared<Signal>();
-    // Inside this Work's own completion step only the future counts: the
-    // step ends after this callback's caller.
-    auto& last = released_ && !waitEndsAfterThisThread(*released_) ? *released_ : *future_;
+    auto& last = released_ && !onCompletionThread() ? *released_ : *future_;
     last.addCallback([signal](c10::ivalue::Future&) {
       std::lock_guard<std::mutex> lock(signal->mutex);
       signal->done = true;
@@ -169,6 +177,7 @@ c10::intrusive_ptr<WorkHSDP> WorkHSDP::onQueue(
       // writes the caller's tensors, which may be inference tensors.
       [task = std::move(task), error, tls = at::ThreadLocalState()]() {
         at::ThreadLocalStateGuard guard(tls);
+        const Completing on;
         try {
           task();
         } catch (...) {
@@ -176,17 +185,18 @@ c10::intrusive_ptr<WorkHSDP> WorkHSDP::onQueue(
         }
       },
       [future, released, error, outputs = std::move(outputs)]() mutable {
-        // The future (its value holds the outputs) is the last of the
-        // call's that this thread holds: let go of it, then end the waits.
-        auto f = std::move(future);
-        const auto* outer = std::exchange(releasing, released.get());
-        if (*error) {
-          f->setError(*error);
-        } else {
-          f->markCompleted(c10::IValue(std::move(outputs)));
+        {
+          // The future (its value holds the outputs) is the last of the
+          // call's that this thread holds: let go of it, then end the waits.
+          auto f = std::move(future);
+          auto outs = std::move(outputs);
+          const Completing on;
+          if (*error) {
+            f->setError(*error);
+          } else {
+            f->markCompleted(c10::IValue(std::move(outs)));
+          }
         }
-        releasing = outer;
-        f.reset();
         released->markCompleted();
       });
   auto work = c10::make_intrusive<WorkHSDP>(rank, opType, std::move(future));

@@ -2,7 +2,9 @@
 
 // The Work of a call whose result hsdp completes on a thread of its own: the
 // shared-memory engine's queue, or an inner route's completion thread (CPU
-// post-steps, see InnerRoute.hpp). It completes when its future does.
+// post-steps, see InnerRoute.hpp). Its future completes when the result is
+// in place; waiting for the Work ends after the future's callbacks too (see
+// onQueue).
 //
 // Contract (as c10d documents it): wait() blocks until the result is in place
 // and rethrows the failure if there was one; isCompleted() never blocks;
@@ -26,9 +28,12 @@ void unregisterInflight(c10d::Work& work);
 
 // A queue-completed Work's wait ends with its `released` future (see
 // WorkHSDP::onQueue), after the callbacks of its future. Whether this thread
-// runs those callbacks now: a wait in them must not wait for `released`,
-// which would wait for itself (a callback may wait for its own Work).
-bool waitEndsAfterThisThread(const c10::ivalue::Future& released);
+// is one of hsdp's completion threads, in a queued task or a completion step
+// (where futures' callbacks run): a wait there ends with the future, as a
+// Work that waited for the callbacks might wait for this very thread (a
+// callback waiting for its own Work, or for one whose callback waits for
+// it; a task joining the parts of a block whose callbacks wait for it).
+bool onCompletionThread();
 
 class WorkHSDP : public c10d::Work {
  public:
@@ -66,10 +71,10 @@ class WorkHSDP : public c10d::Work {
   // (or fails with what it threw). The future completes after the queue is
   // free again, so its callbacks may issue collectives on the same group.
   // Waiting ends once the future's callbacks ran (as Gloo's Work, which
-  // finishes after its future; a wait inside them ends with the future) and
-  // the queue holds nothing of the call's, so a caller that waited and then
-  // drops its tensors frees them (as with NCCL, whose watchdog's copy of a
-  // Work leaves out the outputs).
+  // finishes after its future; on a completion thread it ends with the
+  // future) and the queue holds nothing of the call's, so a caller that
+  // waited and then drops its tensors frees them (as with NCCL, whose
+  // watchdog's copy of a Work leaves out the outputs).
   static c10::intrusive_ptr<WorkHSDP> onQueue(
       OpQueue& queue,
       int rank,

@@ -101,8 +101,7 @@ WorkOnStream::WorkOnStream(
 }
 
 bool WorkOnStream::postStepDone() const {
-  return mark_->done() &&
-      (!released_ || released_->completed() || waitEndsAfterThisThread(*released_));
+  return mark_->done() && (!released_ || released_->completed() || onCompletionThread());
 }
 
 std::exception_ptr WorkOnStream::exception() const {
@@ -135,7 +134,7 @@ std::vector<at::Tensor> WorkOnStream::result() {
 }
 
 void WorkOnStream::synchronize() {
-  if (released_ && !waitEndsAfterThisThread(*released_)) {
+  if (released_ && !onCompletionThread()) {
     released_->wait(); // after the mark's future: one sleep, not two
   } else {
     mark_->orderCurrentStreamAfter();

@@ -19,8 +19,9 @@
 // the timeout.
 //
 // On host streams (an injected CPU backend, InnerCaps::hostStreams) the
-// side stream is a completion worker and `done`, its future, stands for the
-// event.
+// side stream is a completion worker (WorkHSDP::onQueue): the mark is a
+// future done at the first callback of `done`, the worker's future, and
+// waiting ends with its `released`, after the callbacks.
 
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
