@@ -153,11 +153,20 @@ class DeviceCallsSuite(Suite):
         if cuda:
             torch.cuda.set_device(ctx.rank)
             device = torch.device("cuda", ctx.rank)
-            plain = dist.new_group(backend="nccl")
+            from hsdp_backend import _torch_compat
+
+            # Against the ProcessGroupNCCL hsdp wraps; the user's default
+            # "nccl" beside it where that is another backend (2.15's
+            # ProcessGroupNCCL2, or 2.14's with TORCH_DIST_USE_NCCL2=1).
+            plain = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)
+            default = dist.new_group(backend="nccl")
+            if type(default._get_backend(device)) is type(plain._get_backend(device)):
+                default = None
             sync = torch.cuda.synchronize
         else:
             device = torch.device("cpu")
             plain = ctx.gloo
+            default = None
             sync = lambda: None  # noqa: E731
         sampling = config["sampling"]
         rows = []
@@ -187,6 +196,10 @@ class DeviceCallsSuite(Suite):
                     "hsdp sync": synced(hsdp_call),
                     "plain sync": synced(plain_call),
                 }
+                if default is not None:
+                    default_call, _ = binders[op](default)
+                    calls["default host"] = default_call
+                    calls["default sync"] = synced(default_call)
                 per_sample = timing.calibrate(ctx.gloo, calls, sampling)
                 samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_sample, sampling)
                 sync()
@@ -201,7 +214,12 @@ class DeviceCallsSuite(Suite):
                 )
                 ctx.log(f"{op} {format_size(nbytes)}: {rows[-1]}")
             del binders
-        return {"device": str(device), "plain": "nccl" if cuda else "gloo", "rows": rows}
+        return {
+            "device": str(device),
+            "plain": plain._get_backend(device).name() if cuda else "gloo",
+            "default": default._get_backend(device).name() if default is not None else None,
+            "rows": rows,
+        }
 
     def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
         [(world, result)] = per_world.items()

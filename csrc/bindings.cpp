@@ -116,17 +116,23 @@ void bindSettings(py::module& m) {
                   bool nativeScale,
                   bool nativeCoalescing,
                   bool fixedCompletionPool,
-                  bool hostStreams) {
-        return hsdp::InnerCaps{
+                  bool hostStreams,
+                  std::optional<bool> bf16PreMulSum) {
+        hsdp::InnerCaps caps{
             std::move(name), nativeScale, nativeCoalescing, fixedCompletionPool, hostStreams};
+        caps.bf16PreMulSum = bf16PreMulSum.value_or(caps.bf16PreMulSum);
+        return caps;
       }),
       py::arg("name"),
       py::kw_only(),
       py::arg("native_scale") = false,
       py::arg("native_coalescing") = false,
       py::arg("fixed_completion_pool") = false,
-      py::arg("host_streams") = false);
+      py::arg("host_streams") = false,
+      // None: as this torch release's ProcessGroupNCCL (common/TorchCompat.hpp).
+      py::arg("bf16_premul_sum") = py::none());
   caps.def_readonly("name", &hsdp::InnerCaps::name);
+  caps.def_readonly("bf16_premul_sum", &hsdp::InnerCaps::bf16PreMulSum);
 }
 
 // Creating a group, and what a group says about itself.

@@ -98,14 +98,46 @@ print("hsdp_backend from", hsdp_backend.__file__)
 EOF
 [ $? -eq 0 ] || { say "FAILED: torch with CUDA and hsdp_backend must import"; failed=1; }
 
+# torch 2.11-2.13's ProcessGroupNCCL hands NCCL a bf16 PREMUL_SUM factor as
+# the low half of a float (docs/versions.md): 0.5 becomes 0. NCCL's one-rank
+# path applies the factor too, so one GPU shows what this torch does; hsdp
+# must give 0.5 whatever the plain group gives.
+say "== bf16 PREMUL_SUM(0.5) at one rank: the ProcessGroupNCCL hsdp wraps, and hsdp"
+"$PY" - >> "$report" 2>&1 << 'EOF' || { say "FAILED: hsdp's bf16 PREMUL_SUM(0.5) (report above)"; failed=1; }
+import socket
+import torch
+import torch.distributed as dist
+from hsdp_backend import _torch_compat
+dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("hsdp", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+plain = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)
+got = {}
+for name, group in (("hsdp", None), (_torch_compat.WRAPPED_NCCL, plain)):
+    t = torch.ones(4, device=dev, dtype=torch.bfloat16)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=group)
+    got[name] = t.float().tolist()
+    print(f"{name}: bf16 all_reduce PREMUL_SUM(0.5) of ones -> {got[name]}")
+dist.destroy_process_group()
+assert got["hsdp"] == [0.5] * 4, got
+EOF
+tail -n 2 "$report"
+
 say "== tests/integration/test_cuda.py ($gpus GPU(s); the two-GPU tests skip with fewer)"
 "$PY" -m pytest tests/integration/test_cuda.py -v -rs --timeout 1200 >> "$report" 2>&1 || failed=1
 tail -n 1 "$report"
 
-say "== FSDP2 example on one GPU rank: hsdp against nccl"
-for backend in hsdp nccl; do
+# Against the ProcessGroupNCCL hsdp wraps ("nccl-legacy" from 2.14; on 2.15
+# plain "nccl" is ProcessGroupNCCL2), saved as gpu_check_nccl.
+wrapped=$("$PY" -c 'from hsdp_backend import _torch_compat; print(_torch_compat.WRAPPED_NCCL)')
+say "== FSDP2 example on one GPU rank: hsdp against $wrapped"
+for backend in hsdp "$wrapped"; do
+  label=$([ "$backend" = hsdp ] && echo hsdp || echo nccl)
   "$PY" -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --device cuda \
-    --backend "$backend" --steps 10 --json > "build/gpu_check_$backend.jsonl" 2>> "$report" ||
+    --backend "$backend" --steps 10 --json > "build/gpu_check_$label.jsonl" 2>> "$report" ||
     { say "FAILED: the example on $backend"; failed=1; }
 done
 "$PY" - >> "$report" 2>&1 << 'EOF' || failed=1

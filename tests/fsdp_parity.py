@@ -105,6 +105,12 @@ SCENARIOS: dict[str, Scenario] = {
         mesh=(2, 2), micro_batches=3, accumulate="no_all_reduce"
     ),
     "hsdp_2x2_divide_factor": Scenario(mesh=(2, 2), divide_factor=3.0),
+    # FSDP2's PREMUL_SUM(1/factor) in bf16 (set_gradient_divide_factor with a
+    # bf16 reduce dtype): what torch 2.11-2.13's ProcessGroupNCCL zeroes.
+    "fsdp_w2_bf16_reduce_divide_factor": Scenario(mesh=(2,), mp="bf16-reduce", divide_factor=4.0),
+    "hsdp_2x2_bf16_reduce_divide_factor": Scenario(
+        mesh=(2, 2), mp="bf16-reduce", divide_factor=8.0
+    ),
     "hsdp_2x2_checkpoint": Scenario(mesh=(2, 2), checkpoint_at=5),
     "hsdp_2x2_small_buckets": Scenario(mesh=(2, 2), bucket_bytes=8 << 10, explicit_prefetch=True),
     # A block's gradient shard is ~33 KB: buckets take two groups, the first

@@ -144,13 +144,13 @@ def deferred_division_chained_across_two_groups(rank, world, ref):
 
 @case
 def deferred_division_bad_input(rank, world, ref):
-    for bad in (0.0, -2.0):
+    for bad in (0.0, -2.0, float("inf"), float("nan")):
         try:
             hsdp_backend.all_reduce(torch.ones(2), divide_by=bad)
         except ValueError as exc:
             assert f"[rank {rank}/{world}] all_reduce: divide_by must be positive" in str(exc)
         else:
-            raise AssertionError("divide_by <= 0 must raise")
+            raise AssertionError(f"divide_by={bad} must raise")
     try:
         hsdp_backend.all_reduce(torch.ones(2, dtype=torch.int64), divide_by=2.5)
     except ValueError as exc:

@@ -9,6 +9,8 @@ from the tests' own settings (tools/settings.py), never from the package's.
   scripts/setup.sh builds beside the package), with NCCL's capabilities: CPU
   tensors take the CUDA route's code. With ``HSDP_ENGINE=gloo``, so that
   every CPU collective reaches it (``engine_env`` sets both).
+  ``HSDP_TEST_NCCL_RELEASE`` picks the torch release whose ProcessGroupNCCL
+  it models (its factor marshalling differs: docs/versions.md).
 
 ``install`` sets the hooks in a process from its environment; every rank the
 harness launches calls it (harness.run_ranks).
@@ -85,8 +87,17 @@ def nccl_contract_inner(opts, gloo):
     if parent is not None and hsdp_testing.is_nccl_contract(parent):
         color = distributed_c10d._process_group_color(list(opts.global_ranks_in_group))
         hsdp_testing.join_split(parent, color, opts.group_size)
-    double = hsdp_testing.NcclContractBackend(gloo, opts.group_rank, opts.group_size)
-    caps = _C.InnerCaps(NCCL_CONTRACT, native_scale=True, native_coalescing=True, host_streams=True)
+    release = settings.read("HSDP_TEST_NCCL_RELEASE")
+    double = hsdp_testing.NcclContractBackend(gloo, opts.group_rank, opts.group_size, release)
+    caps = _C.InnerCaps(
+        NCCL_CONTRACT,
+        native_scale=True,
+        native_coalescing=True,
+        host_streams=True,
+        # As hsdp built for that release knows its ProcessGroupNCCL
+        # (common/TorchCompat.hpp); by default, this build's own knowledge.
+        bf16_premul_sum=None if release is None else not double.bf16_factor_as_float,
+    )
     return double, caps
 
 

@@ -47,14 +47,16 @@ def scales_reach_nccl_as_avg_or_one_premul_sum(rank, world, ref):
     ]
     expected = torch.stack([data(r, 10, torch.float64) for r in range(world)]).sum(0) / (3 * world)
     check(t, expected.float(), "AVG + divide_by")
+    # bf16 reaches NCCL as a PREMUL_SUM only where ProcessGroupNCCL keeps
+    # its factor (bf16_factors_never_reach_nccl_where_torch_loses_them)
     out = torch.empty(6, dtype=torch.bfloat16)
-    premul = dist._make_nccl_premul_sum(0.5)
+    premul = dist._make_nccl_premul_sum(0.125)
     assert sent_by(
         lambda: dist.reduce_scatter_tensor(out, rs_input(rank, world, 6, torch.bfloat16), op=premul)
-    ) == ["reduce_scatter_tensor:PREMUL_SUM"]
+    ) == ["reduce_scatter_tensor:" + ("SUM" if loses_bf16_factors() else "PREMUL_SUM")]
     check(
         out,
-        (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.5).bfloat16(),
+        (rs_expected(dist.ReduceOp.SUM, world, rank, 6, torch.float64) * 0.125).bfloat16(),
         "PREMUL_SUM",
     )
     # integers: ncclAvg sums and divides with truncation, as hsdp does
@@ -68,6 +70,155 @@ def scales_reach_nccl_as_avg_or_one_premul_sum(rank, world, ref):
     ]
     expected = torch.stack([data(r, 10, torch.int64) for r in range(world)]).sum(0)
     check(t, torch.div(expected, 2 * world, rounding_mode="trunc"), "integer AVG + divide_by")
+
+
+def loses_bf16_factors(group=None) -> bool:
+    """Whether the ProcessGroupNCCL the double models hands NCCL a bf16
+    PREMUL_SUM factor as a float (torch 2.11 to 2.13: docs/versions.md)."""
+    return double_of(hsdp_backend.get_hsdp_backend(group)).bf16_factor_as_float
+
+
+@case
+def bf16_factors_never_reach_nccl_where_torch_loses_them(rank, world, ref):
+    """Torch 2.11 to 2.13 build a bf16 PREMUL_SUM's host factor as a float,
+    of which NCCL reads the low half (0 for 0.5), and refuse a bf16 factor
+    tensor; the double does the same (run with HSDP_TEST_NCCL_RELEASE=13 on
+    a newer torch). There hsdp sends NCCL's AVG for a division by the group
+    size, else NCCL's SUM and multiplies after it, in fp32: every form below
+    gives the exact result. Where torch keeps the factor, it rides inside
+    NCCL's reduction as on fp32."""
+    lossy = loses_bf16_factors()
+    n = 8
+    total = reduce_ref(dist.ReduceOp.SUM, world, n, torch.float64)
+
+    def sent(fn, t):
+        got = sent_by(lambda: fn(t))
+        return got, t
+
+    forms = [
+        # (what, call, sent where lossy, sent where intact, scale of the sum)
+        (
+            "FSDP2's PREMUL_SUM(1/factor)",
+            lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.125)),
+            "all_reduce:SUM",
+            "all_reduce:PREMUL_SUM",
+            0.125,
+        ),
+        (
+            "PREMUL_SUM(1/world): ncclAvg",
+            lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(1.0 / world)),
+            "all_reduce:AVG",
+            "all_reduce:PREMUL_SUM",
+            1.0 / world,
+        ),
+        (
+            "divide_by",
+            lambda t: hsdp_backend.all_reduce(t, divide_by=8.0),
+            "all_reduce:SUM",
+            "all_reduce:PREMUL_SUM",
+            0.125,
+        ),
+        (
+            "AVG + divide_by",
+            lambda t: hsdp_backend.all_reduce(t, op=dist.ReduceOp.AVG, divide_by=2.0),
+            "all_reduce:SUM",
+            "all_reduce:PREMUL_SUM",
+            0.5 / world,
+        ),
+        (
+            "a bf16 factor tensor",
+            lambda t: dist.all_reduce(
+                t, op=dist._make_nccl_premul_sum(torch.tensor([0.5], dtype=torch.bfloat16))
+            ),
+            "all_reduce:SUM",
+            "all_reduce:PREMUL_SUM[tensor]",
+            0.5,
+        ),
+        (
+            "an fp32 factor tensor",
+            lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor([0.5]))),
+            "all_reduce:SUM",
+            "all_reduce:SUM",
+            0.5,
+        ),
+        (
+            "AVG",
+            lambda t: dist.all_reduce(t, op=dist.ReduceOp.AVG),
+            "all_reduce:AVG",
+            "all_reduce:AVG",
+            1.0 / world,
+        ),
+    ]
+    for what, fn, if_lossy, if_intact, scale in forms:
+        got, t = sent(fn, data(rank, n, torch.bfloat16))
+        assert got == [if_lossy if lossy else if_intact], (what, got)
+        check(t, (total * scale).bfloat16(), what)
+    # the reduce-scatter FSDP2 issues for a custom divide factor, async
+    out = torch.empty(n, dtype=torch.bfloat16)
+    premul = dist._make_nccl_premul_sum(1.0 / 8)
+    work = dist.reduce_scatter_tensor(
+        out, rs_input(rank, world, n, torch.bfloat16), op=premul, async_op=True
+    )
+    work.wait()
+    check(
+        out,
+        (rs_expected(dist.ReduceOp.SUM, world, rank, n, torch.float64) / 8).bfloat16(),
+        "async reduce_scatter PREMUL_SUM(1/8)",
+    )
+
+
+def _plain_double_group(release: int):
+    """A group whose backend is the double itself (no hsdp), modelling
+    ``release``'s ProcessGroupNCCL: what a plain ``nccl`` group does."""
+    name = f"nccl_contract_{release}"
+    if name.upper() not in dist.Backend._plugins:
+
+        def create(opts, backend_options):
+            gloo = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"{name}/", opts.store), opts.group_rank, opts.group_size
+            )
+            return hsdp_testing.NcclContractBackend(gloo, opts.group_rank, opts.group_size, release)
+
+        dist.Backend.register_backend(name, create, extended_api=True, devices=["cpu"])
+    return dist.new_group(backend=name)
+
+
+@case
+def the_double_loses_a_bf16_factor_as_torch_2_13_does(rank, world, ref):
+    """The double's clause behind bf16_factors_never_reach_nccl_where_torch_loses_them,
+    on a plain group of the double: as torch 2.13's ProcessGroupNCCL hands
+    NCCL the factor, bf16 PREMUL_SUM(0.5) sums to zero (the float 0.5's low
+    half), 1/3 to a tiny negative number, and a bf16 factor tensor raises
+    (const_data_ptr<float>); as 2.14's, the factor arrives rounded to bf16.
+    fp16 and fp32 are right on both."""
+    total = reduce_ref(dist.ReduceOp.SUM, world, 4, torch.float64)
+    for release, lossy in ((13, True), (14, False)):
+        group = _plain_double_group(release)
+        t = data(rank, 4, torch.bfloat16)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=group)
+        check(t, torch.zeros(4, dtype=torch.bfloat16) if lossy else (total / 2).bfloat16(), "0.5")
+        t = data(rank, 4, torch.bfloat16)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(1.0 / 3), group=group)
+        if lossy:
+            assert bool((t < 0).all() and (t.abs() < 1e-9).all()), t
+        else:
+            check(t, (total * torch.tensor(1.0 / 3).bfloat16().double()).bfloat16(), "1/3")
+        factor = torch.tensor([0.5], dtype=torch.bfloat16)
+        t = data(rank, 4, torch.bfloat16)
+        op = dist._make_nccl_premul_sum(factor)
+        if lossy:
+            # the op fails on every rank alike, so the ranks stay in step
+            raises(
+                RuntimeError, "expected scalar type Float", dist.all_reduce, t, op=op, group=group
+            )
+        else:
+            dist.all_reduce(t, op=op, group=group)
+            check(t, (total / 2).bfloat16(), "bf16 factor tensor")
+        for dtype in (torch.float16, torch.float32):
+            t = data(rank, 4, dtype)
+            dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=group)
+            check(t, (total / 2).to(dtype), str(dtype))
+        dist.destroy_process_group(group)
 
 
 @case

@@ -44,6 +44,10 @@ _TABLE = [
         "`nccl_contract`: the groups' inner CPU backend is the NCCL-contract double "
         "(`csrc/testing`, the `hsdp_testing` module), handed to hsdp in Gloo's place "
         "(`tests/hooks.py`): CPU tensors take the CUDA route's code; with `HSDP_ENGINE=gloo`", ""),
+    Var("HSDP_TEST_NCCL_RELEASE", "tests", None, lambda t: parse_int(t) if t.strip() else None,
+        str, "with `HSDP_TEST_INNER=nccl_contract`: the torch minor release (11 to 15) whose "
+        "ProcessGroupNCCL the double models, and hsdp's route is told so (default: the installed "
+        "torch's)"),
     Var("HSDP_TEST_EXPECTED_HOSTS", "tests", None, parse_hosts, ",".join,
         "set by `tests/hosts_rank.py`: the real host of each rank, for the cases' expectations",
         ""),

@@ -80,7 +80,7 @@ ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes, const
   stats_.record(call.ctx.op, collectives, bytes);
   call.seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
   trace_->started(call.seq, call.ctx.op, bytes, route.recordedAs());
-  return TracedCall(trace_, call);
+  return TracedCall(trace_, recorderStreams_, call);
 }
 
 WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan&& plan, uint64_t bytes) {
@@ -119,7 +119,7 @@ WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
 }
 
 WorkPtr ProcessGroupHSDP::untraced(const Call& call, Completion done) {
-  TracedCall none(trace_, call); // seq 0: no entry
+  TracedCall none(trace_, recorderStreams_, call); // seq 0: no entry
   return finish(none, std::move(done));
 }
 

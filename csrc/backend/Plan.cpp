@@ -100,7 +100,7 @@ std::vector<DtypeGroup> groupByDtype(
     const c10d::ReduceOp& op,
     int groupSize,
     double divideBy,
-    bool nativeScale) {
+    NativeScale nativeScale) {
   std::vector<DtypeGroup> groups;
   std::vector<at::ScalarType> keys;
   for (size_t i = 0; i < tensors.size(); ++i) {

@@ -44,7 +44,7 @@ std::vector<DtypeGroup> groupByDtype(
     const c10d::ReduceOp& op,
     int groupSize,
     double divideBy,
-    bool nativeScale);
+    NativeScale nativeScale);
 
 // The one-tensor forms: all_reduce, broadcast and reduce (`kind`) of `t`
 // in place; the caller's tensor when contiguous, else a staged copy.

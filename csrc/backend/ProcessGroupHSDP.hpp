@@ -344,6 +344,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Shared with the callbacks that record completions, which may run after
   // this group is gone.
   std::shared_ptr<FlightRecorder> trace_;
+  // Where async CUDA entries' "done" events are recorded (TracedCall).
+  std::shared_ptr<SideStreams> recorderStreams_ = std::make_shared<SideStreams>();
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
   std::string shmWhyNot_;
   std::unique_ptr<ShmRoute> engine_; // null: no shared memory for this group

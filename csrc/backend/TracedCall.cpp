@@ -2,6 +2,7 @@
 
 #include <ATen/core/ivalue.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
@@ -74,9 +75,8 @@ class EventPool {
 // "Done" for an entry of an op NCCL runs on `device`: an event recorded on
 // the device's current stream, queried only when a dump is written. Called
 // right after a synchronous call (NCCL orders the caller's stream after the
-// op) or in the Work's future callback, where c10's Future makes the
-// current stream wait for the op's events (only for a callback added with
-// uses_future: ivalue::Future::invokeCallback skips the streams otherwise).
+// op) or in the Work's future callback, on the recorder's own stream, made
+// to wait for the op's events (followOnDevice).
 // None under graph capture, where an event may not be queried: such an
 // entry completes at enqueue.
 std::function<bool()> doneOnDevice(c10::Device device) {
@@ -87,7 +87,10 @@ std::function<bool()> doneOnDevice(c10::Device device) {
   }
   auto event = EventPool::get().take(device);
   event->record(stream);
-  return [event] { return event->query(); };
+  return [event] {
+    compat::ThreadLocalCaptureMode mode; // a dump may run beside another thread's capture
+    return event->query();
+  };
 }
 
 void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Device> device) {
@@ -101,8 +104,14 @@ void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Devic
 
 } // namespace
 
-TracedCall::TracedCall(const std::shared_ptr<FlightRecorder>& trace, Call call)
-    : trace_(trace), call_(std::move(call)), exceptionsAtStart_(std::uncaught_exceptions()) {}
+TracedCall::TracedCall(
+    const std::shared_ptr<FlightRecorder>& trace,
+    const std::shared_ptr<SideStreams>& streams,
+    Call call)
+    : trace_(trace),
+      streams_(streams),
+      call_(std::move(call)),
+      exceptionsAtStart_(std::uncaught_exceptions()) {}
 
 TracedCall::~TracedCall() {
   if (handedOver_ || call_.seq == 0 || std::uncaught_exceptions() <= exceptionsAtStart_) {
@@ -134,18 +143,28 @@ c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock)
   }
   try {
     done.work->getFuture()->addCallback(
-        [trace = trace_, seq = call_.seq, device](c10::ivalue::Future& f) {
-          if (!f.hasError()) {
-            completeEntry(*trace, seq, device);
+        [trace = trace_, streams = streams_, seq = call_.seq, device](c10::ivalue::Future& f) {
+          if (f.hasError()) {
+            const std::string error = f.tryRetrieveErrorMessage();
+            trace->finished(seq, error);
+            trace->dumpOnFailure(error);
             return;
           }
-          const std::string error = f.tryRetrieveErrorMessage();
-          trace->finished(seq, error);
-          trace->dumpOnFailure(error);
+          if (!device) {
+            trace->finished(seq, "");
+            return;
+          }
+          // Not uses_future, which would run this on the next stream of
+          // c10's pool in turn (ivalue::Future::invokeCallback's
+          // getStreamFromGlobalPool) and make it wait for the op: the
+          // group's own recorder stream waits (Future::wait on a completed
+          // future: synchronizeWithCurrentStreams), and the "done" event
+          // follows the op there.
+          c10::StreamGuard guard(streams->get(*device));
+          f.wait();
+          completeEntry(*trace, seq, device);
         },
-        // Runs the callback on streams that wait for the future's events:
-        // the "done" event then follows the op on the device.
-        /*uses_future=*/true);
+        /*uses_future=*/false);
   } catch (const c10::Error&) {
     // A Work without a future (none of the routes' today): the entry stays
     // "started", which a dump reports as such.

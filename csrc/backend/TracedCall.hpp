@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "backend/FlightRecorder.hpp"
+#include "backend/WorkOnStream.hpp"
 #include "backend/routes/Route.hpp"
 
 namespace hsdp {
@@ -19,7 +20,12 @@ class TracedCall {
   // (point-to-point ops are not collectives).
   // `trace`: the group's own, which outlives the call (no reference count
   // is taken per call; a Work's callback takes one).
-  TracedCall(const std::shared_ptr<FlightRecorder>& trace, Call call);
+  // `streams`: the group's recorder streams, where an async CUDA entry's
+  // "done" event is recorded after the op (both outlive the call).
+  TracedCall(
+      const std::shared_ptr<FlightRecorder>& trace,
+      const std::shared_ptr<SideStreams>& streams,
+      Call call);
   TracedCall(const TracedCall&) = delete;
   TracedCall& operator=(const TracedCall&) = delete;
   ~TracedCall();
@@ -37,6 +43,7 @@ class TracedCall {
 
  private:
   const std::shared_ptr<FlightRecorder>& trace_;
+  const std::shared_ptr<SideStreams>& streams_;
   const Call call_;
   const int exceptionsAtStart_;
   bool handedOver_ = false;

@@ -12,6 +12,17 @@
 
 namespace hsdp {
 
+c10::Stream SideStreams::get(c10::Device device) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& s : streams_) {
+    if (s.device() == device) {
+      return s;
+    }
+  }
+  c10::impl::VirtualGuardImpl impl(device.type());
+  return streams_.emplace_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
+}
+
 PostStepMark::PostStepMark(c10::Stream stream)
     : stream_(stream),
       event_(std::in_place, stream.device_type()),

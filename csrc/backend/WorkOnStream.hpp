@@ -28,9 +28,25 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 namespace hsdp {
+
+// A side stream per device, taken from c10's stream pool once, at first use,
+// as ProcessGroupNCCL takes one stream per communicator. A stream drawn per
+// op would hand, in turn, every pool stream (a user's torch.cuda.Stream()
+// among them) a wait on some unrelated collective, and its allocator
+// records of the op's tensors.
+class SideStreams {
+ public:
+  c10::Stream get(c10::Device device);
+
+ private:
+  std::mutex mutex_;
+  std::vector<c10::Stream> streams_;
+};
 
 // The end of an async op's post-step, as later ops on the route wait for
 // it, holding none of the op's tensors: the route keeps the last one until

@@ -2,6 +2,8 @@
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <dlfcn.h>
+
 #if !HSDP_TORCH_AT_LEAST(2, 12) && HSDP_TORCH_HAS_CUDA
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
@@ -30,6 +32,33 @@ bool isStreamCapturing(const c10::Stream& stream) {
 
 bool isCapturing(c10::Device device) {
   return isStreamCapturing(c10::impl::VirtualGuardImpl(device.type()).getStream(device));
+}
+
+namespace {
+// cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode*),
+// with cudaStreamCaptureModeThreadLocal = 1 (cuda_runtime_api.h,
+// driver_types.h); cudaSuccess = 0.
+using ExchangeCaptureMode = int (*)(int*);
+constexpr int kThreadLocalCaptureMode = 1;
+
+ExchangeCaptureMode exchangeCaptureMode() {
+  static const auto fn = reinterpret_cast<ExchangeCaptureMode>(
+      dlsym(RTLD_DEFAULT, "cudaThreadExchangeStreamCaptureMode"));
+  return fn;
+}
+} // namespace
+
+ThreadLocalCaptureMode::ThreadLocalCaptureMode() {
+  if (auto exchange = exchangeCaptureMode()) {
+    previous_ = kThreadLocalCaptureMode;
+    set_ = exchange(&previous_) == 0;
+  }
+}
+
+ThreadLocalCaptureMode::~ThreadLocalCaptureMode() {
+  if (set_) {
+    exchangeCaptureMode()(&previous_);
+  }
 }
 
 } // namespace hsdp::compat

@@ -34,6 +34,15 @@
 // communicator exists) and startTimeEstimate()/endTimeEstimate().
 #define HSDP_TORCH_HAS_IS_INITIALIZED HSDP_TORCH_AT_LEAST(2, 15)
 #define HSDP_TORCH_HAS_TIME_ESTIMATE HSDP_TORCH_AT_LEAST(2, 15)
+// 2.14: ProcessGroupNCCL hands NCCL a bf16 PREMUL_SUM's factor intact.
+// Before (2.11.0, 2.12.x, 2.13.0, read from their libtorch_cuda.so:
+// docs/versions.md) getNcclReduceOp built it with `unpackPreMulSum<float,
+// ncclBfloat16>`: a host factor as a 4-byte float, of which NCCL's
+// ncclRedOpCreatePreMulSum copies ncclTypeSize(ncclBfloat16) = 2 bytes and
+// reads them as a bf16 (the float's low half: 0 for every power of two),
+// and a bf16 factor tensor read with const_data_ptr<float>() (raises).
+// hsdp sends no bf16 PREMUL_SUM there (planReduce: InnerCaps).
+#define HSDP_TORCH_NCCL_BF16_PREMUL_SUM_INTACT HSDP_TORCH_AT_LEAST(2, 14)
 
 namespace hsdp::compat {
 
@@ -72,5 +81,24 @@ inline bool isInitialized(c10d::Backend& backend) {
 bool isStreamCapturing(const c10::Stream& stream);
 // The same, of `device`'s current stream.
 bool isCapturing(c10::Device device);
+
+// While it lives, this thread's CUDA stream-capture mode is
+// cudaStreamCaptureModeThreadLocal, as ProcessGroupNCCL's watchdog sets it
+// around its event queries: a query from this thread (a flight-record dump,
+// from the SIGUSR1 thread or a failing call) then does not invalidate a
+// graph capture another thread has in progress in the default, global mode.
+// The CUDA runtime torch loaded is asked by name (no CUDA headers needed on
+// any release); a no-op where torch has none.
+class ThreadLocalCaptureMode {
+ public:
+  ThreadLocalCaptureMode();
+  ~ThreadLocalCaptureMode();
+  ThreadLocalCaptureMode(const ThreadLocalCaptureMode&) = delete;
+  ThreadLocalCaptureMode& operator=(const ThreadLocalCaptureMode&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool set_ = false;
+};
 
 } // namespace hsdp::compat

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <cmath>
+
 #include "common/TorchCompat.hpp"
 
 namespace hsdp {
@@ -127,6 +129,19 @@ void DeferredScale::apply(const at::Tensor& t) const {
 
 namespace {
 
+// Whether `scale` is a division by `divisor` and nothing else (a factor
+// whose reciprocal is exactly `divisor` counts: PREMUL_SUM(1 / n)).
+bool dividesByExactly(const DeferredScale& scale, int divisor) {
+  switch (scale.kind()) {
+    case DeferredScale::Kind::Divide:
+      return scale.value() == divisor;
+    case DeferredScale::Kind::Multiply:
+      return 1.0 / scale.value() == divisor;
+    default:
+      return false;
+  }
+}
+
 // The plan for the reduction alone.
 ReducePlan planReduceOp(
     const OpContext& ctx,
@@ -202,16 +217,16 @@ ReducePlan planReduce(
     const at::TensorOptions& data,
     int groupSize,
     double divideBy,
-    bool nativeScale) {
+    NativeScale nativeScale) {
   const auto dtype = data.dtype().toScalarType();
   auto plan = planReduceOp(ctx, op, dtype, data.device(), groupSize);
   const bool isFloat = at::isFloatingType(dtype) || at::isComplexType(dtype);
   if (divideBy != 1.0) {
     HSDP_CHECK_VALUE(
-        divideBy > 0 &&
+        std::isfinite(divideBy) && divideBy > 0 &&
             (isFloat || divideBy == static_cast<double>(static_cast<int64_t>(divideBy))),
         ctx,
-        "divide_by must be positive (and a whole number for integer tensors), got ",
+        "divide_by must be positive and finite (and a whole number for integer tensors), got ",
         divideBy);
     HSDP_CHECK_VALUE(
         plan.innerOp.op_ == c10d::ReduceOp::SUM,
@@ -223,7 +238,7 @@ ReducePlan planReduce(
   // multiply after it: NCCL 2.28.9's one-rank reduce-scatter drops a
   // PREMUL_SUM factor (measured on an H200; its all-reduce applies it), and
   // a copy scaled once is the same value either way.
-  if (nativeScale && !plan.post.isNone() && groupSize > 1) {
+  if (nativeScale.enabled && !plan.post.isNone() && groupSize > 1) {
     if (op.op_ == c10d::ReduceOp::AVG && divideBy == 1.0) {
       // ncclAvg on integers sums, then divides with truncation toward zero
       // (NCCL 2.30's ncclDevSumPostDiv, the version torch 2.14.1 ships), as
@@ -244,6 +259,18 @@ ReducePlan planReduce(
       return {
           DeferredScale::divideBy(pre).asPreMulSum(dtype),
           DeferredScale::divideBy(plan.post.value() / pre)};
+    }
+    if (dtype == at::kBFloat16 && !nativeScale.bf16PreMulSum) {
+      // This release's ProcessGroupNCCL marshals a bf16 PREMUL_SUM's factor
+      // wrongly (zero for powers of two: TorchCompat.hpp). A division by the
+      // group size is ncclAvg, whose bf16 factor NCCL rounds itself
+      // correctly (hostToDevRedOp: __float2bfloat16(float(1.0 / nRanks)));
+      // every other scale is NCCL's SUM and hsdp's multiply after it, in
+      // fp32, rounded once: no worse than a correct bf16 factor would be.
+      if (dividesByExactly(plan.post, groupSize)) {
+        return {c10d::ReduceOp(c10d::ReduceOp::AVG), DeferredScale::none()};
+      }
+      return plan;
     }
     if (isFloat && plan.post.fitsPreMulSum(dtype)) {
       return {plan.post.asPreMulSum(dtype), DeferredScale::none()};

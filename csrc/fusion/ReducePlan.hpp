@@ -10,11 +10,13 @@
 //    torch versions turned its reduce-scatter AVG into SUM),
 //  * rounds low-precision results once (the scale is applied in fp32), and
 //  * lets a caller chain SUM collectives on several groups and scale once.
-// A transport that scales inside the reduction (NCCL: `nativeScale`) gets
+// A transport that scales inside the reduction (NCCL: `NativeScale`) gets
 // AVG unchanged (integers too: ncclAvg truncates, as hsdp does) and every
 // other floating-point scale (PREMUL_SUM, AVG or SUM with a `divideBy`) as
 // one PREMUL_SUM factor: no extra kernel. Integer AVG with a `divideBy`
-// stays SUM plus one truncating divide.
+// stays SUM plus one truncating divide; so does a bf16 scale where the
+// transport's PREMUL_SUM loses a bf16 factor (a division by the group size
+// alone is then its AVG).
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
@@ -79,6 +81,16 @@ class DeferredScale {
 // "SUM", "AVG", ...: the name torch.distributed.ReduceOp gives `op`.
 const char* reduceOpName(c10d::ReduceOp::RedOpType op);
 
+// What a transport does of AVG and PREMUL_SUM inside its reduction.
+struct NativeScale {
+  // AVG and PREMUL_SUM run inside the reduction (NCCL's ncclAvg and
+  // ncclRedOpCreatePreMulSum); false: hsdp scales (the engine fuses it).
+  bool enabled = false;
+  // A bf16 PREMUL_SUM's factor arrives as the caller gave it: false where
+  // torch's ProcessGroupNCCL marshals it wrongly (common/TorchCompat.hpp).
+  bool bf16PreMulSum = true;
+};
+
 struct ReducePlan {
   c10d::ReduceOp innerOp; // what the transport runs
   DeferredScale post;     // what we do to the result afterwards
@@ -94,6 +106,6 @@ ReducePlan planReduce(
     const at::TensorOptions& data,
     int groupSize,
     double divideBy = 1.0,
-    bool nativeScale = false);
+    NativeScale nativeScale = {});
 
 } // namespace hsdp

@@ -45,12 +45,15 @@ PYBIND11_MODULE(hsdp_testing, m) {
   py::class_<NcclContractBackend, c10d::Backend, c10::intrusive_ptr<NcclContractBackend>> double_(
       m, "NcclContractBackend");
   double_.def(
-      py::init([](c10d::Backend* gloo, int rank, int size) {
-        return c10::make_intrusive<NcclContractBackend>(retain(gloo), rank, size);
+      py::init([](c10d::Backend* gloo, int rank, int size, std::optional<int> release) {
+        return c10::make_intrusive<NcclContractBackend>(
+            retain(gloo), rank, size, release.value_or(TORCH_VERSION_MINOR));
       }),
       py::arg("gloo"),
       py::arg("rank"),
-      py::arg("size"));
+      py::arg("size"),
+      py::arg("release") = py::none());
+  double_.def_property_readonly("bf16_factor_as_float", &NcclContractBackend::bf16FactorAsFloat);
   // Set, not def'd: c10d's Backend may already carry hsdp's Python no-op of
   // that name (hsdp_backend/_registration.py), which .def would refuse to
   // overload.

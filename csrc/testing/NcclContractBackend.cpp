@@ -7,6 +7,7 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <condition_variable>
+#include <cstring>
 #include <thread>
 #include <utility>
 
@@ -229,8 +230,15 @@ std::function<void()> NcclContractBackend::abortComm() {
   return [gloo = gloo_] { gloo->abort(); };
 }
 
-NcclContractBackend::NcclContractBackend(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size)
-    : Backend(rank, size), gloo_(std::move(gloo)) {}
+NcclContractBackend::NcclContractBackend(
+    c10::intrusive_ptr<c10d::Backend> gloo,
+    int rank,
+    int size,
+    int release)
+    : Backend(rank, size), gloo_(std::move(gloo)), release_(release) {
+  TORCH_CHECK_VALUE(
+      release >= 11 && release <= 15, "nccl_contract models torch 2.11 to 2.15, not 2.", release);
+}
 
 void NcclContractBackend::failNext(const std::string& message) {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -267,11 +275,74 @@ std::vector<std::string> NcclContractBackend::receivedReductions() {
 }
 
 namespace {
-// A host factor as NCCL applies it: rounded to the data's dtype (torch
-// 2.14.1 converts the double to the data type before
-// ncclRedOpCreatePreMulSum), each input multiplied by it.
+// `factor` as a scalar of `data`'s dtype (AVG's 1/nRanks: NCCL rounds it
+// itself, correctly, hostToDevRedOp in src/enqueue.cc).
 at::Tensor inDataType(double factor, const at::Tensor& data) {
   return at::scalar_tensor(factor, at::TensorOptions().dtype(data.scalar_type()));
+}
+
+// The bf16 NCCL reads from the 2 bytes at a float's address (little-endian:
+// its low half). ncclRedOpCreatePreMulSum copies ncclTypeSize(datatype)
+// bytes of a host scalar (NVIDIA/nccl src/enqueue.cc, 2.30.7:
+// `std::memcpy(&user->opFull.scalarArg, scalar, size)`); a device scalar is
+// loaded as the data's type by the kernel.
+at::BFloat16 lowHalfAsBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return at::BFloat16(static_cast<uint16_t>(bits & 0xffff), at::BFloat16::from_bits());
+}
+
+// The PREMUL_SUM factor NCCL multiplies `data`'s inputs by, as torch's
+// ProcessGroupNCCL builds it: getNcclReduceOp picks unpackPreMulSum<T,
+// dataType>, which makes a host factor `T scalar_factor =
+// T(double_factor)` (ncclScalarHostImmediate) and reads a tensor factor
+// with `tensor_factor.const_data_ptr<T>()` (ncclScalarDevice). T is the
+// data's type but for bf16 on 2.11-2.13: `unpackPreMulSum<float,
+// ncclBfloat16>` (torch 2.11.0, 2.12.0, 2.13.0 libtorch_cuda.so: the
+// ncclBfloat16 branch calls const_data_ptr<float> and cvtsd2ss; 2.14.1:
+// const_data_ptr<c10::BFloat16> and a rounded 16-bit store).
+at::Tensor preMulFactor(
+    const hsdp::compat::PreMulSumSupplement& premul,
+    const at::Tensor& data,
+    bool bf16AsFloat) {
+  const auto dtype = data.scalar_type();
+  const auto options = at::TensorOptions().dtype(dtype);
+  const auto& tensor = premul.tensor_factor;
+  if (dtype == at::kBFloat16 && bf16AsFloat) {
+    if (tensor.defined()) {
+      (void)tensor.const_data_ptr<float>(); // raises for a factor that is not fp32
+      return at::scalar_tensor(static_cast<float>(lowHalfAsBf16(tensor.item<float>())), options);
+    }
+    return at::scalar_tensor(
+        static_cast<float>(lowHalfAsBf16(static_cast<float>(premul.double_factor))), options);
+  }
+  if (tensor.defined()) {
+    switch (dtype) {
+      case at::kHalf:
+        (void)tensor.const_data_ptr<at::Half>();
+        break;
+      case at::kBFloat16:
+        (void)tensor.const_data_ptr<at::BFloat16>();
+        break;
+      case at::kFloat:
+        (void)tensor.const_data_ptr<float>();
+        break;
+      default:
+        (void)tensor.const_data_ptr<double>();
+        break;
+    }
+    return tensor; // read on the device as the data's type: it is
+  }
+  switch (dtype) {
+    case at::kHalf:
+      return at::scalar_tensor(at::Half(static_cast<float>(premul.double_factor)), options);
+    case at::kBFloat16:
+      return at::scalar_tensor(at::BFloat16(static_cast<float>(premul.double_factor)), options);
+    case at::kFloat:
+      return at::scalar_tensor(static_cast<float>(premul.double_factor), options);
+    default:
+      return at::scalar_tensor(premul.double_factor, options);
+  }
 }
 
 // Set by sumFor while an op is issued on this thread: the op was an integer
@@ -314,15 +385,7 @@ NcclContractBackend::sumFor(const char* what, const c10d::ReduceOp& op, const at
       t.scalar_type(),
       ": PreMulSum Data type must be half, float, bfloat16 or double");
   TORCH_CHECK(premul, "nccl_contract: PREMUL_SUM without a factor");
-  if (tensorFactor) {
-    // NCCL reads the factor on the device, as the data's dtype.
-    TORCH_CHECK(
-        premul->tensor_factor.scalar_type() == t.scalar_type(),
-        "PreMulSum factor type must match input data type");
-    t.mul_(premul->tensor_factor);
-  } else {
-    t.mul_(inDataType(premul->double_factor, t));
-  }
+  t.mul_(preMulFactor(*premul, t, bf16FactorAsFloat()));
   return c10d::ReduceOp(c10d::ReduceOp::SUM);
 }
 

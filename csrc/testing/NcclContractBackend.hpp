@@ -36,9 +36,18 @@
 //     devNCCLCommMap_; Backend::isInitialized from torch 2.15); a split's
 //     child has one from the start (ncclCommSplit builds it);
 //   * AVG and PREMUL_SUM are done inside the reduction: floating-point
-//     inputs are pre-multiplied by the factor rounded to their dtype, a
-//     tensor factor must have the data's dtype, integer AVG sums and then
-//     divides with truncation; every other op unchanged.
+//     inputs are pre-multiplied by the factor, integer AVG sums and then
+//     divides with truncation; every other op unchanged. AVG's factor is
+//     NCCL's own, 1/nRanks correctly rounded to the dtype. A PREMUL_SUM
+//     factor is what the modelled release's ProcessGroupNCCL hands NCCL
+//     (getNcclReduceOp's `unpackPreMulSum<T, dataType>`, read from each
+//     release's libtorch_cuda.so: docs/versions.md): a host factor is
+//     T(double_factor), of which NCCL reads the dtype's size in bytes; a
+//     tensor factor is read with const_data_ptr<T>() (another dtype raises
+//     torch's own error) and then as the data's dtype on the device. T is
+//     the data's dtype, but for bf16 before torch 2.14: float, so a bf16
+//     host factor arrives as the float's low half (0 for 0.5), a bf16
+//     factor tensor raises and an fp32 one is read by its low half too.
 // Every reduction it receives is logged, so tests see what hsdp sent.
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -56,7 +65,19 @@ class NcclContractBackend final : public c10d::Backend {
  public:
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
-  NcclContractBackend(c10::intrusive_ptr<c10d::Backend> gloo, int rank, int size);
+  // `release`: the torch minor release whose ProcessGroupNCCL it models
+  // (default: the one it is built against).
+  NcclContractBackend(
+      c10::intrusive_ptr<c10d::Backend> gloo,
+      int rank,
+      int size,
+      int release = TORCH_VERSION_MINOR);
+
+  // Whether the modelled release hands NCCL a bf16 PREMUL_SUM factor as a
+  // float (unpackPreMulSum<float, ncclBfloat16>: torch 2.11 to 2.13).
+  bool bf16FactorAsFloat() const {
+    return release_ < 14;
+  }
 
   const std::string getBackendName() const override {
     return "nccl_contract";
@@ -239,6 +260,7 @@ class NcclContractBackend final : public c10d::Backend {
   static constexpr std::chrono::milliseconds kLandingDelay{50};
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
+  const int release_;
   std::mutex mutex_;
   std::atomic<bool> connected_{false}; // a communicator exists (isInitialized)
   bool coalescing_ = false;

@@ -73,6 +73,12 @@ BACKEND_COALESCED_CALLS_IN_PYTHON = _THIS >= (2, 14)
 # plugin's number is read from its Backend.
 SEQUENCE_NUMBERS_OF_ANY_BACKEND = _THIS >= (2, 14)
 
+# The backend name of torch's own ProcessGroupNCCL, the one hsdp's CUDA route
+# wraps on every release (docs/gpu.md): 2.14 registers it as "nccl-legacy"
+# too, and 2.15 makes plain "nccl" ProcessGroupNCCL2 (torchcomms' engine)
+# unless TORCH_DIST_USE_NCCL2=0. Comparisons of hsdp against NCCL use this.
+WRAPPED_NCCL = "nccl-legacy" if _THIS >= (2, 14) else "nccl"
+
 
 def split_source(opts):
     """The backend a new group's communicator is to be split from (or None),

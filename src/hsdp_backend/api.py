@@ -132,13 +132,17 @@ def all_reduce(
     The division is folded into the reduction's own scaling step (AVG's
     divide by the group size, PREMUL_SUM's factor): one step. On CPU (the
     shared-memory engine and the gloo route) bf16/fp16 are scaled in fp32
-    and rounded once. On CUDA the step is NCCL's PREMUL_SUM, which rounds
-    the factor to the data's dtype and multiplies each input in that dtype
-    before summing (ProcessGroupNCCL builds the factor as the data type,
-    ``T(double_factor)``); for fp16, where one small factor would make small
-    inputs subnormal or zero before the sum, a power-of-two part of the
-    divisor (about its square root) goes into the reduction and the rest
-    runs after it in fp32, rounded once, as FSDP2 splits its fp16 divisor.
+    and rounded once. On CUDA the step is NCCL's PREMUL_SUM for fp32, fp64
+    and fp16 (the factor rounded to the data's dtype, each input multiplied
+    in that dtype before summing); for fp16, where one small factor would
+    make small inputs subnormal or zero before the sum, a power-of-two part
+    of the divisor (about its square root) goes into the reduction and the
+    rest runs after it in fp32, rounded once, as FSDP2 splits its fp16
+    divisor. bf16 never reaches NCCL as a PREMUL_SUM: ProcessGroupNCCL hands
+    NCCL a bf16 factor as the low half of a float, which is zero for every
+    power of two (docs/versions.md). A division by the group size alone is
+    NCCL's AVG; any other is NCCL's SUM and one multiply after it, in fp32,
+    rounded once.
     This is the deferred division of a
     chain of SUM collectives over several groups: e.g. for HSDP gradients,
     ``reduce_scatter_tensor(out, grads, op=SUM, group=shard)`` then
@@ -149,8 +153,8 @@ def all_reduce(
         tensor: reduced in place.
         op: SUM, AVG or PREMUL_SUM (other ops take no divisor).
         group: the process group (default: WORLD); must run on hsdp.
-        divide_by: a positive divisor (a whole number for integer tensors,
-            which divide with truncation).
+        divide_by: a positive, finite divisor (a whole number for integer
+            tensors, which divide with truncation).
         async_op: return the Work instead of waiting for it.
     """
     work = _C.all_reduce_divided_by(
@@ -175,7 +179,7 @@ def reduce_scatter_tensor(
         input: the full input, ``world * output.numel()`` elements.
         op: SUM, AVG or PREMUL_SUM.
         group: the process group (default: WORLD); must run on hsdp.
-        divide_by: a positive divisor.
+        divide_by: a positive, finite divisor.
         async_op: return the Work instead of waiting for it.
     """
     work = _C.reduce_scatter_divided_by(

@@ -14,6 +14,8 @@
 #include "backend/ProcessGroupHSDP.hpp"
 #include "common/TorchCompat.hpp"
 
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -276,16 +278,16 @@ TEST(ReducePlan, AtOneRankTheFactorIsHsdpsOwnMultiplyEvenOnANativeRoute) {
   // NCCL 2.28.9's one-rank reduce-scatter drops a PREMUL_SUM factor: at one
   // rank hsdp sends a SUM and scales the copy itself.
   const OpContext c{0, 1, "reduce_scatter_tensor"};
-  auto plan = planReduce(c, compat::makePreMulSum(0.5), at::kFloat, 1, 1.0, /*nativeScale=*/true);
+  auto plan = planReduce(c, compat::makePreMulSum(0.5), at::kFloat, 1, 1.0, NativeScale{true});
   EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
   EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::Multiply);
   EXPECT_EQ(plan.post.value(), 0.5);
-  plan = planReduce(c, c10d::ReduceOp(c10d::ReduceOp::SUM), at::kFloat, 1, 4.0, true);
+  plan = planReduce(c, c10d::ReduceOp(c10d::ReduceOp::SUM), at::kFloat, 1, 4.0, NativeScale{true});
   EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
   EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::Divide);
   // With peers the factor rides inside NCCL's reduction, as before.
   const OpContext c2{0, 2, "reduce_scatter_tensor"};
-  plan = planReduce(c2, compat::makePreMulSum(0.5), at::kFloat, 2, 1.0, true);
+  plan = planReduce(c2, compat::makePreMulSum(0.5), at::kFloat, 2, 1.0, NativeScale{true});
   EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::PREMUL_SUM);
   EXPECT_TRUE(plan.post.isNone());
 }
@@ -297,14 +299,14 @@ TEST(ReducePlan, ATensorFactorNcclCannotTakeAsItIsIsAMultiplyOnTheDevice) {
   // device sync): it stays a deferred multiply, where it lives.
   const OpContext c{0, 2, "all_reduce"};
   const auto same = at::full({}, 0.5, at::kFloat);
-  auto plan = planReduce(c, compat::makePreMulSum(same), at::kFloat, 2, 1.0, true);
+  auto plan = planReduce(c, compat::makePreMulSum(same), at::kFloat, 2, 1.0, NativeScale{true});
   EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::PREMUL_SUM);
   EXPECT_TRUE(plan.post.isNone());
   const auto wider = at::full({}, 0.5, at::kDouble);
-  plan = planReduce(c, compat::makePreMulSum(wider), at::kFloat, 2, 1.0, true);
+  plan = planReduce(c, compat::makePreMulSum(wider), at::kFloat, 2, 1.0, NativeScale{true});
   EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
   EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::MultiplyTensor);
-  plan = planReduce(c, compat::makePreMulSum(same), at::kFloat, 2, 4.0, true);
+  plan = planReduce(c, compat::makePreMulSum(same), at::kFloat, 2, 4.0, NativeScale{true});
   EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
   EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::MultiplyTensor);
   auto t = at::ones({4}, at::kFloat);
@@ -312,11 +314,57 @@ TEST(ReducePlan, ATensorFactorNcclCannotTakeAsItIsIsAMultiplyOnTheDevice) {
   EXPECT_TRUE(at::equal(t, at::full({4}, 0.125, at::kFloat)));
 }
 
+TEST(ReducePlan, Bf16ScalesNeverReachATransportThatLosesABf16Factor) {
+  // Torch 2.11-2.13's ProcessGroupNCCL hands NCCL a bf16 factor as the low
+  // half of a float (TorchCompat.hpp): a division by the group size alone
+  // is ncclAvg, any other scale SUM and hsdp's multiply after it.
+  const OpContext c{0, 4, "all_reduce"};
+  const NativeScale lossy{true, /*bf16PreMulSum=*/false};
+  auto plan = planReduce(c, compat::makePreMulSum(0.125), at::kBFloat16, 4, 1.0, lossy);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::Multiply);
+  EXPECT_EQ(plan.post.value(), 0.125);
+  plan = planReduce(c, compat::makePreMulSum(0.25), at::kBFloat16, 4, 1.0, lossy);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::AVG);
+  EXPECT_TRUE(plan.post.isNone());
+  plan = planReduce(c, c10d::ReduceOp(c10d::ReduceOp::SUM), at::kBFloat16, 4, 4.0, lossy);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::AVG);
+  plan = planReduce(c, c10d::ReduceOp(c10d::ReduceOp::AVG), at::kBFloat16, 4, 2.0, lossy);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::Divide);
+  EXPECT_EQ(plan.post.value(), 8.0);
+  const auto factor = at::full({}, 0.5, at::kBFloat16);
+  plan = planReduce(c, compat::makePreMulSum(factor), at::kBFloat16, 4, 1.0, lossy);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::SUM);
+  EXPECT_EQ(plan.post.kind(), DeferredScale::Kind::MultiplyTensor);
+  // fp16 and fp32 are unaffected; where the factor is kept bf16 rides too.
+  plan = planReduce(c, compat::makePreMulSum(0.125), at::kFloat, 4, 1.0, lossy);
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::PREMUL_SUM);
+  plan = planReduce(c, compat::makePreMulSum(0.125), at::kBFloat16, 4, 1.0, NativeScale{true});
+  EXPECT_EQ(plan.innerOp.op_, c10d::ReduceOp::PREMUL_SUM);
+  EXPECT_TRUE(plan.post.isNone());
+}
+
+TEST(ReducePlan, TheInnerNcclIsToldWhatThisReleaseDoesWithABf16Factor) {
+  // ProcessGroupNCCL keeps a bf16 factor from torch 2.14 (docs/versions.md).
+  EXPECT_EQ(InnerCaps{}.bf16PreMulSum, TORCH_VERSION_MINOR >= 14);
+}
+
+TEST(ReducePlan, ADivisorThatIsNotFinitePositiveIsRefused) {
+  const OpContext c{0, 2, "all_reduce"};
+  for (double bad : {0.0, -2.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
+    EXPECT_THROW(
+        planReduce(c, c10d::ReduceOp(c10d::ReduceOp::SUM), at::kFloat, 2, bad, NativeScale{true}),
+        c10::ValueError)
+        << bad;
+  }
+}
+
 TEST(ReducePlan, AFactorTensorOnAnotherDeviceThanTheDataIsRefusedNamingBoth) {
   const OpContext c{1, 2, "all_reduce"};
   const auto factor = at::full({}, 0.5, at::TensorOptions().device(at::kMeta));
   try {
-    planReduce(c, compat::makePreMulSum(factor), at::kFloat, 2, 1.0, true);
+    planReduce(c, compat::makePreMulSum(factor), at::kFloat, 2, 1.0, NativeScale{true});
     FAIL() << "a factor on another device than the data was taken";
   } catch (const c10::ValueError& e) {
     const std::string what = e.what();

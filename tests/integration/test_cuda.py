@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from harness import run_ranks
 
+from hsdp_backend import _torch_compat
+
 GPUS = torch.cuda.device_count()
 one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; this machine has none")
 two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs; this machine has {GPUS}")
@@ -296,6 +298,57 @@ def trace_body(rank, world):
     assert last_state() == "completed"
 
 
+def dump_beside_a_capture_body(rank, world):
+    """A flight-record dump queries the "done" events of pending entries; on
+    another thread than a CUDA graph capture in torch's default, global
+    mode, a query invalidates that capture unless the querying thread is in
+    ThreadLocal mode (as ProcessGroupNCCL's watchdog sets it)."""
+    import threading
+
+    import torch.distributed as dist
+
+    import hsdp_backend
+
+    dev = _gpu_with_communicator(rank)
+    cycles = _cycles_per_second(dev)
+    torch.cuda._sleep(cycles // 2)
+    work = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)  # pending: an event
+    capturing, dumped = threading.Event(), threading.Event()
+    errors = []
+
+    def dump():
+        capturing.wait(timeout=60)
+        try:
+            hsdp_backend.dump_trace("asked")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        dumped.set()
+
+    thread = threading.Thread(target=dump)
+    thread.start()
+    graph = torch.cuda.CUDAGraph()
+    x = torch.ones(256, device=dev)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph.capture_begin()
+        y = x * 2
+        capturing.set()
+        assert dumped.wait(timeout=60), "the dump did not finish"
+        y = y + 1
+        graph.capture_end()  # raises if the dump's query invalidated the capture
+    thread.join(timeout=60)
+    assert not errors, errors
+    graph.replay()
+    work.wait()
+    torch.cuda.synchronize()
+    _check(y, torch.full((256,), 3.0), "the captured graph")
+
+
+@one_gpu
+def test_one_gpu_dump_beside_a_capture(tmp_path):
+    run_ranks(dump_beside_a_capture_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
+
+
 @one_gpu
 def test_one_gpu_flight_record_follows_the_device(tmp_path):
     run_ranks(trace_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
@@ -350,7 +403,8 @@ def buffers_one_rank_body(rank, world):
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     hsdp = dist.group.WORLD._get_backend(dev)
-    nccl = dist.new_group(backend="nccl")._get_backend(dev)
+    # The ProcessGroupNCCL hsdp wraps (on 2.15 plain "nccl" is ProcessGroupNCCL2).
+    nccl = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)._get_backend(dev)
     supported = nccl.supports_tensor_alloc(dev)
     # Two bools: compared as they are (_check compares tensors).
     assert hsdp.supports_tensor_alloc(dev) == supported, "supports_tensor_alloc(cuda)"
@@ -370,11 +424,47 @@ def buffers_one_rank_body(rank, world):
     _check(out, torch.full_like(out, 3), "all_gather on an allocated buffer")
 
 
+def pool_streams_body(rank, world):
+    """Async ops with a post-step, and the flight recorder following them,
+    draw no stream from c10's pool per op (ProcessGroupNCCL takes one per
+    communicator, once): a pool stream a user's torch.cuda.Stream() hands out
+    is never made to wait on one of hsdp's collectives. The pool hands its
+    streams out in turn, so the next one after the ops tells how many were
+    drawn meanwhile."""
+    import torch.distributed as dist
+
+    import hsdp_backend
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+
+    def ops():
+        t = torch.ones(1024, device=dev)
+        hsdp_backend.all_reduce(t, divide_by=2.0, async_op=True).wait()  # a post-step (one rank)
+        dist.all_reduce(t, async_op=True).wait()  # none: the recorder follows NCCL's Work
+        dist.reduce_scatter_tensor(
+            torch.empty(1024, device=dev), t, op=dist.ReduceOp.AVG, async_op=True
+        ).wait()
+        torch.cuda.synchronize()
+
+    ops()  # the group takes its streams, once
+    cycle = [torch.cuda.Stream().stream_id]
+    while (next_id := torch.cuda.Stream().stream_id) != cycle[0]:
+        cycle.append(next_id)
+        assert len(cycle) <= 1024, "c10's stream pool did not cycle"
+    rounds = 5  # coprime with the pool's size (32): d draws a round cannot add up to a cycle
+    for _ in range(rounds):
+        ops()
+    draws = (cycle.index(torch.cuda.Stream().stream_id) - 1) % len(cycle)
+    assert draws == 0, f"hsdp drew {draws} pool stream(s) (mod {len(cycle)}) in {rounds} rounds"
+
+
 @one_gpu
 @pytest.mark.parametrize(
     "body",
     [
         chained_ops_body,
+        pool_streams_body,
         gpu_work_body,
         gpu_memory_body,
         gpu_graphs_body,
@@ -468,7 +558,8 @@ def parity_body(rank, world):
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
-    nccl = dist.new_group(backend="nccl")
+    # The ProcessGroupNCCL hsdp wraps (on 2.15 plain "nccl" is ProcessGroupNCCL2).
+    nccl = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)
     g = torch.Generator(dev).manual_seed(rank)
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(4096, device=dev, dtype=dtype, generator=g)

@@ -20,6 +20,24 @@ def test_nccl_contract(launcher, name, world):
     launcher.check("nccl_contract_cases", NAMES, name, world, env=engine_env(NCCL_CONTRACT))
 
 
+# The cases whose outcome depends on how the modelled release's
+# ProcessGroupNCCL marshals a PREMUL_SUM factor (docs/versions.md).
+FACTOR_CASES = [
+    "scales_reach_nccl_as_avg_or_one_premul_sum",
+    "bf16_factors_never_reach_nccl_where_torch_loses_them",
+    "a_tensor_factor_reaches_nccl_as_a_tensor_of_the_data_dtype",
+]
+
+
+@pytest.mark.parametrize("release", [13, 14])
+@pytest.mark.parametrize("name", FACTOR_CASES)
+def test_nccl_contract_factors_of_release(launcher, name, release):
+    """The same cases through the double modelling another release's
+    ProcessGroupNCCL (13: a bf16 factor is lost; 14: kept), hsdp told which."""
+    env = {**engine_env(NCCL_CONTRACT), "HSDP_TEST_NCCL_RELEASE": str(release)}
+    launcher.check("nccl_contract_cases", NAMES, name, 2, env=env)
+
+
 @pytest.mark.parametrize(
     "body",
     [

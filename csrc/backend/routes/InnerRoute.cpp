@@ -419,7 +419,7 @@ InnerRoute::WorkPtr InnerRoute::finishOnStream(
   }
   c10::impl::VirtualGuardImpl impl(device.type());
   const c10::Stream current = impl.getStream(device);
-  const c10::Stream side = impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false);
+  const c10::Stream side = sideStreams_.get(device);
   // The post-step reads what the caller enqueued before this call (a
   // staged copy, the op's inputs): the side stream starts after it.
   c10::Event issued(device.type());

@@ -72,6 +72,10 @@ struct InnerCaps {
   // Works order the result, through what, how errors and timeouts surface,
   // then runs on CPU).
   bool hostStreams = false;
+  // With nativeScale (last, so that positional initialisers keep their
+  // meaning): a bf16 PREMUL_SUM's factor reaches the transport
+  // intact. ProcessGroupNCCL's is this torch release's (TorchCompat.hpp).
+  bool bf16PreMulSum = HSDP_TORCH_NCCL_BF16_PREMUL_SUM_INTACT;
 };
 
 // One post-step that runs `steps` in order (empty when they are).
@@ -104,8 +108,8 @@ class InnerRoute final : public Route {
   const char* name() const override {
     return caps_.name.c_str();
   }
-  bool scalesNatively() const override {
-    return caps_.nativeScale;
+  NativeScale scalesNatively() const override {
+    return {caps_.nativeScale, caps_.bf16PreMulSum};
   }
   bool coalescesNatively() const override {
     return caps_.nativeCoalescing;
@@ -211,6 +215,7 @@ class InnerRoute final : public Route {
   int rank_;
 
   std::mutex mutex_;
+  SideStreams sideStreams_;                          // where async CUDA post-steps run
   std::unique_ptr<OpQueue> completions_;             // CPU async post-steps, made on first use
   std::shared_ptr<const PostStepMark> lastPostStep_; // see beforeIssue()
   // Whether lastPostStep_ is set: every op asks, and on routes that never

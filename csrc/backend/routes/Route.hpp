@@ -115,8 +115,8 @@ class Route {
   virtual const char* recordedAs() const {
     return "inner";
   }
-  // AVG and PREMUL_SUM run inside the reduction (planReduce's nativeScale).
-  virtual bool scalesNatively() const = 0;
+  // What of AVG and PREMUL_SUM runs inside the reduction (planReduce).
+  virtual NativeScale scalesNatively() const = 0;
   // A collective may hold lists (Collective::inputs), run as one launch.
   virtual bool coalescesNatively() const = 0;
   // An all-gather of `pieces` tensors may stay unpacked, even without

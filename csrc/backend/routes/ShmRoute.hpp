@@ -46,8 +46,8 @@ class ShmRoute final : public Route {
   const char* recordedAs() const override {
     return name();
   }
-  bool scalesNatively() const override {
-    return false; // the scale is fused into the reduction's kernel: one pass, no extra kernel
+  NativeScale scalesNatively() const override {
+    return {}; // the scale is fused into the reduction's kernel: one pass, no extra kernel
   }
   bool coalescesNatively() const override {
     return false;
