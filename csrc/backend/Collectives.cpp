@@ -576,14 +576,15 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   // then the processes meet on the CPU engine, which serves every barrier.
   checkUsable(call.ctx);
   if (cuda_) {
-    auto device = barrierDevice(opts);
-    if (!cuda_->connected()) {
-      device = connectCuda(opts, device);
-    }
+    const auto device = barrierDevice(opts);
     if (device) {
       cuda_->beforeIssue(); // a pending post-step on a side stream is GPU work before it too
       c10::impl::VirtualGuardImpl impl(device->type());
       impl.getStream(*device).synchronize();
+    }
+    if (!cudaAgreed_) {
+      agreeOnCuda(call, device);
+      return WorkHSDP::completed(rank_, call.type, {});
     }
   }
   if (engine_) {
@@ -615,42 +616,80 @@ std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOpt
   if (const auto used = lastCudaDevice_.load(std::memory_order_relaxed); used >= 0) {
     return at::Device(at::kCUDA, used);
   }
-  const auto current = c10::impl::VirtualGuardImpl(at::kCUDA).getDevice();
+  if (!c10::impl::hasDeviceGuardImpl(at::kCUDA)) {
+    return std::nullopt;
+  }
+  c10::impl::VirtualGuardImpl cuda(at::kCUDA);
+  if (cuda.deviceCount() == 0) {
+    return std::nullopt;
+  }
+  const auto current = cuda.getDevice();
   if (at::detail::getCUDAHooks().hasPrimaryContext(current.index())) {
     return current;
   }
   return std::nullopt;
 }
 
-std::optional<at::Device>
-ProcessGroupHSDP::connectCuda(const c10d::BarrierOptions& opts, std::optional<at::Device> device) {
+at::Device ProcessGroupHSDP::guessCudaDevice() const {
+  // ProcessGroupNCCL::guessDeviceForRank: the global rank modulo the local
+  // device count (ranks that never called set_device spread over the GPUs,
+  // rather than all landing on the current one, GPU 0).
+  const auto& global = options_->global_ranks_in_group;
+  const uint64_t globalRank =
+      global.size() > static_cast<size_t>(rank_) ? global[rank_] : static_cast<uint64_t>(rank_);
+  const auto count = c10::impl::VirtualGuardImpl(at::kCUDA).deviceCount();
+  HSDP_CHECK(count > 0, ctx("barrier"), "no CUDA device to make the NCCL communicator on");
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(globalRank % count));
+}
+
+void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device) {
   // NCCL's barrier is a one-element all-reduce on the device, which makes
   // the communicator when there is none yet: FSDP2 calls a barrier for that
   // before it asks for symmetric memory. Whether this rank has a device for
-  // it is its own answer (one that never used its GPU has none), and an
-  // all-reduce only some ranks issue would hang: the ranks agree first, on
-  // the CPU, and then all of them make it, on the current device where a
-  // rank has none of its own (as NCCL's barrier would).
-  auto any = at::full({1}, device ? 1 : 0, at::kInt);
-  std::vector<at::Tensor> flag{any};
-  c10d::AllreduceOptions agree;
-  agree.reduceOp = c10d::ReduceOp::MAX;
-  agree.timeout = opts.timeout;
-  if (auto w = cpu_->backend().allreduce(flag, agree)) {
-    w->wait();
+  // it, and whether its communicator exists, are its own answers: until the
+  // group has agreed, every barrier is a CPU all-reduce (MAX) of them, the
+  // meeting itself, so every rank decides alike. Ranks that disagree on the
+  // communicator (a CUDA collective that ran on some only) are told so,
+  // rather than left to wait in a device all-reduce the others never join.
+  const bool connected = cuda_->connected();
+  auto flags =
+      at::tensor({device && !connected ? 1 : 0, connected ? 1 : 0, connected ? 0 : 1}, at::kInt);
+  std::vector<at::Tensor> tensors{flags};
+  auto reduce = planReduce(call.ctx, c10d::ReduceOp::MAX, flags.options(), size_);
+  const bool shm = shmServes(tensors) && engine_->serves(reduce, at::kInt);
+  auto& route = shmOr(*cpu_, shm);
+  if (auto work = issue(call, route, planInPlace(Kind::AllReduce, flags, std::move(reduce)), 0)) {
+    work->wait();
   }
-  if (any.item<int>() == 0) {
-    return device;
+  const bool someWant = flags[0].item<int>() != 0;
+  const bool someConnected = flags[1].item<int>() != 0;
+  const bool someNot = flags[2].item<int>() != 0;
+  TORCH_CHECK_WITH(
+      DistBackendError,
+      !(someConnected && someNot),
+      call.ctx.prefix(),
+      "the ranks disagree on whether this group's NCCL communicator exists (this rank: ",
+      connected ? "it does" : "it does not",
+      "); a CUDA collective ran on some ranks only (one that raised on some, or was skipped)");
+  if (!someNot) {
+    cudaAgreed_ = true; // every rank has it: later barriers only meet
+    return;
   }
-  const at::Device d = device.value_or(c10::impl::VirtualGuardImpl(at::kCUDA).getDevice());
+  if (!someWant) {
+    return; // no rank has used a GPU: a CPU job on a machine with GPUs stays one
+  }
+  const at::Device d = device.value_or(guessCudaDevice());
   std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(d))};
   c10d::AllreduceOptions o;
-  o.timeout = opts.timeout;
+  o.timeout = call.timeout;
   if (auto w = cuda_->backend().allreduce(one, o)) {
     w->wait();
   }
   cuda_->markConnected();
-  return d;
+  cudaAgreed_ = true;
+  if (d.is_cuda()) {
+    c10::impl::VirtualGuardImpl(d.type()).getStream(d).synchronize();
+  }
 }
 
 void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {

@@ -253,10 +253,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
   }
   // The CUDA device a barrier orders (as NCCL's would), if any.
   std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts) const;
-  // Makes the inner NCCL's communicator, as NCCL's barrier would, if any
-  // rank has a device for it; returns the device this rank's barrier orders.
-  std::optional<at::Device>
-  connectCuda(const c10d::BarrierOptions& opts, std::optional<at::Device> device);
+  // The device NCCL would make this rank's communicator on when it has none
+  // of its own (ProcessGroupNCCL::guessDeviceForRank).
+  at::Device guessCudaDevice() const;
+  // A barrier while the ranks have not agreed that the inner NCCL's
+  // communicator exists: it is made, as NCCL's barrier would, if any rank
+  // has a device for it (`device`: this rank's).
+  void agreeOnCuda(Call& call, std::optional<at::Device> device);
 
   // The steps of every call (Collectives.cpp).
   Call begin(
@@ -336,6 +339,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // The device of this group's last CUDA op (-1: none yet): a barrier's
   // device when the call names none (barrierDevice).
   std::atomic<c10::DeviceIndex> lastCudaDevice_{-1};
+  // Every rank's inner NCCL has its communicator, as a barrier's agreement
+  // found (set alike on every rank: agreeOnCuda).
+  bool cudaAgreed_ = false;
   CommStats stats_;
   std::atomic<uint64_t> sequence_{0};
   // "aborted" or "shut down" once abort() or shutdown() ran: every later

@@ -15,6 +15,7 @@
 #include "common/TorchCompat.hpp"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -56,6 +57,8 @@ void reduceEqual(const at::Tensor& t, const c10d::ReduceOp& op) {
       t.mul_(kSize);
       return;
     case c10d::ReduceOp::AVG:
+    case c10d::ReduceOp::MAX:
+    case c10d::ReduceOp::MIN:
       return;
     case c10d::ReduceOp::PREMUL_SUM: {
       auto* s = dynamic_cast<hsdp::compat::PreMulSumSupplement*>(op.supplement_.get());
@@ -105,9 +108,22 @@ class FakeInner : public c10d::Backend {
     return std::shared_ptr<c10::Allocator>(c10::GetCPUAllocator(), [](c10::Allocator*) {});
   }
 
+  // What the other ranks contribute to a MAX all-reduce (none: the same).
+  std::function<void(at::Tensor&)> peersMax;
+
   c10::intrusive_ptr<c10d::Work>
   allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
-    return reduceAll("allreduce", ts, o.reduceOp);
+    auto work = reduceAll("allreduce", ts, o.reduceOp);
+    if (peersMax && o.reduceOp.op_ == c10d::ReduceOp::MAX) {
+      for (auto& t : ts) {
+        peersMax(t);
+      }
+    }
+    return work;
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
+    calls.push_back("barrier");
+    return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{});
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& ts,
@@ -371,6 +387,87 @@ TEST(ReducePlan, AFactorTensorOnAnotherDeviceThanTheDataIsRefusedNamingBoth) {
     EXPECT_NE(what.find("[rank 1/2] all_reduce: "), std::string::npos) << what;
     EXPECT_NE(what.find("factor tensor is on meta but the data is on cpu"), std::string::npos)
         << what;
+  }
+}
+
+// A group that serves CUDA through a fake inner NCCL whose communicator
+// this rank may or may not have; the peers' answers to the barrier's
+// agreement come through the CPU fake's MAX all-reduce (no GPU needed: the
+// barrier names no device, so none is touched unless the ranks must connect).
+struct CudaGroup {
+  c10::intrusive_ptr<FakeInner> cpu = c10::make_intrusive<FakeInner>();
+  c10::intrusive_ptr<FakeInner> cuda = c10::make_intrusive<FakeInner>();
+  InnerRoute* cudaRoute = nullptr;
+  c10::intrusive_ptr<ProcessGroupHSDP> pg;
+
+  CudaGroup() {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    Config config;
+    config.engine = Config::Engine::Gloo;
+    auto route = std::make_unique<InnerRoute>(cuda, kNative, kRank);
+    cudaRoute = route.get();
+    pg = c10::make_intrusive<ProcessGroupHSDP>(
+        *store,
+        kRank,
+        kSize,
+        std::chrono::milliseconds(10000),
+        std::make_unique<InnerRoute>(cpu, InnerCaps{"fake"}, kRank),
+        std::move(route),
+        config);
+  }
+  // The peers answer [wants a communicator, has one, has none] as given.
+  void peersAnswer(int wants, int has, int hasNot) {
+    cpu->peersMax = [=](at::Tensor& t) {
+      t.copy_(at::maximum(t, at::tensor({wants, has, hasNot}, at::kInt)));
+    };
+  }
+  void barrier() {
+    waitFor(pg->barrier(c10d::BarrierOptions{}));
+  }
+};
+
+TEST(Barrier, UntilTheRanksAgreeOnTheNcclCommunicatorEveryBarrierIsTheAgreement) {
+  // No rank has used a GPU (a CPU job on a machine with GPUs): no
+  // communicator is made, and every barrier is one small CPU all-reduce,
+  // not an agreement on top of a barrier.
+  CudaGroup g;
+  g.barrier();
+  g.barrier();
+  EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"allreduce MAX x1", "allreduce MAX x1"}));
+  EXPECT_TRUE(g.cuda->calls.empty());
+  EXPECT_FALSE(g.cudaRoute->connected());
+}
+
+TEST(Barrier, OnceEveryRankHasTheCommunicatorBarriersOnlyMeet) {
+  CudaGroup g;
+  g.cudaRoute->markConnected(); // every rank ran a CUDA collective
+  g.barrier();
+  g.barrier();
+  EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"allreduce MAX x1", "barrier"}));
+  EXPECT_TRUE(g.cuda->calls.empty());
+}
+
+TEST(Barrier, RanksThatDisagreeOnTheCommunicatorAreToldSoOnEveryRank) {
+  // A CUDA collective that ran on some ranks only: the ones with a
+  // communicator would skip making it, the others would wait in a device
+  // all-reduce nobody else joins. Both sides raise instead, at once.
+  for (const bool connectedHere : {true, false}) {
+    CudaGroup g;
+    if (connectedHere) {
+      g.cudaRoute->markConnected();
+      g.peersAnswer(0, 0, 1);
+    } else {
+      g.peersAnswer(0, 1, 0);
+    }
+    try {
+      g.barrier();
+      FAIL() << "a barrier over ranks that disagree went on (connected here: " << connectedHere
+             << ")";
+    } catch (const c10::DistBackendError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("[rank 1/4] barrier: the ranks disagree"), std::string::npos) << what;
+    }
+    EXPECT_TRUE(g.cuda->calls.empty());
   }
 }
 

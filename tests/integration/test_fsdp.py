@@ -223,7 +223,11 @@ def test_fsdp_parity(launches, name):
 
 @pytest.mark.parametrize(
     "name,release",
-    [(n, None) for n in NCCL_CONTRACT] + [(n, NCCL_LOSSY_RELEASE) for n in NCCL_BF16_REDUCE],
+    [pytest.param(n, None, id=n) for n in NCCL_CONTRACT]
+    + [
+        pytest.param(n, NCCL_LOSSY_RELEASE, id=f"{n}-as-torch2.{NCCL_LOSSY_RELEASE}")
+        for n in NCCL_BF16_REDUCE
+    ],
 )
 def test_fsdp_parity_nccl_contract(launches, name, release):
     """The same training through the CUDA route's code (NCCL's contract on
