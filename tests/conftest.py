@@ -57,6 +57,7 @@ def is_quick(item) -> bool:
 EVERY_TORCH = (
     "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
     "tests/unit/test_config.py",
+    "tests/unit/test_backend_surface.py",
     "tests/unit/test_docs.py",
     "tests/unit/test_fsdp_buckets.py",
     "tests/unit/test_torch_contracts.py",
