@@ -79,6 +79,19 @@ def wrong_output_size(rank, world, ref):
         torch.ones(world * 3 + 1),
     )
     still_usable(rank, world)
+    if hasattr(dist, "gather_single"):  # torch 2.14+
+        # Refused on the root before anything is issued: the others need
+        # not (and here do not) call it.
+        if rank == 0:
+            raises(
+                ValueError,
+                prefix(rank, world, "gather_single") + r"the output .*expected " + str(world * 4),
+                dist.gather_single,
+                torch.ones(4),
+                torch.empty(world * 4 + 1),
+                dst=0,
+            )
+        still_usable(rank, world)
 
 
 @case
@@ -320,5 +333,55 @@ def async_failure_surfaces_from_wait(rank, world, ref):
         raises(RuntimeError, "", work.wait)
         assert time.monotonic() - start < 30
         assert work.is_completed()
+    dist.barrier(group=ref)
+    still_usable(rank, world)
+
+
+@case
+def ephemeral_timeout_extension(rank, world, ref):
+    """c10d's ephemeral timeout extension (``_add_ephemeral_timeout_for_all_pgs``,
+    which torch.compile calls when a cache hit lets a rank skip compiling;
+    Backend::addEphemeralTimeout from torch 2.14), with ProcessGroupNCCL's
+    meaning: a collective that one rank reaches later than the group's
+    timeout, but within the timeout plus the extension, completes; the
+    extension expires when the first collective issued after it completes,
+    so the same late arrival then times out. A negative extension is refused,
+    naming the rank, and changes nothing."""
+    import datetime
+    import time
+
+    from hsdp_backend import _torch_compat
+
+    if world == 1 or not _torch_compat.EPHEMERAL_TIMEOUT_ON_ANY_BACKEND:
+        return  # no late peer; before 2.14 torch hands the extension to NCCL only
+    late = world - 1
+    g = dist.new_group(backend="hsdp", timeout=datetime.timedelta(seconds=1))
+    raises(
+        ValueError,
+        prefix(rank, world, "add_ephemeral_timeout") + "expected an extension of at least 0 ms",
+        g._add_ephemeral_timeout,
+        datetime.timedelta(seconds=-1),
+    )
+
+    def late_all_reduce(delay_s):
+        dist.barrier(group=ref)
+        if rank == late:
+            time.sleep(delay_s)
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        return t
+
+    dist.distributed_c10d._add_ephemeral_timeout_for_all_pgs(datetime.timedelta(seconds=6))
+    t = late_all_reduce(2.0)  # the group's 1 s, plus the extension's 6
+    check_sum = world * (world + 1) / 2
+    assert torch.equal(t, torch.full((4,), check_sum)), t
+    start = time.monotonic()
+    try:
+        late_all_reduce(2.5)  # the extension has expired
+        raise AssertionError("a peer 2.5 s late passed a 1 s timeout with no extension active")
+    except RuntimeError as exc:
+        if rank != late:
+            assert re.search("(?i)timed? ?out", str(exc)), str(exc)
+            assert time.monotonic() - start < 2.5, "the expired extension still held"
     dist.barrier(group=ref)
     still_usable(rank, world)

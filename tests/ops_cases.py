@@ -241,6 +241,38 @@ def gather_and_scatter(rank, world, ref):
             check(out, data(rank + 10, 5, dtype), f"scatter {dtype} root={root}")
 
 
+@case
+def gather_single(rank, world, ref):
+    """gather_single (torch 2.14+): every rank's tensor in one flat tensor on
+    the root, in rank order, each root in turn, the root's output flat or
+    stacked ([world, *shape]), sync and async; where gloo refuses it, hsdp
+    serves it on every route (an all-gather the root keeps on shared memory,
+    the inner backend's gather elsewhere)."""
+    if not hasattr(dist, "gather_single"):
+        return  # torch before 2.14 has no such call
+    for dtype in [torch.float32, torch.bfloat16, torch.uint8]:
+        for root in range(world):
+            for shape in ((5,), (2, 3)):
+                n = 5 if shape == (5,) else 6
+                mine = data(rank, n, dtype).view(shape)
+                want = torch.stack([data(r, n, dtype).view(shape) for r in range(world)])
+                stacked = shape != (5,)
+                out = None
+                if rank == root:
+                    out = torch.empty(want.shape if stacked else (world * n,), dtype=dtype)
+                work = dist.gather_single(mine, out, dst=root, async_op=stacked)
+                if stacked:
+                    work.wait()
+                if rank == root:
+                    check(out.view(want.shape), want, f"gather_single {dtype} {shape} root={root}")
+    # Gloo's own (torch 2.14-2.15) refuses it, on every rank alike.
+    try:
+        out = torch.empty(2 * world) if rank == 0 else None
+        dist.gather_single(torch.ones(2), out, dst=0, group=ref)
+    except RuntimeError as exc:
+        assert "does not support gather_single" in str(exc), exc
+
+
 # ------------------------------------------------------------ reduce-scatter
 
 
@@ -598,6 +630,15 @@ def a_synchronous_call_returns_no_work(rank, world, ref):
                 check(t, want, f"a synchronous all_reduce ({what})")
                 assert c10d._get_work_registry_size() == before, what
                 if inflight:
+                    # What FSDP2 reads: its all-gather goes through the public
+                    # function with async_op=False, which waits for the Work
+                    # and returns None (torch 2.11-2.15), so wait_for_unshard
+                    # takes its synchronous path on hsdp as on NCCL.
+                    out = torch.empty(16 * world)
+                    gathered = dist.all_gather_into_tensor(out, data(rank, 16, torch.float32))
+                    assert gathered is None, f"{what}: all_gather_into_tensor gave {gathered!r}"
+                    check(out, torch.cat([data(r, 16, torch.float32) for r in range(world)]), what)
+                    assert c10d._get_work_registry_size() == before, what
                     t, _ = synchronous_all_reduce(layout)
                     torch.ops._c10d_functional.wait_tensor(t)
                     check(t, want, f"wait_tensor after a synchronous all_reduce ({what})")

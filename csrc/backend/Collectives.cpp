@@ -79,13 +79,29 @@ ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes, const
   checkUsable(call.ctx);
   stats_.record(call.ctx.op, collectives, bytes);
   call.seq = sequence_.fetch_add(1, std::memory_order_relaxed) + 1;
+  if (timeoutExtension_->any()) {
+    // Issued while an extension is active: the call waits that much longer
+    // than its timeout (the group's, unless its options set one), on the
+    // inner backend too, and the first such call releases it when done.
+    const auto issued = timeoutExtension_->issue();
+    call.ownedExtension = issued.owned;
+    const auto base = call.timeout == c10d::kUnsetTimeout ? options_->timeout : call.timeout;
+    call.timeout = base + issued.active;
+  }
   trace_->started(call.seq, call.ctx.op, bytes, route.recordedAs());
   return TracedCall(trace_, recorderStreams_, call);
 }
 
 WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan&& plan, uint64_t bytes) {
   auto traced = record(call, plan.collectives.size(), bytes, route);
-  return finish(traced, route.issue(traced.call(), std::move(plan)));
+  Completion done;
+  try {
+    done = route.issue(traced.call(), std::move(plan));
+  } catch (...) {
+    releaseExtensionAfter(traced.call(), {});
+    throw;
+  }
+  return finish(traced, std::move(done));
 }
 
 WorkPtr ProcessGroupHSDP::forward(
@@ -95,8 +111,32 @@ WorkPtr ProcessGroupHSDP::forward(
     const std::function<WorkPtr(c10d::Backend&)>& op,
     Plan done) {
   auto traced = record(call, 1, bytes, route);
-  auto work = op(route.backend());
+  WorkPtr work;
+  try {
+    work = op(route.backend());
+  } catch (...) {
+    releaseExtensionAfter(traced.call(), {});
+    throw;
+  }
   return finish(traced, route.complete(traced.call(), {work}, std::move(done)));
+}
+
+void ProcessGroupHSDP::releaseExtensionAfter(const Call& call, const WorkPtr& work) {
+  const auto owned = call.ownedExtension;
+  if (owned.count() <= 0) {
+    return;
+  }
+  if (work && !work->isCompleted()) {
+    try {
+      work->getFuture()->addCallback([extension = timeoutExtension_, owned](c10::ivalue::Future&) {
+        extension->release(owned);
+      });
+      return;
+    } catch (const c10::Error&) {
+      // A Work without a future: released now, as a synchronous call's.
+    }
+  }
+  timeoutExtension_->release(owned);
 }
 
 WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
@@ -112,6 +152,7 @@ WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
   }
   const Call& call = traced.call();
   auto work = traced.follow(std::move(done), inBlock);
+  releaseExtensionAfter(call, work);
   if (!work && !call.asyncOp) {
     return WorkHSDP::ofSynchronousCall(rank_, call.type);
   }
@@ -366,6 +407,57 @@ WorkPtr ProcessGroupHSDP::gather(
       [&](auto& b) { return b.gather(outputs, inputs, opts); },
       completes(inputs, {}, outputs.empty() ? inputs : outputs[0]));
 }
+
+#if HSDP_TORCH_HAS_GATHER_SINGLE
+WorkPtr ProcessGroupHSDP::gather_single(
+    at::Tensor& output,
+    at::Tensor& input,
+    const c10d::GatherOptions& opts) {
+  auto call = begin("gather_single", OpType::GATHER, opts.asyncOp, opts.timeout);
+  checkRank(call.ctx, opts.rootRank, "root");
+  const bool root = opts.rootRank == rank_;
+  if (root) {
+    checkSameDtype(call.ctx, input, output, "the output");
+    checkSameDevice(call.ctx, input, output, "the output");
+    checkNumel(call.ctx, output, input.numel() * size_, "the output (world size x input)");
+    checkContiguous(call.ctx, output, "the output");
+  }
+  auto& r = inner(call, input);
+  if (input.is_cuda()) {
+    return forward(
+        call,
+        r,
+        bytesOf(input),
+        [&](auto& b) { return b.gather_single(output, input, opts); },
+        completes({output}, {}, {input}));
+  }
+  if (shmServes({input})) {
+    // The engine has no gather of its own: each rank publishes its part
+    // once either way, and the root reads them all. Decided by the input
+    // alone, as on every rank (the root's output has its dtype and device).
+    auto gathered = root ? output : at::empty({input.numel() * size_}, input.options());
+    return issue(call, *engine_, planAllGather(input, gathered), bytesOf(input));
+  }
+  std::vector<std::vector<at::Tensor>> outputs;
+  std::vector<at::Tensor> landed;
+  if (root) {
+    const auto flat = output.view({-1});
+    const int64_t n = input.numel();
+    auto& parts = outputs.emplace_back();
+    for (int q = 0; q < size_; ++q) {
+      parts.push_back(flat.narrow(0, q * n, n).view(input.sizes()));
+    }
+    landed.push_back(output);
+  }
+  std::vector<at::Tensor> inputs{input};
+  return forward(
+      call,
+      r,
+      bytesOf(input),
+      [&](auto& b) { return b.gather(outputs, inputs, opts); },
+      completes(std::move(landed), {}, {input}));
+}
+#endif
 
 WorkPtr ProcessGroupHSDP::scatter(
     std::vector<at::Tensor>& outputs,
@@ -630,19 +722,21 @@ std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOpt
   return std::nullopt;
 }
 
-at::Device ProcessGroupHSDP::guessCudaDevice() const {
+at::Device ProcessGroupHSDP::guessCudaDevice(const OpContext& c) const {
   // ProcessGroupNCCL::guessDeviceForRank: the global rank modulo the local
   // device count (ranks that never called set_device spread over the GPUs,
   // rather than all landing on the current one, GPU 0).
   const auto& global = options_->global_ranks_in_group;
   const uint64_t globalRank =
       global.size() > static_cast<size_t>(rank_) ? global[rank_] : static_cast<uint64_t>(rank_);
-  const auto count = c10::impl::VirtualGuardImpl(at::kCUDA).deviceCount();
-  HSDP_CHECK(count > 0, ctx("barrier"), "no CUDA device to make the NCCL communicator on");
+  const auto count = c10::impl::hasDeviceGuardImpl(at::kCUDA)
+      ? c10::impl::VirtualGuardImpl(at::kCUDA).deviceCount()
+      : 0;
+  HSDP_CHECK(count > 0, c, "no CUDA device to make the NCCL communicator on");
   return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(globalRank % count));
 }
 
-void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device) {
+void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device, bool required) {
   // NCCL's barrier is a one-element all-reduce on the device, which makes
   // the communicator when there is none yet: FSDP2 calls a barrier for that
   // before it asks for symmetric memory. Whether this rank has a device for
@@ -652,8 +746,8 @@ void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device)
   // communicator (a CUDA collective that ran on some only) are told so,
   // rather than left to wait in a device all-reduce the others never join.
   const bool connected = cuda_->connected();
-  auto flags =
-      at::tensor({device && !connected ? 1 : 0, connected ? 1 : 0, connected ? 0 : 1}, at::kInt);
+  auto flags = at::tensor(
+      {(device || required) && !connected ? 1 : 0, connected ? 1 : 0, connected ? 0 : 1}, at::kInt);
   std::vector<at::Tensor> tensors{flags};
   auto reduce = planReduce(call.ctx, c10d::ReduceOp::MAX, flags.options(), size_);
   const bool shm = shmServes(tensors) && engine_->serves(reduce, at::kInt);
@@ -678,7 +772,7 @@ void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device)
   if (!someWant) {
     return; // no rank has used a GPU: a CPU job on a machine with GPUs stays one
   }
-  const at::Device d = device.value_or(guessCudaDevice());
+  const at::Device d = device ? *device : guessCudaDevice(call.ctx);
   std::vector<at::Tensor> one{at::zeros({1}, at::TensorOptions().device(d))};
   c10d::AllreduceOptions o;
   o.timeout = call.timeout;

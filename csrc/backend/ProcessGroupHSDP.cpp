@@ -75,6 +75,7 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     engine_->usePool(
         static_cast<size_t>(config.poolBytes), static_cast<size_t>(config.poolChunkBytes));
     engine_->recordInto(trace_);
+    engine_->setTimeoutExtension(timeoutExtension_->activeMs());
     // Last: a constructor that throws leaves no snapshot of a destroyed engine.
     trace_->setSnapshot([engine = engine_.get()] { return engine->whereEveryRankIs(); });
   }
@@ -210,21 +211,31 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
     const c10::intrusive_ptr<Options>& opts) {
   const auto c = ctx("split_group");
   HSDP_CHECK(supportsSplitting(), c, "an inner backend of this group cannot be split");
-  // A split is collective over the parent's communicator, which NCCL builds
-  // at its first collective: without one, NCCL's split would dereference
-  // nothing on the ranks that take no part. Every rank sees the same state
-  // (the same collectives ran on each), so every rank raises.
-  for (auto* route : {cpu_.get(), cuda_.get()}) {
-    HSDP_CHECK(
-        !route || compat::isInitialized(route->backend()),
-        c,
-        "the group's inner ",
-        route->backend().getBackendName(),
-        " backend has no communicator yet (it connects at its first collective): run a collective on this "
-        "group, or create it bound to its device (init_process_group(device_id=...)), before splitting it");
-  }
   for (int r : ranks) {
     checkRank(c, r, "member");
+  }
+  // A split is collective over the parent's communicator, which NCCL builds
+  // at its first collective: without one, NCCL's split would dereference
+  // nothing on the ranks that take no part. Gloo's exists from creation.
+  HSDP_CHECK(
+      compat::isInitialized(cpu_->backend()),
+      c,
+      "the group's inner ",
+      cpu_->backend().getBackendName(),
+      " backend has no communicator yet");
+  if (cuda_ && !cuda_->connected()) {
+    // ProcessGroupNCCL's isInitialized() also counts the communicators of
+    // its point-to-point pairs, so hsdp asks its own count of collectives
+    // (InnerRoute::connected) and, where the group has none yet (only sends
+    // ran on it, or it is bound to the CPU on a machine with GPUs), makes
+    // the communicator first, as a barrier would: the ranks agree over the
+    // CPU, then every one connects on the device its barrier would use.
+    auto call = begin(
+        "split_group",
+        OpType::UNKNOWN,
+        /*asyncOp=*/false,
+        opts ? opts->timeout : options_->timeout);
+    agreeOnCuda(call, barrierDevice(c10d::BarrierOptions{}), /*required=*/true);
   }
   const auto timeout = opts ? opts->timeout : options_->timeout;
 #if !HSDP_TORCH_SPLITS_ONCE_PER_BACKEND
@@ -287,6 +298,23 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       config_,
       hostIdentity_));
 }
+
+#if HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT
+void ProcessGroupHSDP::addEphemeralTimeout(const std::chrono::milliseconds& timeout) {
+  HSDP_CHECK_VALUE(
+      timeout.count() >= 0,
+      ctx("add_ephemeral_timeout"),
+      "expected an extension of at least 0 ms, got ",
+      timeout.count(),
+      " ms");
+  timeoutExtension_->add(timeout);
+  if (cuda_) {
+    // NCCL's own works and watchdog take it as they take it on a plain
+    // nccl group; hsdp's waits on top of them take it here.
+    cuda_->backend().addEphemeralTimeout(timeout);
+  }
+}
+#endif
 
 void ProcessGroupHSDP::setSequenceNumberForGroup() {
   sequence_.store(0); // every rank starts at 0, as gloo's

@@ -37,6 +37,7 @@
 #include "backend/FlightRecorder.hpp"
 #include "backend/Plan.hpp"
 #include "backend/ShmRendezvous.hpp"
+#include "backend/TimeoutExtension.hpp"
 #include "backend/TracedCall.hpp"
 #include "backend/routes/InnerRoute.hpp"
 #include "common/Config.hpp"
@@ -89,6 +90,11 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Whether every inner backend has its communicator (NCCL's appears at its
   // first collective or an eager connect): split() callers check it.
   bool isInitialized() override;
+#endif
+#if HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT
+  // Every op issued from now until the first of them completes waits
+  // `timeout` longer, on every route (TimeoutExtension.hpp).
+  void addEphemeralTimeout(const std::chrono::milliseconds& timeout) override;
 #endif
 #if HSDP_TORCH_HAS_TIME_ESTIMATE
   // Collective time estimation, where the inner CUDA backend (NCCL) has it:
@@ -157,6 +163,16 @@ class ProcessGroupHSDP final : public c10d::Backend {
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::GatherOptions& opts) override;
+#if HSDP_TORCH_HAS_GATHER_SINGLE
+  // A gather into one flat tensor of world size x input on the root (only
+  // the root's `output` is read): on shared memory an all-gather whose
+  // result only the root keeps, else the inner backend's gather (NCCL's
+  // gather_single on CUDA, Gloo's gather into views of `output`).
+  c10::intrusive_ptr<c10d::Work> gather_single(
+      at::Tensor& output,
+      at::Tensor& input,
+      const c10d::GatherOptions& opts = c10d::GatherOptions()) override;
+#endif
   c10::intrusive_ptr<c10d::Work> scatter(
       std::vector<at::Tensor>& outputs,
       std::vector<std::vector<at::Tensor>>& inputs,
@@ -255,11 +271,12 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::optional<at::Device> barrierDevice(const c10d::BarrierOptions& opts) const;
   // The device NCCL would make this rank's communicator on when it has none
   // of its own (ProcessGroupNCCL::guessDeviceForRank).
-  at::Device guessCudaDevice() const;
-  // A barrier while the ranks have not agreed that the inner NCCL's
-  // communicator exists: it is made, as NCCL's barrier would, if any rank
-  // has a device for it (`device`: this rank's).
-  void agreeOnCuda(Call& call, std::optional<at::Device> device);
+  at::Device guessCudaDevice(const OpContext& c) const;
+  // A barrier (or a split) while the ranks have not agreed that the inner
+  // NCCL's collective communicator exists: it is made, as NCCL's barrier
+  // would, if any rank has a device for it (`device`: this rank's), or on
+  // every rank when `required` (a split needs its parent's).
+  void agreeOnCuda(Call& call, std::optional<at::Device> device, bool required = false);
 
   // The steps of every call (Collectives.cpp).
   Call begin(
@@ -297,6 +314,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
       Call& call,
       std::vector<at::Tensor>& tensors,
       const std::function<c10::intrusive_ptr<c10d::Work>(c10d::Backend&)>& op);
+  // Releases the call's part of the timeout extension once `work` (none:
+  // the call) has completed.
+  void releaseExtensionAfter(const Call& call, const c10::intrusive_ptr<c10d::Work>& work);
   // Hands the call's entry to its completion; between startCoalescing and
   // endCoalescing also records the Work in the block (routes that coalesce
   // natively hold their own).
@@ -353,6 +373,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Where async CUDA entries' "done" events are recorded (TracedCall).
   std::shared_ptr<SideStreams> recorderStreams_ = std::make_shared<SideStreams>();
   std::shared_ptr<StagingPool> staging_ = std::make_shared<StagingPool>();
+  // Shared with the completions that release an extension, which may run
+  // after this group is gone, and read by the engine's waits.
+  std::shared_ptr<TimeoutExtension> timeoutExtension_ = std::make_shared<TimeoutExtension>();
   std::string shmWhyNot_;
   std::unique_ptr<ShmRoute> engine_; // null: no shared memory for this group
 

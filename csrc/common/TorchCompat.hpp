@@ -33,6 +33,12 @@
 // 2.15: Backend::isInitialized() (split() callers check that the parent's
 // communicator exists) and startTimeEstimate()/endTimeEstimate().
 #define HSDP_TORCH_HAS_IS_INITIALIZED HSDP_TORCH_AT_LEAST(2, 15)
+// 2.14: Backend::gather_single (a gather into one flat tensor on the root;
+// torchcomms' naming, as the other *_single methods of that release).
+#define HSDP_TORCH_HAS_GATHER_SINGLE HSDP_TORCH_AT_LEAST(2, 14)
+// 2.14: Backend::addEphemeralTimeout, which torch.distributed calls on every
+// group's backends (before, only on ProcessGroupNCCL).
+#define HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT HSDP_TORCH_AT_LEAST(2, 14)
 #define HSDP_TORCH_HAS_TIME_ESTIMATE HSDP_TORCH_AT_LEAST(2, 15)
 // 2.14: ProcessGroupNCCL hands NCCL a bf16 PREMUL_SUM's factor intact.
 // Before (2.11.0, 2.12.x, 2.13.0, read from their libtorch_cuda.so:

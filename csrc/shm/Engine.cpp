@@ -88,7 +88,12 @@ Engine::OpState::OpState(Engine& e, const char* opName, const Signature& signatu
 
 Clock::time_point Engine::OpState::deadlineFrom(Clock::time_point now) {
   if (!deadline) {
-    deadline = now + engine.config_.timeout;
+    timeout = engine.config_.timeout;
+    if (const auto& extension = engine.timeoutExtensionMs_) {
+      timeout += std::chrono::milliseconds(
+          std::max<int64_t>(0, extension->load(std::memory_order_acquire)));
+    }
+    deadline = now + timeout;
   }
   return *deadline;
 }

@@ -55,6 +55,7 @@
 #include "shm/Segment.hpp"
 #include "shm/Types.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <optional>
@@ -217,6 +218,13 @@ class Engine final : public Collectives {
   // collective since".
   std::string whereEveryRankIs() const;
 
+  // Milliseconds every op whose first wait starts while it is positive
+  // waits beyond the group's timeout (c10d's ephemeral timeout extension,
+  // kept by the backend; null: none).
+  void setTimeoutExtension(std::shared_ptr<const std::atomic<int64_t>> extensionMs) {
+    timeoutExtensionMs_ = std::move(extensionMs);
+  }
+
   // Marks the group broken (if it is not already) and wakes every waiter:
   // peers blocked on this rank fail at once, naming `why`, instead of at
   // their deadline. For abort, and for a rank that leaves the group.
@@ -256,8 +264,10 @@ class Engine final : public Collectives {
 
     // The op's deadline, set by its first wait that does not pass at once
     // (most small ops never need one, and a clock read is 30 ns in a VM):
-    // the group's timeout counts from there.
+    // the group's timeout, and any extension active then, count from there.
     std::chrono::steady_clock::time_point deadlineFrom(std::chrono::steady_clock::time_point now);
+    // What deadlineFrom gave the op to wait.
+    std::chrono::milliseconds timeout{0};
 
     Engine& engine;
     const char* name;
@@ -357,6 +367,7 @@ class Engine final : public Collectives {
   const int rank_;
   const int size_;
   const EngineConfig config_;
+  std::shared_ptr<const std::atomic<int64_t>> timeoutExtensionMs_;
   uint64_t step_ = 0;      // last step this rank finished
   uint64_t posted_ = 0;    // last step this rank posted
   uint64_t doneByAll_ = 0; // every rank's `done` was at least this when last read

@@ -213,7 +213,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
         // message (PyTorch's own tests do) matches this one.
         fail(
             op,
-            "Timed out after " + std::to_string(config_.timeout.count()) + " ms waiting for " +
+            "Timed out after " + std::to_string(op.timeout.count()) + " ms waiting for " +
                 rankName(laggard) + " (it has not reached step " + std::to_string(target) +
                 " of the group; is it stuck, or did it call a different collective?). " +
                 whereEveryRankIs());

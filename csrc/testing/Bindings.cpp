@@ -10,6 +10,7 @@
 #include "common/Config.hpp"
 #include "shm/Reduce.hpp"
 #include "testing/NcclContractBackend.hpp"
+#include "testing/NullBackend.hpp"
 
 namespace py = pybind11;
 
@@ -64,6 +65,18 @@ PYBIND11_MODULE(hsdp_testing, m) {
       py::name("perform_nocolor_split"),
       py::is_method(double_),
       py::call_guard<py::gil_scoped_release>());
+
+  // The zero-cost limit of an inner backend at one rank (benchmarks/layer_cost.py).
+  py::class_<
+      hsdp::testing::NullBackend,
+      c10d::Backend,
+      c10::intrusive_ptr<hsdp::testing::NullBackend>>(m, "NullBackend")
+      .def(
+          py::init([](int rank, int size) {
+            return c10::make_intrusive<hsdp::testing::NullBackend>(rank, size);
+          }),
+          py::arg("rank"),
+          py::arg("size"));
 
   // The double's test hooks, on a Backend that must be the double.
   m.def("is_nccl_contract", [](c10d::Backend* backend) {

@@ -52,6 +52,10 @@ _THIS = version() or (0, 0)
 # backend (Backend._ensure_backend_registered); before, only the
 # ``torch.backends`` autoload entry point (or an import) registers "hsdp".
 LAZY_BACKEND_REGISTRATION = _THIS >= (2, 14)
+# 2.14: torch.distributed hands an ephemeral timeout extension
+# (_add_ephemeral_timeout_for_all_pgs, torch.compile's) to every group's
+# backends (Backend::addEphemeralTimeout); before, only to ProcessGroupNCCL.
+EPHEMERAL_TIMEOUT_ON_ANY_BACKEND = _THIS >= (2, 14)
 # 2.14: dist.monitored_barrier runs on any backend that implements it (hsdp
 # does); before, torch's Python refuses every backend but gloo with
 # ValueError("monitored_barrier is only implemented for GLOO backend.")

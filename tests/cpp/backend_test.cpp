@@ -13,11 +13,13 @@
 
 #include "backend/ProcessGroupHSDP.hpp"
 #include "common/TorchCompat.hpp"
+#include "testing/NullBackend.hpp"
 
 #include <cmath>
 #include <functional>
 #include <limits>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace hsdp {
@@ -28,26 +30,10 @@ constexpr int kSize = 4;
 
 // A Work that is complete when handed back, as an inner backend's is once
 // its op ran.
-class DoneWork : public c10d::Work {
+class DoneWork : public hsdp::testing::CompletedWork {
  public:
   explicit DoneWork(std::vector<at::Tensor> outputs)
-      : future_(c10::make_intrusive<c10::ivalue::Future>(
-            c10::ListType::create(c10::TensorType::get()))) {
-    future_->markCompleted(c10::IValue(std::move(outputs)));
-    finish();
-  }
-  bool isCompleted() override {
-    return true;
-  }
-  bool wait(std::chrono::milliseconds) override {
-    return true;
-  }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
-    return future_;
-  }
-
- private:
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
+      : CompletedWork(kRank, c10d::OpType::UNKNOWN, std::move(outputs)) {}
 };
 
 // The reduction of kSize equal contributions `t`, in place.
@@ -87,6 +73,8 @@ class FakeInner : public c10d::Backend {
 
   std::vector<std::string> calls;
   bool sawNonContiguous = false;
+  std::vector<at::Tensor> received; // the last call's tensors, as handed over
+  std::chrono::milliseconds receivedTimeout{0};
 #if HSDP_TORCH_HAS_IS_INITIALIZED
   bool initialized = true; // ProcessGroupNCCL: false until its communicator exists
   bool isInitialized() override {
@@ -111,12 +99,55 @@ class FakeInner : public c10d::Backend {
   // What the other ranks contribute to a MAX all-reduce (none: the same).
   std::function<void(at::Tensor&)> peersMax;
 
+  // Splits into a fake of its own, when `splits` (as NCCL and Gloo do).
+  bool splits = false;
+  bool supportsSplitting() const override {
+    return splits;
+  }
+  c10::intrusive_ptr<c10d::Backend> split(
+      const c10::intrusive_ptr<c10d::Store>&,
+      const std::vector<int>& ranks,
+      const c10::intrusive_ptr<Options>&) override {
+    calls.push_back("split x" + std::to_string(ranks.size()));
+    return c10::make_intrusive<FakeInner>();
+  }
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>("fake");
+  }
+
+  // Coalescing as NCCL's: inside a block an op's Work is `blockOpWork()`
+  // and endCoalescing hands back a Work only when the block's last call
+  // was async (ProcessGroupNCCL::endCoalescing, the last call's asyncOp).
+  std::function<c10::intrusive_ptr<c10d::Work>()> blockOpWork;
+  bool inBlock = false;
+  bool lastAsync = false;
+  void startCoalescing() override {
+    calls.push_back("startCoalescing");
+    inBlock = true;
+  }
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    calls.push_back("endCoalescing");
+    inBlock = false;
+    return lastAsync ? c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{}) : nullptr;
+  }
+
   c10::intrusive_ptr<c10d::Work>
   allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
+    received = ts;
+    receivedTimeout = o.timeout;
     auto work = reduceAll("allreduce", ts, o.reduceOp);
     if (peersMax && o.reduceOp.op_ == c10d::ReduceOp::MAX) {
       for (auto& t : ts) {
         peersMax(t);
+      }
+    }
+    if (inBlock) {
+      lastAsync = o.asyncOp;
+      if (!o.asyncOp) {
+        return nullptr;
+      }
+      if (blockOpWork) {
+        return blockOpWork();
       }
     }
     return work;
@@ -139,7 +170,9 @@ class FakeInner : public c10d::Backend {
     return c10::make_intrusive<DoneWork>(ts);
   }
   c10::intrusive_ptr<c10d::Work>
-  _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions&) override {
+  _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
+    received = {out, in};
+    receivedTimeout = o.timeout;
     std::vector<at::Tensor> outs{out}, ins{in};
     return gather("_allgather_base", outs, ins);
   }
@@ -153,6 +186,8 @@ class FakeInner : public c10d::Backend {
       at::Tensor& out,
       at::Tensor& in,
       const c10d::ReduceScatterOptions& o) override {
+    received = {out, in};
+    receivedTimeout = o.timeout;
     std::vector<at::Tensor> outs{out}, ins{in};
     return reduceScatter("_reduce_scatter_base", outs, ins, o.reduceOp);
   }
@@ -275,6 +310,7 @@ TEST(Backend, TimeEstimationIsTheInnerCudaBackendsWhereItHasIt) {
 #if HSDP_TORCH_HAS_IS_INITIALIZED
 TEST(Backend, ASplitBeforeTheInnerCommunicatorExistsRaisesNamingIt) {
   Group g(kNative);
+  g.fake->splits = true;
   g.fake->initialized = false;
   EXPECT_FALSE(g.pg->isInitialized());
   try {
@@ -471,6 +507,107 @@ TEST(Barrier, RanksThatDisagreeOnTheCommunicatorAreToldSoOnEveryRank) {
   }
 }
 
+TEST(Split, ACommunicatorOfPointToPointPairsIsNotTheGroupsOwn) {
+  // Only sends ran on the group's CUDA side: ProcessGroupNCCL's
+  // isInitialized() is true (it counts the pairs' communicators), yet the
+  // group has no communicator to split from. hsdp agrees over the CPU
+  // first and connects, as a barrier would; NCCL's split is never reached
+  // without it. This CPU build has no device to connect on, so the split
+  // stops there, naming why.
+  CudaGroup g;
+  g.cpu->splits = g.cuda->splits = true;
+  try {
+    g.pg->split(c10::make_intrusive<c10d::HashStore>(), {0, 1, 2, 3}, nullptr);
+    FAIL() << "split went ahead without the group's NCCL communicator";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(
+        what.find("[rank 1/4] split_group: no CUDA device to make the NCCL communicator on"),
+        std::string::npos)
+        << what;
+  }
+  EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"allreduce MAX x1"}));
+  EXPECT_TRUE(g.cuda->calls.empty());
+}
+
+TEST(Split, OnceEveryRankHasTheCommunicatorEachInnerBackendIsSplit) {
+  CudaGroup g;
+  g.cpu->splits = g.cuda->splits = true;
+  g.cudaRoute->markConnected(); // a CUDA collective ran on every rank
+  auto child = g.pg->split(c10::make_intrusive<c10d::HashStore>(), {0, 1}, nullptr);
+  ASSERT_TRUE(child);
+  EXPECT_EQ(child->getSize(), 2);
+  EXPECT_EQ(child->getRank(), 1);
+  EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"split x2"}));
+  EXPECT_EQ(g.cuda->calls, (std::vector<std::string>{"split x2"}));
+}
+
+TEST(Split, RanksThatDisagreeOnTheCommunicatorAreToldSo) {
+  CudaGroup g;
+  g.cpu->splits = g.cuda->splits = true;
+  g.peersAnswer(0, 1, 0); // the others ran a CUDA collective this rank did not
+  try {
+    g.pg->split(c10::make_intrusive<c10d::HashStore>(), {0, 1}, nullptr);
+    FAIL() << "a split over ranks that disagree went on";
+  } catch (const c10::DistBackendError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("[rank 1/4] split_group: the ranks disagree"), std::string::npos) << what;
+  }
+  EXPECT_TRUE(g.cuda->calls.empty());
+}
+
+// The Work NCCL returns for an async call inside a block: it orders after
+// nothing, and here its wait() takes a while, so that a post-step ordered
+// only by it would still be pending when endCoalescing returns.
+class SlowWork : public DoneWork {
+ public:
+  SlowWork() : DoneWork({}) {}
+  bool wait(std::chrono::milliseconds) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    return true;
+  }
+};
+
+TEST(Coalescing, ABlockEndingInASynchronousCallFinishesItsPostStepsAtOnce) {
+  // The block's last call is synchronous, so NCCL returns no end Work: the
+  // block ran on the caller's stream. The copy-back of the strided
+  // argument (a held post-step) must run there before endCoalescing
+  // returns, not on a side stream ordered after nothing.
+  Group g(kNative);
+  g.fake->blockOpWork = [] { return c10::make_intrusive<SlowWork>(); };
+  auto strided = at::ones({8, 2}).select(1, 0);
+  auto last = at::ones({4});
+  g.pg->startCoalescing();
+  std::vector<at::Tensor> a{strided}, b{last};
+  c10d::AllreduceOptions async;
+  async.asyncOp = true;
+  c10d::AllreduceOptions sync;
+  sync.asyncOp = false;
+  g.pg->allreduce(a, async);
+  g.pg->allreduce(b, sync);
+  auto work = g.pg->endCoalescing();
+  EXPECT_TRUE(strided.eq(kSize).all().item<bool>()) << strided;
+  EXPECT_TRUE(last.eq(kSize).all().item<bool>()) << last;
+  EXPECT_TRUE(!work || work->isCompleted());
+}
+
+TEST(Coalescing, ABlockEndingInAnAsyncCallFinishesThroughItsEndWork) {
+  Group g(kNative);
+  auto strided = at::ones({8, 2}).select(1, 0);
+  g.pg->startCoalescing();
+  std::vector<at::Tensor> a{strided};
+  c10d::AllreduceOptions async;
+  async.asyncOp = true;
+  g.pg->allreduce(a, async);
+  auto work = g.pg->endCoalescing();
+  ASSERT_TRUE(work);
+  work->wait();
+  EXPECT_TRUE(strided.eq(kSize).all().item<bool>()) << strided;
+  EXPECT_EQ(
+      g.fake->calls,
+      (std::vector<std::string>{"startCoalescing", "allreduce SUM x1", "endCoalescing"}));
+}
+
 TEST(Backend, AvgWithoutNativeScaleIsSumThenOneDivision) {
   Group g(kPacking);
   auto t = at::arange(8, at::kFloat);
@@ -491,6 +628,69 @@ TEST(Backend, AvgOnANativeRouteGoesThroughUnchanged) {
   o.reduceOp = c10d::ReduceOp::AVG;
   waitFor(g.pg->allreduce(ts, o));
   EXPECT_EQ(g.fake->calls, std::vector<std::string>{"allreduce AVG x1"});
+}
+
+bool sameTensor(const at::Tensor& a, const at::Tensor& b) {
+  return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
+}
+
+TEST(Plan, ACallTheInnerBackendTakesAsItIsGetsTheCallersTensorsAndTimeout) {
+  // Nothing for hsdp to do before or after: the caller's tensor objects
+  // (a contiguous 2-D one too: no flat view for a reduction) and timeout
+  // reach the inner backend as they are.
+  Group g(kNative);
+  auto t = at::ones({2, 4});
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::AVG;
+  o.timeout = std::chrono::milliseconds(1234);
+  waitFor(g.pg->allreduce(ts, o));
+  ASSERT_EQ(g.fake->received.size(), 1u);
+  EXPECT_TRUE(sameTensor(g.fake->received[0], t));
+  EXPECT_EQ(g.fake->receivedTimeout, o.timeout);
+
+  auto in = at::ones({8}), out = at::empty({2});
+  c10d::ReduceScatterOptions rs;
+  rs.timeout = std::chrono::milliseconds(4321);
+  waitFor(g.pg->_reduce_scatter_base(out, in, rs));
+  EXPECT_TRUE(sameTensor(g.fake->received.at(0), out) && sameTensor(g.fake->received.at(1), in));
+  EXPECT_EQ(g.fake->receivedTimeout, rs.timeout);
+  EXPECT_TRUE(out.eq(kSize).all().item<bool>()) << out;
+
+  auto gathered = at::empty({8});
+  auto mine = at::full({2}, 3.0);
+  waitFor(g.pg->_allgather_base(gathered, mine, c10d::AllgatherOptions{}));
+  EXPECT_TRUE(
+      sameTensor(g.fake->received.at(0), gathered) && sameTensor(g.fake->received.at(1), mine));
+  EXPECT_TRUE(gathered.eq(3.0).all().item<bool>()) << gathered;
+}
+
+TEST(Plan, WhatTheInnerBackendCannotTakeAsItIsIsChangedAndUndone) {
+  // A scale the transport does not run (packing route: AVG is SUM, then a
+  // division), a strided tensor (staged), a 2-D all-gather on Gloo's *_base
+  // form (flattened): each reaches the inner backend as hsdp made it.
+  Group g(kPacking);
+  auto t = at::ones({8});
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions avg;
+  avg.reduceOp = c10d::ReduceOp::AVG;
+  waitFor(g.pg->allreduce(ts, avg));
+  EXPECT_EQ(g.fake->calls.back(), "allreduce SUM x1");
+  EXPECT_TRUE(t.eq(1.0).all().item<bool>()) << t;
+
+  auto strided = at::ones({8, 2}).select(1, 0);
+  std::vector<at::Tensor> ss{strided};
+  waitFor(g.pg->allreduce(ss, c10d::AllreduceOptions{}));
+  EXPECT_FALSE(sameTensor(g.fake->received.at(0), strided));
+  EXPECT_TRUE(g.fake->received.at(0).is_contiguous());
+  EXPECT_TRUE(strided.eq(kSize).all().item<bool>()) << strided;
+
+  auto gathered = at::empty({4, 2});
+  auto mine = at::ones({1, 2});
+  waitFor(g.pg->_allgather_base(gathered, mine, c10d::AllgatherOptions{}));
+  EXPECT_EQ(g.fake->received.at(0).dim(), 1);
+  EXPECT_EQ(g.fake->received.at(1).dim(), 1);
+  EXPECT_TRUE(gathered.eq(1.0).all().item<bool>()) << gathered;
 }
 
 TEST(Backend, DivideByOnANativeRouteIsOnePreMulSumFactor) {

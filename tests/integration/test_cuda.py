@@ -228,6 +228,26 @@ def gpu_graphs_body(rank, world):
     g3.replay()
     torch.cuda.synchronize()
     _check(y, torch.full((16,), 3.0), "graph replay of an async op")
+    # Async ops with post-steps captured (a staged tensor's copy back on the
+    # side stream, a division hsdp does itself at one rank), waited for
+    # inside the capture: the side stream joins the capture and is joined
+    # back before it ends, so replays give the result every time.
+    import hsdp_backend
+
+    g4 = torch.cuda.CUDAGraph()
+    z = torch.ones(4, 2, device=dev).t()
+    d = torch.ones(8, device=dev)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g4):
+        dist.all_reduce(z, op=dist.ReduceOp.AVG, async_op=True).wait()
+        hsdp_backend.all_reduce(d, divide_by=2.0, async_op=True).wait()
+    for value in (4.0, 6.0):
+        z.fill_(value)
+        d.fill_(value)
+        g4.replay()
+        torch.cuda.synchronize()
+        _check(z, torch.full((2, 4), value), f"replay {value} of a captured staged async op")
+        _check(d, torch.full((8,), value / 2), f"replay {value} of a captured async division")
 
 
 def gpu_bounded_wait_body(rank, world):
@@ -523,6 +543,50 @@ def staged_async_body(rank, world):
         w.wait()
     _check(a, torch.arange(24.0).view(4, 6).t(), "AVG of a staged tensor")
     _check(out, torch.arange(12.0).view(3, 4).t().reshape(-1).repeat(world), "staged all_gather")
+
+
+def split_from_nccl_body(rank, world):
+    """An hsdp group under a plain nccl default group bound to the device:
+    torch hands hsdp's creator the default's ProcessGroupNCCL to split from
+    (``split_from``), so the inner NCCL is ncclCommSplit's child of it, and
+    collectives on it, then on the default group again, give NCCL's sums."""
+    import hsdp_backend._registration as registration
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", device_id=dev)
+    try:
+        parents = []
+        pick = registration._split_parent
+
+        def recording(opts):
+            parent = pick(opts)
+            parents.append(parent)
+            return parent
+
+        registration._split_parent = recording
+        try:
+            group = dist.new_group(list(range(world)), backend="hsdp")
+        finally:
+            registration._split_parent = pick
+        assert parents and isinstance(parents[0], dist.ProcessGroupNCCL), (
+            f"hsdp's inner NCCL was not split from the default group: {parents!r}"
+        )
+        t = torch.full((1024,), float(rank + 1), device=dev)
+        dist.all_reduce(t, group=group)
+        _check(
+            t, torch.full((1024,), world * (world + 1) / 2), "all_reduce on the split hsdp group"
+        )
+        dist.all_reduce(t)
+        _check(t, torch.full((1024,), world * world * (world + 1) / 2), "then on the nccl default")
+        dist.destroy_process_group(group)
+    finally:
+        dist.destroy_process_group()
+
+
+@one_gpu
+def test_one_gpu_hsdp_group_split_from_a_bound_nccl_default():
+    run_ranks(split_from_nccl_body, 1, backend=None)
 
 
 @one_gpu

@@ -36,6 +36,13 @@ void waitOnCurrentStream(c10d::Work& w) {
     return;
   }
   future->wait();
+  if (!future->devices().empty() && future->storages().empty()) {
+    // A device future whose value holds no storage recorded no event
+    // (ivalue::Future::markCompleted records one per device of the value's
+    // storages), so its wait ordered nothing: the Work's own synchronize()
+    // does (WorkNCCL's: the current stream waits for its end event).
+    w.synchronize();
+  }
 }
 
 #if !HSDP_TORCH_HAS_OPTIONS_CLONE
@@ -499,10 +506,16 @@ InnerRoute::WorkPtr InnerRoute::endCoalescing() {
   if (!inner.blockEnd && held.posts.empty()) {
     return {};
   }
-  // Async: the caller of endCoalescing waits on the Work when it wants to.
+  // NCCL hands back no end Work when the block's last call was synchronous
+  // (ProcessGroupNCCL::endCoalescing: `coalescedAsync_ ? work : nullptr`,
+  // the last call's asyncOp): the block ran on the caller's stream, and the
+  // async calls' Works order after nothing. The post-steps then run as a
+  // synchronous call's do, on that stream, at once; on a side stream they
+  // would wait for nothing and read the outputs before NCCL wrote them.
+  // Otherwise the caller of endCoalescing waits on the Work when it wants to.
   return finishInner(
       c10d::OpType::COALESCED,
-      /*asyncOp=*/true,
+      /*asyncOp=*/inner.blockEnd != nullptr,
       std::move(inner),
       std::move(held.outputs),
       inOrder(std::move(held.posts)),

@@ -22,7 +22,9 @@
 //     with no post-step when the inner backend has a fixedCompletionPool).
 // Between startCoalescing and endCoalescing on a backend that coalesces
 // natively (NCCL launches nothing before endCoalescing) post-steps are held
-// back and run after endCoalescing's Work. The Works NCCL returns for async
+// back and run after endCoalescing's Work (at once, on the caller's stream,
+// when the block's last call was synchronous: NCCL then returns none, the
+// block having run on that stream). The Works NCCL returns for async
 // ops inside the block order after nothing (their futures are complete at
 // enqueue, before ncclGroupEnd launches the block), and the end Work's
 // future is complete and empty, so carries no event: the block's result is

@@ -45,6 +45,9 @@ struct Call {
   std::chrono::milliseconds timeout = c10d::kUnsetTimeout; // the op's own, as its options give it
   uint64_t seq = 0;                  // its flight-record entry (0: none, point-to-point)
   std::optional<c10::Device> device; // a CUDA call's device: its entry completes there
+  // The part of the group's ephemeral timeout extension this call releases
+  // when it completes (TimeoutExtension.hpp).
+  std::chrono::milliseconds ownedExtension{0};
 };
 
 // The reduction of a collective that has none.

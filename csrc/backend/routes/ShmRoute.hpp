@@ -79,6 +79,11 @@ class ShmRoute final : public Route {
   void abort(const std::string& why) {
     local_->abort(why);
   }
+  // The group's ephemeral timeout extension, read by this host's waits as
+  // they start (TimeoutExtension.hpp).
+  void setTimeoutExtension(std::shared_ptr<const std::atomic<int64_t>> extensionMs) {
+    local_->setTimeoutExtension(std::move(extensionMs));
+  }
   // Where every rank of this host is (the engine's view).
   std::string whereEveryRankIs() const {
     return local_->whereEveryRankIs();
