@@ -142,7 +142,7 @@ void FlightRecorder::started(uint64_t seq, const char* op, uint64_t bytes, const
   e.endUs = 0;
   e.state = State::Started;
   e.error.clear();
-  e.done = nullptr;
+  e.marked = false;
 }
 
 void FlightRecorder::finished(uint64_t seq, std::string_view error) {
@@ -155,7 +155,7 @@ void FlightRecorder::finished(uint64_t seq, std::string_view error) {
     e->endUs = now;
     e->state = error.empty() ? State::Completed : State::Failed;
     e->error.assign(error);
-    e->done = nullptr;
+    e->marked = false;
   }
 }
 
@@ -163,7 +163,7 @@ void FlightRecorder::settle(Entry& e, int64_t now) {
   // A device query may throw (a CUDA error sticks to the context): that is
   // what the dump is for, so the entry says so and the dump goes on.
   try {
-    if (!e.done()) {
+    if (!e.mark->reached()) {
       return;
     }
     e.state = State::Completed;
@@ -173,16 +173,19 @@ void FlightRecorder::settle(Entry& e, int64_t now) {
         std::string("the device reported an error when asked whether it ran: ") + error.what();
   }
   e.endUs = now;
-  e.done = nullptr;
+  e.marked = false;
 }
 
-void FlightRecorder::completesWhen(uint64_t seq, std::function<bool()> done) {
+void FlightRecorder::completesAtMark(
+    uint64_t seq,
+    shm::FunctionRef<void(std::unique_ptr<DeviceMark>&)> record) {
   if (!enabled()) {
     return;
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (Entry* e = find(seq); e != nullptr && e->state == State::Started) {
-    e->done = std::move(done);
+    record(e->mark);
+    e->marked = e->mark != nullptr;
   }
 }
 
@@ -210,7 +213,7 @@ std::string FlightRecorder::dump(const std::string& reason) {
     const int64_t now = nowUs();
     std::vector<const Entry*> entries;
     for (Entry& e : ring_) {
-      if (e.done) {
+      if (e.marked) {
         settle(e, now);
       }
       if (e.seq != 0) {

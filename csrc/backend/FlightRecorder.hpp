@@ -12,12 +12,26 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "shm/FunctionRef.hpp"
+
 namespace hsdp {
+
+// A marker in a device's stream (a CUDA event) that a dump asks whether the
+// device got there. A ring slot keeps its mark and records it again for
+// each op it holds: an op on a device costs one record, never an event made
+// and destroyed (ProcessGroupNCCL caches its events for the same reason).
+class DeviceMark {
+ public:
+  virtual ~DeviceMark() = default;
+  // Asked by a dump only, never polled. May throw (a device error).
+  virtual bool reached() = 0;
+};
 
 // From hsdp::Config (common/Config.hpp: the defaults).
 struct TraceOptions {
@@ -52,11 +66,14 @@ class FlightRecorder {
   // `error` empty: completed (a view: a completed call builds no string).
   void finished(uint64_t seq, std::string_view error);
   // The op was handed to a device that runs it later (NCCL: a Work's future
-  // completes when the op is enqueued): the entry stays "started" until a
-  // dump finds `done()` true (a device event queried then, never polled),
-  // and is "completed" from that dump on. Its end time is when a dump first
-  // saw it done. `done` is dropped when the slot is reused.
-  void completesWhen(uint64_t seq, std::function<bool()> done);
+  // completes when the op is enqueued): `record(slot's mark)` records the
+  // op's end into the slot's mark, first making one where the slot has none
+  // or one that cannot serve (another device). The entry stays "started"
+  // until a dump finds the mark reached, and is "completed" from that dump
+  // on; its end time is when a dump first saw it. Not called where the entry
+  // is gone (its slot reused). Runs under the recorder's lock: a record, not
+  // a wait.
+  void completesAtMark(uint64_t seq, shm::FunctionRef<void(std::unique_ptr<DeviceMark>&)> record);
 
   // Writes the ring; returns the file's path, or why it could not be written.
   std::string dump(const std::string& reason);
@@ -78,10 +95,11 @@ class FlightRecorder {
     int64_t endUs = 0;
     State state = State::Started;
     std::string error;
-    std::function<bool()> done; // set: completesWhen(), not yet seen done
+    std::unique_ptr<DeviceMark> mark; // the slot's, kept across its reuses
+    bool marked = false;              // this op's end is recorded in `mark`, not yet seen reached
   };
   Entry* find(uint64_t seq); // under mutex_
-  // Asks a device entry's `done` once (under mutex_; an event query does not
+  // Asks a marked entry's mark once (under mutex_; an event query does not
   // block): completed, failed if the query threw, else left as it is.
   void settle(Entry& e, int64_t now);
   std::string pathLocked() const; // under mutex_

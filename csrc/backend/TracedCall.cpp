@@ -7,11 +7,8 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <utility>
-#include <vector>
 
 #include "common/TorchCompat.hpp"
 
@@ -19,90 +16,53 @@ namespace hsdp {
 
 namespace {
 
-struct DeviceLess {
-  bool operator()(const c10::Device& a, const c10::Device& b) const {
-    return std::make_pair(a.type(), a.index()) < std::make_pair(b.type(), b.index());
-  }
-};
-
-// The events of entries that are gone, for the next ones: creating and
-// destroying a CUDA event per collective costs microseconds of host time on
-// every call (ProcessGroupNCCL keeps such a cache too, its CUDAEventCache).
-// An event is bound to its device at its first record, so one list a device.
-// Never destroyed: entries of the flight recorder may outlive any static.
-class EventPool {
+// A slot's mark on a CUDA (or other) device: a c10::Event, bound to its
+// device at its first record.
+class EventMark final : public DeviceMark {
  public:
-  static EventPool& get() {
-    static auto* pool = new EventPool();
-    return *pool;
-  }
+  explicit EventMark(c10::Device device) : device_(device), event_(device.type()) {}
 
-  std::shared_ptr<c10::Event> take(c10::Device device) {
-    std::unique_ptr<c10::Event> event;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      auto& free = free_[device];
-      if (!free.empty()) {
-        event = std::move(free.back());
-        free.pop_back();
-      }
-    }
-    if (!event) {
-      event = std::make_unique<c10::Event>(device.type());
-    }
-    return std::shared_ptr<c10::Event>(
-        event.release(), [this, device](c10::Event* e) { give(device, e); });
+  bool serves(c10::Device device) const {
+    return device_ == device;
+  }
+  void record(const c10::Stream& stream) {
+    event_.record(stream);
+  }
+  bool reached() override {
+    compat::ThreadLocalCaptureMode mode; // a dump may run beside another thread's capture
+    return event_.query();
   }
 
  private:
-  // Enough for the flight recorder's default ring and then some; beyond it
-  // events are destroyed, so a burst does not hold them forever.
-  static constexpr size_t kKeptPerDevice = 4096;
-
-  void give(c10::Device device, c10::Event* e) {
-    std::unique_ptr<c10::Event> event(e);
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto& free = free_[device];
-    if (free.size() < kKeptPerDevice) {
-      free.push_back(std::move(event));
-    }
-  }
-
-  std::mutex mutex_;
-  std::map<c10::Device, std::vector<std::unique_ptr<c10::Event>>, DeviceLess> free_;
+  const c10::Device device_;
+  c10::Event event_;
 };
 
-// "Done" for an entry of an op NCCL runs on `device`: an event recorded on
-// the device's current stream, queried only when a dump is written. Called
-// right after a synchronous call (NCCL orders the caller's stream after the
-// op) or in the Work's future callback, on the recorder's own stream, made
-// to wait for the op's events (followOnDevice).
-// None under graph capture, where an event may not be queried: such an
-// entry completes at enqueue.
-std::function<bool()> doneOnDevice(c10::Device device) {
-  c10::impl::VirtualGuardImpl impl(device.type());
-  const c10::Stream stream = impl.getStream(device);
-  if (compat::isStreamCapturing(stream)) {
-    return nullptr;
-  }
-  auto event = EventPool::get().take(device);
-  event->record(stream);
-  return [event] {
-    compat::ThreadLocalCaptureMode mode; // a dump may run beside another thread's capture
-    return event->query();
-  };
-}
-
-void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Device> device) {
-  auto onDevice = device ? doneOnDevice(*device) : nullptr;
-  if (onDevice) {
-    trace.completesWhen(seq, std::move(onDevice));
-  } else {
-    trace.finished(seq, "");
-  }
-}
-
 } // namespace
+
+// Called right after a synchronous call (NCCL orders the caller's stream
+// after the op) or in the Work's future callback, on the recorder's own
+// stream, made to wait for the op's events (follow()).
+void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Device> device) {
+  if (!device) {
+    trace.finished(seq, "");
+    return;
+  }
+  c10::impl::VirtualGuardImpl impl(device->type());
+  const c10::Stream stream = impl.getStream(*device);
+  if (compat::isStreamCapturing(stream)) {
+    trace.finished(seq, ""); // a captured event may not be queried
+    return;
+  }
+  trace.completesAtMark(seq, [&](std::unique_ptr<DeviceMark>& mark) {
+    auto* event = dynamic_cast<EventMark*>(mark.get());
+    if (event == nullptr || !event->serves(*device)) {
+      mark = std::make_unique<EventMark>(*device);
+      event = static_cast<EventMark*>(mark.get());
+    }
+    event->record(stream);
+  });
+}
 
 TracedCall::TracedCall(
     const std::shared_ptr<FlightRecorder>& trace,

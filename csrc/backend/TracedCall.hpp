@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <memory>
+#include <optional>
 
 #include "backend/FlightRecorder.hpp"
 #include "backend/WorkOnStream.hpp"
@@ -48,5 +49,10 @@ class TracedCall {
   const int exceptionsAtStart_;
   bool handedOver_ = false;
 };
+
+// Entry `seq` of `trace` completes when `device`'s current stream gets here
+// (the slot's mark is recorded on it); now where `device` is empty or its
+// stream is being captured (a captured event may not be queried).
+void completeEntry(FlightRecorder& trace, uint64_t seq, std::optional<c10::Device> device);
 
 } // namespace hsdp

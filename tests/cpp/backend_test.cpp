@@ -9,14 +9,20 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "backend/ProcessGroupHSDP.hpp"
+#include "backend/TracedCall.hpp"
 #include "common/TorchCompat.hpp"
 #include "testing/NullBackend.hpp"
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <thread>
@@ -868,6 +874,108 @@ TEST(Buffers, ARouteWithoutBuffersRefusesNamingTheRankAndTheOp) {
       refusal(at::TensorOptions().dtype(at::kFloat).device(at::Device(at::kCUDA, 0)));
   EXPECT_NE(cuda.find("created without CUDA"), std::string::npos) << cuda;
   EXPECT_EQ(g.fake->allocations, 0);
+}
+
+} // namespace
+} // namespace hsdp
+
+namespace hsdp {
+namespace {
+
+// A device whose events are counted: what the flight recorder asks of a
+// CUDA device (an event made, recorded on the current stream, queried at a
+// dump), on PrivateUse1, which nothing else in this binary uses.
+struct CountedEvents {
+  std::atomic<int> made{0};
+  std::atomic<int> recorded{0};
+  std::atomic<int> destroyed{0};
+  std::atomic<bool> reached{false};
+  std::atomic<int64_t> lastStream{-1};
+};
+CountedEvents counted;
+
+struct CountingGuardImpl final : public c10::impl::DeviceGuardImplInterface {
+  c10::DeviceType type() const override {
+    return c10::DeviceType::PrivateUse1;
+  }
+  c10::Device exchangeDevice(c10::Device d) const override {
+    return d;
+  }
+  c10::Device getDevice() const override {
+    return c10::Device(c10::DeviceType::PrivateUse1, 0);
+  }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device d) const noexcept override {
+    return c10::Stream(c10::Stream::UNSAFE, d, 7);
+  }
+  c10::Stream exchangeStream(c10::Stream s) const noexcept override {
+    return s;
+  }
+  c10::DeviceIndex deviceCount() const noexcept override {
+    return 2;
+  }
+  void record(void** event, const c10::Stream& stream, const c10::DeviceIndex, const c10::EventFlag)
+      const override {
+    if (*event == nullptr) {
+      *event = new int(0);
+      ++counted.made;
+    }
+    ++counted.recorded;
+    counted.lastStream = stream.id();
+  }
+  bool queryEvent(void*) const override {
+    return counted.reached;
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    delete static_cast<int*>(event);
+    ++counted.destroyed;
+  }
+};
+C10_REGISTER_GUARD_IMPL(PrivateUse1, CountingGuardImpl);
+
+std::string readAll(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(Recorder, AnOpOnADeviceRecordsItsSlotsEventNotANewOne) {
+  char dir[] = "/tmp/hsdp-recorder-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const c10::Device device(c10::DeviceType::PrivateUse1, 0);
+  counted.made = 0;
+  counted.recorded = 0;
+  counted.destroyed = 0;
+  counted.reached = false;
+  {
+    FlightRecorder trace(kRank, kSize, {4, dir});
+    for (uint64_t seq = 1; seq <= 40; ++seq) {
+      trace.started(seq, "all_reduce", 64, "inner");
+      completeEntry(trace, seq, device);
+    }
+    EXPECT_EQ(counted.made, 4) << "one event a slot of a ring of 4, reused by later ops";
+    EXPECT_EQ(counted.recorded, 40);
+    EXPECT_EQ(counted.lastStream, 7) << "recorded on the device's current stream";
+    EXPECT_EQ(counted.destroyed, 0);
+    const std::string before = readAll(trace.dump("t"));
+    EXPECT_EQ(before.find("\"completed\""), std::string::npos) << before;
+    counted.reached = true;
+    const std::string after = readAll(trace.dump("t"));
+    EXPECT_EQ(after.find("\"started\""), std::string::npos) << after;
+
+    // Another device: the slot's event (bound to device 0) is replaced.
+    trace.started(41, "all_reduce", 64, "inner");
+    completeEntry(trace, 41, c10::Device(c10::DeviceType::PrivateUse1, 1));
+    EXPECT_EQ(counted.made, 5);
+    EXPECT_EQ(counted.destroyed, 1);
+
+    // A host op: no event.
+    trace.started(42, "all_reduce", 64, "inner");
+    completeEntry(trace, 42, std::nullopt);
+    EXPECT_EQ(counted.made, 5);
+  }
+  EXPECT_EQ(counted.destroyed, 5) << "the slots' events go with the recorder";
+  std::system((std::string("rm -rf ") + dir).c_str());
 }
 
 } // namespace

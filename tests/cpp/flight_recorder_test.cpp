@@ -1,5 +1,5 @@
 // The flight recorder's bookkeeping of ops a device finishes later
-// (FlightRecorder::completesWhen): read back from the file a dump writes.
+// (FlightRecorder::completesAtMark): read back from the file a dump writes.
 
 #include "backend/FlightRecorder.hpp"
 
@@ -8,11 +8,32 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 
 namespace {
+
+// A mark whose answer the test gives; counts the marks made.
+class TestMark final : public hsdp::DeviceMark {
+ public:
+  explicit TestMark(std::function<bool()> reached) : reached_(std::move(reached)) {}
+  bool reached() override {
+    return reached_();
+  }
+
+ private:
+  std::function<bool()> reached_;
+};
+
+// completesAtMark, with the slot's mark made (once) to answer `reached`.
+void completesWhen(hsdp::FlightRecorder& r, uint64_t seq, std::function<bool()> reached) {
+  r.completesAtMark(seq, [&](std::unique_ptr<hsdp::DeviceMark>& mark) {
+    mark = std::make_unique<TestMark>(std::move(reached));
+  });
+}
 
 class FlightRecorderTest : public ::testing::Test {
  protected:
@@ -41,7 +62,7 @@ TEST_F(FlightRecorderTest, AnOpOnADeviceIsStartedUntilADumpFindsItDone) {
   r.started(1, "all_reduce", 64, "inner");
   bool ran = false;
   int asked = 0;
-  r.completesWhen(1, [&] {
+  completesWhen(r, 1, [&] {
     ++asked;
     return ran;
   });
@@ -59,7 +80,7 @@ TEST_F(FlightRecorderTest, AFailureIsKeptAndTheEventNotAsked) {
   hsdp::FlightRecorder r(0, 1, {8, dir_});
   r.started(1, "all_reduce", 64, "inner");
   int asked = 0;
-  r.completesWhen(1, [&] { return ++asked > 0; });
+  completesWhen(r, 1, [&] { return ++asked > 0; });
   r.finished(1, "NCCL error");
   const std::string e = entry(r.dump("t"), 1);
   EXPECT_NE(e.find("\"state\": \"failed\""), std::string::npos) << e;
@@ -70,7 +91,7 @@ TEST_F(FlightRecorderTest, AReusedSlotDropsTheEarlierOpsEvent) {
   hsdp::FlightRecorder r(0, 1, {2, dir_});
   r.started(1, "all_reduce", 64, "inner");
   int asked = 0;
-  r.completesWhen(1, [&] { return ++asked > 0; });
+  completesWhen(r, 1, [&] { return ++asked > 0; });
   r.started(3, "broadcast", 8, "inner"); // same slot of a ring of 2
   const std::string path = r.dump("t");
   EXPECT_EQ(asked, 0);
@@ -81,11 +102,48 @@ TEST_F(FlightRecorderTest, AReusedSlotDropsTheEarlierOpsEvent) {
 TEST_F(FlightRecorderTest, ADeviceErrorWhileAskingFailsTheEntryNotTheDump) {
   hsdp::FlightRecorder r(0, 1, {8, dir_});
   r.started(1, "all_reduce", 64, "inner");
-  r.completesWhen(
-      1, []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); });
+  completesWhen(
+      r, 1, []() -> bool { throw std::runtime_error("CUDA error: an illegal memory access"); });
   const std::string e = entry(r.dump("t"), 1);
   EXPECT_NE(e.find("\"state\": \"failed\""), std::string::npos) << e;
   EXPECT_NE(e.find("illegal memory access"), std::string::npos) << e;
+}
+
+TEST_F(FlightRecorderTest, ASlotKeepsItsMarkForTheOpsItHoldsLater) {
+  hsdp::FlightRecorder r(0, 1, {2, dir_});
+  int made = 0;
+  int recorded = 0;
+  bool reached = false;
+  for (uint64_t seq = 1; seq <= 10; ++seq) {
+    r.started(seq, "all_reduce", 64, "inner");
+    r.completesAtMark(seq, [&](std::unique_ptr<hsdp::DeviceMark>& mark) {
+      if (!mark) {
+        ++made;
+        mark = std::make_unique<TestMark>([&] { return reached; });
+      }
+      ++recorded;
+    });
+  }
+  EXPECT_EQ(made, 2) << "one mark a slot of a ring of 2, not one an op";
+  EXPECT_EQ(recorded, 10);
+  EXPECT_NE(entry(r.dump("t"), 10).find("\"state\": \"started\""), std::string::npos);
+  reached = true;
+  const std::string path = r.dump("t");
+  EXPECT_NE(entry(path, 9).find("\"state\": \"completed\""), std::string::npos);
+  EXPECT_NE(entry(path, 10).find("\"state\": \"completed\""), std::string::npos);
+}
+
+TEST_F(FlightRecorderTest, AGoneEntryOrAnOffRecorderRecordsNoMark) {
+  hsdp::FlightRecorder off(0, 1, {0, dir_});
+  int asked = 0;
+  off.completesAtMark(1, [&](std::unique_ptr<hsdp::DeviceMark>&) { ++asked; });
+  hsdp::FlightRecorder r(0, 1, {2, dir_});
+  r.started(1, "all_reduce", 64, "inner");
+  r.started(3, "all_reduce", 64, "inner"); // slot of 1 reused
+  r.completesAtMark(1, [&](std::unique_ptr<hsdp::DeviceMark>&) { ++asked; });
+  r.finished(3, "");
+  r.completesAtMark(3, [&](std::unique_ptr<hsdp::DeviceMark>&) { ++asked; });
+  EXPECT_EQ(asked, 0);
 }
 
 } // namespace
