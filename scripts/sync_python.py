@@ -1,6 +1,7 @@
 """Copies a package's Python files over its installed copy (scripts/venv_steps.sh).
 
-Run by the venv's python: `python scripts/sync_python.py src/hsdp_backend`. Only when the
+Run by the venv's python: `python scripts/sync_python.py src/hsdp_backend src/pytest_hsdp`
+(the first package is the one with the extension). Only when the
 installed copy has exactly the source's Python files (same relative paths) and its extension
 imports; otherwise it exits 1 and the caller rebuilds the package, so a module added or removed
 never leaves a stale file behind or a missing one out. Never imports the package itself.
@@ -31,11 +32,17 @@ def main(source: str) -> int:
     for rel in sorted(files):
         # copyfile, not copy2: a fresh mtime, so no stale bytecode can match it.
         shutil.copyfile(source_root / rel, installed_root / rel)
-    check = subprocess.run(
-        [sys.executable, "-c", f"import {source_root.name}._C"], cwd="/tmp", capture_output=True
-    )
-    return check.returncode
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    # Any package that cannot be copied makes the caller rebuild, which installs them all.
+    if any([main(source) for source in sys.argv[1:]]):
+        sys.exit(1)
+    # The first package carries the extension; the others must import beside it.
+    first, *others = (Path(source).name for source in sys.argv[1:])
+    modules = ", ".join([f"{first}._C", *others])
+    check = subprocess.run(
+        [sys.executable, "-c", f"import {modules}"], cwd="/tmp", capture_output=True
+    )
+    sys.exit(check.returncode)

@@ -59,7 +59,7 @@ build_package() {
      (cd /tmp && "$python" -c "import $modules") 2> /dev/null; then
     return 0
   fi
-  if [ "$built_native" = "$native" ] && "$py" scripts/sync_python.py src/hsdp_backend; then
+  if [ "$built_native" = "$native" ] && "$py" scripts/sync_python.py src/hsdp_backend src/pytest_hsdp; then
     echo "[setup] copied hsdp_backend's changed Python files into $(dirname "$(dirname "$py")")"
   else
     echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (about a minute on 2 cores)"

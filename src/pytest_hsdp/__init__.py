@@ -1,0 +1,253 @@
+"""pytest_hsdp: multi-process tests with pytest, shipped with hsdp_backend.
+
+A test marked ``@pytest.mark.world_size(N)`` runs its body on N ranks, each a process of a
+warm pool that already has its default group (``hsdp`` unless the marker or
+``--hsdp-backend`` says otherwise); it passes when every rank passes, and a failure shows
+each failing rank's traceback under its rank. See docs/testing-your-code.md.
+
+Registered through pytest's ``pytest11`` entry point. It imports neither torch nor
+hsdp_backend in pytest's own process (importing hsdp_backend imports torch), so a test
+session that uses no marked test pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import itertools
+import pickle
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+
+from pytest_hsdp import _pool, _worker
+
+_MARKER = "world_size"
+_DEFAULT_TIMEOUT_S = 120.0
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("hsdp", "multi-process tests (pytest_hsdp)")
+    group.addoption(
+        "--hsdp-backend",
+        default="hsdp",
+        help="backend of the ranks' default group where the marker names none (default: hsdp)",
+    )
+    group.addoption(
+        "--hsdp-timeout",
+        type=float,
+        default=_DEFAULT_TIMEOUT_S,
+        help="deadline of a test on its ranks in seconds where the marker gives none "
+        f"(default: {_DEFAULT_TIMEOUT_S:g})",
+    )
+    group.addoption(
+        "--hsdp-start-timeout",
+        type=float,
+        default=300.0,
+        help="deadline for a pool's ranks to start and create their default group (default: 300)",
+    )
+    group.addoption(
+        "--hsdp-max-pools",
+        type=int,
+        default=2,
+        help="pools kept warm at once; the least recently used is stopped (default: 2)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{_MARKER}(n, *, backend=None, device='cpu', timeout=None, env=None, mesh=None, "
+        "mesh_dim_names=None): run the test body on n ranks of a warm pool (pytest_hsdp)",
+    )
+    config.stash[_POOLS] = _Pools(config)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    pools = config.stash.get(_POOLS, None)
+    if pools is not None:
+        pools.close()
+
+
+class _RankSide:
+    """A fixture's value in pytest's process; the rank puts its own in its place."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}: given on each rank>"
+
+
+def _rank_side_fixture(name: str, doc: str):
+    def fixture(request: pytest.FixtureRequest) -> _RankSide:
+        if request.node.get_closest_marker(_MARKER) is None:
+            pytest.fail(
+                f"the {name!r} fixture is given to tests marked @pytest.mark.{_MARKER}(N) only",
+                pytrace=False,
+            )
+        return _RankSide(name)
+
+    fixture.__doc__ = doc
+    fixture.__name__ = name
+    return pytest.fixture(name=name)(fixture)
+
+
+rank = _rank_side_fixture("rank", "This rank's number in the default group (0 .. N-1).")
+world_size = _rank_side_fixture("world_size", "The number of ranks, N.")
+group = _rank_side_fixture("group", "The default process group (dist.group.WORLD).")
+device = _rank_side_fixture(
+    "device", "This rank's device: cpu, or cuda:<rank % devices> with device='cuda'."
+)
+mesh = _rank_side_fixture(
+    "mesh", "A DeviceMesh of the marker's mesh=(...) shape over the ranks, made once per pool."
+)
+
+
+class _Pools:
+    """The session's warm pools, least recently used first."""
+
+    def __init__(self, config: pytest.Config):
+        self._config = config
+        self._pools: OrderedDict[tuple, _pool.Pool] = OrderedDict()
+        self._ids = itertools.count(1)
+        atexit.register(self.close)  # also when pytest is interrupted before unconfigure
+
+    def get(self, key: tuple) -> _pool.Pool:
+        pool = self._pools.pop(key, None)
+        if pool is None or pool.broken:
+            world, backend, device, env = key
+            limit = max(1, self._config.getoption("--hsdp-max-pools"))
+            while len(self._pools) >= limit:
+                self._pools.popitem(last=False)[1].close()
+            pool = _pool.Pool(
+                world,
+                backend,
+                device,
+                dict(env),
+                start_timeout_s=self._config.getoption("--hsdp-start-timeout"),
+                group_timeout_s=max(60.0, self._config.getoption("--hsdp-timeout")),
+            )
+        self._pools[key] = pool
+        return pool
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def close(self) -> None:
+        while self._pools:
+            self._pools.popitem()[1].close()
+
+
+_POOLS = pytest.StashKey[_Pools]()
+
+
+def _refuse(message: str) -> None:
+    """Fails the test (not the session) for a misuse of the marker or the fixtures."""
+    pytest.fail(message, pytrace=False)
+
+
+def _marker_arguments(item: pytest.Item) -> dict[str, Any]:
+    marker = item.get_closest_marker(_MARKER)
+    if len(marker.args) != 1 or not isinstance(marker.args[0], int) or marker.args[0] < 1:
+        _refuse(
+            f"{item.nodeid}: @pytest.mark.{_MARKER} takes the number of ranks, an int of at "
+            f"least 1; got {marker.args!r}"
+        )
+    known = {"backend", "device", "timeout", "env", "mesh", "mesh_dim_names"}
+    unknown = set(marker.kwargs) - known
+    if unknown:
+        _refuse(
+            f"{item.nodeid}: @pytest.mark.{_MARKER} has no argument {sorted(unknown)}; "
+            f"it takes {sorted(known)}"
+        )
+    args = dict(marker.kwargs)
+    args["world"] = marker.args[0]
+    if args.get("device", "cpu") not in ("cpu", "cuda"):
+        _refuse(f"{item.nodeid}: device must be 'cpu' or 'cuda', got {args['device']!r}")
+    return args
+
+
+def _where(item: pytest.Function) -> tuple[str, str, str]:
+    """(module name, file, qualified name) by which a fresh interpreter finds the body."""
+    fn = item.obj
+    qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        _refuse(
+            f"{item.nodeid}: the test body {qualname} is defined inside a function; a rank "
+            "finds it by name in a fresh interpreter, so it must be defined at module level "
+            "(or in a class at module level)"
+        )
+    module = item.module
+    return module.__name__, str(module.__file__), qualname
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if pyfuncitem.get_closest_marker(_MARKER) is None:
+        return None
+    if inspect.iscoroutinefunction(pyfuncitem.obj):
+        _refuse(f"{pyfuncitem.nodeid}: async test bodies are not supported")
+    config = pyfuncitem.config
+    args = _marker_arguments(pyfuncitem)
+    module, path, qualname = _where(pyfuncitem)
+    names = pyfuncitem._fixtureinfo.argnames
+    rank_side = [n for n in names if n in _worker.RANK_SIDE]
+    sent = {}
+    for name in names:
+        if name in rank_side:
+            continue
+        value = pyfuncitem.funcargs[name]
+        try:
+            pickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
+            pytest.fail(
+                f"argument {name!r} (a fixture or parametrize value, {type(value).__name__}) "
+                f"cannot be sent to the ranks: {type(exc).__name__}: {exc}",
+                pytrace=False,
+            )
+        sent[name] = value
+    if "mesh" in rank_side and args.get("mesh") is None:
+        _refuse(
+            f"{pyfuncitem.nodeid}: the mesh fixture needs @pytest.mark.{_MARKER}(N, mesh=(...))"
+        )
+    backend = args.get("backend") or config.getoption("--hsdp-backend")
+    env = tuple(sorted((str(k), str(v)) for k, v in (args.get("env") or {}).items()))
+    pools = config.stash[_POOLS]
+    try:
+        pool = pools.get((args["world"], backend, args.get("device", "cpu"), env))
+    except _pool.PoolError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    timeout_s = float(args.get("timeout") or config.getoption("--hsdp-timeout"))
+    mesh_spec = None
+    if args.get("mesh") is not None:
+        mesh_spec = (tuple(args["mesh"]), tuple(args.get("mesh_dim_names") or ()))
+    task = {
+        "id": pools.next_id(),
+        "module": module,
+        "path": path,
+        "qualname": qualname,
+        "kwargs": pickle.dumps(sent),
+        "rank_side": rank_side,
+        "mesh": mesh_spec,
+    }
+    outcome = pool.run(task, timeout_s)
+    for r, text in sorted(outcome.output.items()):
+        if text.strip():
+            pyfuncitem.add_report_section("call", f"rank {r} output", text)
+    if not outcome.passed:
+        pytest.fail(_report(outcome, pool.world, backend), pytrace=False)
+    return True
+
+
+def _report(outcome: _pool.Outcome, world: int, backend: str) -> str:
+    lines = [f"{len(outcome.failures)} of {world} ranks failed (backend {backend})"]
+    # A rank that died is the likely cause of the others' failures: first.
+    for r, text in sorted(
+        outcome.failures.items(), key=lambda kv: (kv[0] not in outcome.died, kv[0])
+    ):
+        lines.append(f"--- rank {r} ---\n{text.rstrip()}")
+    if outcome.trace:
+        lines.append(f"--- flight records ---\n{outcome.trace}")
+    return "\n".join(lines)

@@ -1,0 +1,269 @@
+"""One rank of a pool (pytest_hsdp._pool): initialises the default group once, then runs
+test bodies as the parent sends them, until told to stop or the parent goes.
+
+A rank writes its stdout and stderr (file descriptors 1 and 2, so C++ output too) to a log
+file the parent reads back per test. On SIGUSR2 it writes every thread's Python stack there
+(faulthandler), which is how a test that never returns is explained.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import faulthandler
+import importlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from typing import Any
+
+RANK_SIDE = ("rank", "world_size", "group", "device", "mesh")
+FORKED_MARK = "pytest_hsdp: the test body forked and its child returned from it, pid"
+
+
+def _watch_parent(parent_pid: int) -> None:
+    # A rank whose pytest is gone (killed, crashed) must not live on.
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def _redirect_output(log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
+
+
+def _load_module(name: str, path: str) -> types.ModuleType:
+    """The test module, loaded as pytest loads it: asserts rewritten, so that a failing
+    assert explains its operands on the rank too."""
+    module = sys.modules.get(name)
+    if module is not None and os.path.abspath(getattr(module, "__file__", "") or "") == path:
+        return module
+    package = name.rpartition(".")[0]
+    if package:
+        try:
+            importlib.import_module(package)  # for the module's relative imports
+        except ImportError:
+            pass
+    with open(path, "rb") as f:
+        source = f.read()
+    tree = ast.parse(source, filename=path)
+    try:
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        rewrite_asserts(tree, source, path, None)
+    except Exception:  # noqa: BLE001 - plain asserts still work
+        pass
+    module = types.ModuleType(name)
+    module.__file__ = path
+    module.__package__ = package
+    sys.modules[name] = module
+    try:
+        exec(compile(tree, path, "exec", dont_inherit=True), module.__dict__)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _resolve(module: types.ModuleType, qualname: str) -> Any:
+    owner: Any = module
+    parts = qualname.split(".")
+    for part in parts[:-1]:
+        owner = getattr(owner, part)
+    if isinstance(owner, type):
+        owner = owner()  # a test class: pytest makes an instance per test too
+    return getattr(owner, parts[-1])
+
+
+class _Rank:
+    def __init__(self, rank: int, world: int, spec: dict[str, Any]):
+        self.rank = rank
+        self.world = world
+        self.spec = spec
+        self.pid = os.getpid()
+        self.meshes: dict[tuple, Any] = {}
+        self.device = None
+
+    def init_group(self, port: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.spec["backend"] == "hsdp":
+            import hsdp_backend  # noqa: F401  registers "hsdp"
+        self.meshes.clear()
+        dist.init_process_group(
+            self.spec["backend"],
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=self.rank,
+            world_size=self.world,
+            timeout=datetime.timedelta(seconds=self.spec["group_timeout_s"]),
+        )
+        if self.spec["device"] == "cuda" and torch.cuda.is_available():
+            index = self.rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
+
+    def _groups(self) -> set:
+        # The groups c10d knows on this rank: its one registry (_world), read here only.
+        import torch.distributed as dist
+
+        try:
+            return set(dist.distributed_c10d._world.pg_map)
+        except AttributeError:
+            return set()
+
+    def _mesh(self, shape: tuple, names: tuple | None) -> Any:
+        key = (shape, names)
+        if key not in self.meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self.meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return self.meshes[key]
+
+    def run(self, task: dict[str, Any]) -> tuple[str | None, int | None, bool]:
+        import torch.distributed as dist
+
+        failure = None
+        before = self._groups() if dist.is_initialized() else set()
+        try:
+            fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
+            kwargs = pickle.loads(task["kwargs"])
+            for name in task["rank_side"]:
+                kwargs[name] = self._rank_side(name, task)
+        except BaseException as exc:  # noqa: BLE001
+            failure = "the test body could not be set up on this rank:\n" + _format(exc, 0)
+        else:
+            try:
+                fn(**kwargs)
+            except SystemExit as exc:
+                failure = f"the test body called sys.exit({exc.code!r})\n" + _format(exc, 1)
+            except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+                failure = _format(exc, 1)
+        if os.getpid() != self.pid:
+            # The body forked and its child came back here: it must not act as the rank.
+            # The parent finds this line in the rank's log and fails the test.
+            os.write(2, f"\n{FORKED_MARK} {os.getpid()}\n".encode())
+            os._exit(70)
+        group_ok = dist.is_initialized()
+        if group_ok:
+            meshes = {g for mesh in self.meshes.values() for g in _mesh_groups(mesh)}
+            keep = before | {dist.group.WORLD} | meshes
+            for pg in self._groups() - keep:
+                try:
+                    dist.destroy_process_group(pg)
+                except Exception:  # noqa: BLE001 - a group the test broke is gone either way
+                    pass
+        return failure, self._sequence_number() if group_ok else None, group_ok
+
+    def _rank_side(self, name: str, task: dict[str, Any]) -> Any:
+        import torch.distributed as dist
+
+        if name == "rank":
+            return self.rank
+        if name == "world_size":
+            return self.world
+        if name == "group":
+            return dist.group.WORLD
+        if name == "device":
+            return self.device
+        mesh = task["mesh"]
+        if mesh is None:
+            raise RuntimeError(
+                "the mesh fixture needs a mesh shape: @pytest.mark.world_size(N, mesh=(A, B))"
+            )
+        return self._mesh(tuple(mesh[0]), tuple(mesh[1]) if mesh[1] else None)
+
+    def _sequence_number(self) -> int | None:
+        import torch.distributed as dist
+
+        try:
+            return int(dist.group.WORLD._get_sequence_number_for_group())
+        except Exception:  # noqa: BLE001 - a backend without one: not compared
+            return None
+
+
+def _format(exc: BaseException, skip: int) -> str:
+    """The traceback without its first ``skip`` frames (this module's call of the body)."""
+    tb = exc.__traceback__
+    for _ in range(skip):
+        tb = tb.tb_next if tb is not None and tb.tb_next is not None else tb
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _mesh_groups(mesh: Any) -> list:
+    try:
+        return [mesh.get_group(d) for d in range(mesh.ndim)]
+    except Exception:  # noqa: BLE001
+        return []
+
+
+def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, parent_pid: int) -> None:
+    """The rank's loop. Messages in: ("run", task), ("reinit", port), ("stop",). Out:
+    ("ready", rank, pid) once the default group is up, ("failed", rank, traceback) if it
+    could not be, ("done", task id, rank, failure text or None, the default group's sequence
+    number or None, whether the default group is still there) per test."""
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    _redirect_output(spec["logs"][rank])
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
+    os.environ.update(spec["env"])
+    os.environ["HSDP_TRACE_DIR"] = spec["trace_dir"]
+    me = _Rank(rank, world, spec)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        me.init_group(port)
+        conn.send(("ready", rank, os.getpid()))
+    except BaseException:  # noqa: BLE001
+        conn.send(("failed", rank, traceback.format_exc()))
+        return
+    try:
+        _serve(me, conn)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(me: _Rank, conn) -> None:
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "stop":
+            return
+        if message[0] == "reinit":
+            try:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                me.init_group(message[1])
+                conn.send(("ready", me.rank, os.getpid()))
+            except BaseException:  # noqa: BLE001
+                conn.send(("failed", me.rank, traceback.format_exc()))
+                return
+            continue
+        task = message[1]
+        failure, seq, group_ok = me.run(task)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        conn.send(("done", task["id"], me.rank, failure, seq, group_ok))
