@@ -60,6 +60,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _context(env: dict[str, str]):
+    """How ranks are started. Without an environment of their own, forked from
+    multiprocessing's fork server, which has imported torch once, so a pool's start costs no
+    import of torch per rank; with one, spawned, so that it is set before torch is imported."""
+    if env:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    # What FSDP2 and DTensor tests import, too: once here, not once per rank.
+    ctx.set_forkserver_preload(
+        [
+            "pytest_hsdp._worker",
+            "torch.distributed",
+            "torch.distributed.tensor",
+            "torch.distributed.fsdp",
+        ]
+    )
+    return ctx
+
+
 def _exit_text(code: int | None) -> str:
     if code is not None and code < 0:
         try:
@@ -101,7 +120,7 @@ class Pool:
             "trace_dir": self._trace_dir,
             "group_timeout_s": group_timeout_s,
         }
-        ctx = mp.get_context("spawn")
+        ctx = _context(env)
         port = free_port()
         self._conns = []
         self._procs = []

@@ -26,10 +26,23 @@ RANK_SIDE = ("rank", "world_size", "group", "device", "mesh")
 FORKED_MARK = "pytest_hsdp: the test body forked and its child returned from it, pid"
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank whose pytest is gone (killed, crashed) must not live on.
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie is gone
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+
+def _watch_pytest(pytest_pid: int) -> None:
+    # A rank whose pytest is gone (killed, crashed) must not live on. Its parent process may
+    # be multiprocessing's fork server, not pytest, so pytest's own pid is watched.
     while True:
-        if os.getppid() != parent_pid:
+        if not _alive(pytest_pid):
             os._exit(3)
         time.sleep(0.5)
 
@@ -104,6 +117,13 @@ class _Rank:
         if self.spec["backend"] == "hsdp":
             import hsdp_backend  # noqa: F401  registers "hsdp"
         self.meshes.clear()
+        # The device first: NCCL binds a group to the current device when it is made.
+        if self.spec["device"] == "cuda" and torch.cuda.is_available():
+            index = self.rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
+        else:
+            self.device = torch.device("cpu")
         dist.init_process_group(
             self.spec["backend"],
             init_method=f"tcp://127.0.0.1:{port}",
@@ -111,12 +131,6 @@ class _Rank:
             world_size=self.world,
             timeout=datetime.timedelta(seconds=self.spec["group_timeout_s"]),
         )
-        if self.spec["device"] == "cuda" and torch.cuda.is_available():
-            index = self.rank % torch.cuda.device_count()
-            torch.cuda.set_device(index)
-            self.device = torch.device("cuda", index)
-        else:
-            self.device = torch.device("cpu")
 
     def _groups(self) -> set:
         # The groups c10d knows on this rank: its one registry (_world), read here only.
@@ -212,12 +226,12 @@ def _mesh_groups(mesh: Any) -> list:
         return []
 
 
-def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, parent_pid: int) -> None:
+def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, pytest_pid: int) -> None:
     """The rank's loop. Messages in: ("run", task), ("reinit", port), ("stop",). Out:
     ("ready", rank, pid) once the default group is up, ("failed", rank, traceback) if it
     could not be, ("done", task id, rank, failure text or None, the default group's sequence
     number or None, whether the default group is still there) per test."""
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_pytest, args=(pytest_pid,), daemon=True).start()
     _redirect_output(spec["logs"][rank])
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)

@@ -34,9 +34,9 @@ def settings():
     return {"size": 3, "name": "parent-side"}
 
 
-def record_pid(tag, rank):
+def record_pid(tag, rank, pid=None):
     d = pathlib.Path(os.environ["PIDS_DIR"])
-    (d / f"{tag}.rank{rank}").write_text(str(os.getpid()))
+    (d / f"{tag}.rank{rank}").write_text(str(pid or os.getpid()))
 """
 
 BASIC = """
@@ -360,6 +360,7 @@ def test_a_hang_and_a_dead_rank_are_explained_and_the_session_goes_on(tmp_path):
 
 
 SLEEPER = """
+import os
 import time
 
 import pytest
@@ -369,6 +370,7 @@ from conftest import record_pid
 
 @pytest.mark.world_size(2)
 def test_sleeps(rank):
+    record_pid("parent", rank, os.getppid())  # multiprocessing's fork server
     record_pid("sleeper", rank)
     time.sleep(300)
 """
@@ -388,12 +390,18 @@ def test_no_rank_outlives_an_interrupted_pytest(tmp_path, sig):
     try:
         deadline = time.monotonic() + 200
         while len(pids(d, "sleeper")) < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, "pytest ended before its ranks slept"
             time.sleep(0.2)
         ranks = pids(d, "sleeper")
         assert len(ranks) == 2
+        deadline = time.monotonic() + 10
+        while len(pids(d, "parent")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started_by = set(pids(d, "parent")) - {proc.pid}
         proc.send_signal(sig)
         proc.wait(60)
-        assert all_gone(ranks), [p for p in ranks if alive(p)]
+        left = ranks + sorted(started_by)
+        assert all_gone(left), [p for p in left if alive(p)]
     finally:
         proc.kill()
         proc.wait()
