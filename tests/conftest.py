@@ -101,7 +101,9 @@ def flight_records_in_a_temporary_directory():
 
 @pytest.fixture(scope="session")
 def launcher():
-    return CaseLauncher()
+    cases = CaseLauncher()
+    yield cases
+    cases.close()
 
 
 def hsdp_segments() -> list[str]:

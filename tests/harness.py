@@ -1,17 +1,18 @@
-"""The tests' side of the rank launcher (tools/ranks.py): its timeouts from
-the tests' settings (tools/settings.py), and launches that run many cases at
-once.
+"""The tests' side of the rank launchers: their timeouts from the tests'
+settings (tools/settings.py), and launches that run many cases at once.
 
 run_ranks starts every rank as its own process with the default group on
-the requested backend; the launch has a wall-clock deadline, after which
-every process still alive is killed, so a hang costs seconds and no process
-outlives its test (see tools/ranks.py).
+the requested backend (tools/ranks.py); the launch has a wall-clock deadline,
+after which every process still alive is killed, so a hang costs seconds and
+no process outlives its test. CaseLauncher runs modules of cases on
+pytest_hsdp's warm pools (src/pytest_hsdp/_pool.py), the plugin users get.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import sys
 import traceback
 from typing import Any, Callable
@@ -69,6 +70,11 @@ def run_ranks(
     )
 
 
+def run_cases_on_pool(rank: int, world_size: int, module: str, names: list[str]):
+    """run_cases as a task of a warm pool (pytest_hsdp's, which names the world world_size)."""
+    return run_cases(rank, world_size, module, names)
+
+
 def run_cases(rank: int, world: int, module: str, names: list[str]) -> dict[str, str | None]:
     """Rank body that runs many named cases in one launch.
 
@@ -98,10 +104,81 @@ def run_cases(rank: int, world: int, module: str, names: list[str]) -> dict[str,
 
 
 class CaseLauncher:
-    """Launches each (module, world) once and serves per-case verdicts."""
+    """Runs each (module, world, env) once and serves per-case verdicts.
+
+    The ranks are pytest_hsdp's warm pools, one per (world, env), the last few kept: every
+    module of cases with the same world and environment runs on the same processes, so a
+    launch costs a process start only for a (world, env) not seen lately. The ranks are
+    forked from the fork server (the cases' settings are read when a group is made, not when
+    torch is imported). A pool where any case failed, or that the plugin would not keep, is
+    replaced.
+    """
+
+    KEPT_POOLS = 6
 
     def __init__(self):
         self._cache: dict[tuple, dict[str, str | None]] = {}
+        self._pools: dict[tuple, Any] = {}  # (world, env) -> Pool, least recently used first
+        self._ids = 0
+
+    def close(self) -> None:
+        while self._pools:
+            self._pools.pop(next(iter(self._pools))).close()
+
+    def _pool_for(self, world: int, env: dict[str, str]):
+        from pytest_hsdp import _pool
+
+        key = (world, tuple(sorted(env.items())))
+        pool = self._pools.pop(key, None)
+        if pool is None or pool.broken:
+            while len(self._pools) >= self.KEPT_POOLS:
+                self._pools.pop(next(iter(self._pools))).close()
+            timeout = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env})
+            pool = _pool.Pool(
+                world,
+                "hsdp",
+                "cpu",
+                env,
+                start_timeout_s=LAUNCH_TIMEOUT_S,
+                group_timeout_s=timeout,
+                setup=("hooks", hooks.__file__, "install"),
+                env_at_import=False,
+            )
+        self._pools[key] = pool
+        return pool
+
+    def _run(self, module: str, names: list[str], world: int, env, timeout_s) -> list:
+        """Every rank's {case: None or traceback}, or raises RankFailure."""
+        from pytest_hsdp import _pool
+
+        try:
+            pool = self._pool_for(world, dict(env or {}))
+        except _pool.PoolError as exc:
+            raise RankFailure(str(exc)) from None
+        self._ids += 1
+        task = {
+            "id": self._ids,
+            "module": __name__,
+            "path": __file__,
+            "qualname": run_cases_on_pool.__name__,
+            "kwargs": pickle.dumps({"module": module, "names": names}),
+            "rank_side": ["rank", "world_size"],
+            "mesh": None,
+        }
+        outcome = pool.run(task, timeout_s)
+        if not outcome.passed:
+            lines = [f"{len(outcome.failures)} of {world} ranks failed"]
+            for r, text in sorted(outcome.failures.items()):
+                lines.append(f"--- rank {r} ---\n{text.rstrip()}")
+                if outcome.output.get(r, "").strip():
+                    lines.append(f"--- rank {r} output ---\n{outcome.output[r][-6000:].rstrip()}")
+            if outcome.trace:
+                lines.append(f"--- flight records ---\n{outcome.trace}")
+            raise RankFailure("\n".join(lines))
+        per_rank = [outcome.values[r] for r in range(world)]
+        if any(text for res in per_rank for text in res.values()):
+            pool.close()  # a failed case may have left the ranks' groups unusable
+        return per_rank
 
     def verdict(
         self, module: str, names: list[str], world: int, env=None, timeout_s=LAUNCH_TIMEOUT_S
@@ -112,9 +189,7 @@ class CaseLauncher:
         key = (module, world, tuple(sorted((env or {}).items())))
         if key not in self._cache:
             try:
-                per_rank = run_ranks(
-                    run_cases, world, env=env, timeout_s=timeout_s, module=module, names=names
-                )
+                per_rank = self._run(module, names, world, env, timeout_s)
             except RankFailure as exc:
                 self._cache[key] = {n: f"launch failed:\n{exc}" for n in names}
             else:

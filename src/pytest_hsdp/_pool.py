@@ -17,6 +17,7 @@ import dataclasses
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -45,6 +46,7 @@ class Outcome:
 
     failures: dict[int, str]  # rank -> why it failed (traceback, exit code, hang)
     output: dict[int, str]  # rank -> what it printed during the test (stdout and stderr)
+    values: dict[int, Any] = dataclasses.field(default_factory=dict)  # rank -> what it returned
     died: set[int] = dataclasses.field(default_factory=set)  # the likely cause, if any
     trace: str = ""  # hsdp's reading of the flight records, after a hang
     hung: bool = False
@@ -60,11 +62,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _context(env: dict[str, str]):
-    """How ranks are started. Without an environment of their own, forked from
-    multiprocessing's fork server, which has imported torch once, so a pool's start costs no
-    import of torch per rank; with one, spawned, so that it is set before torch is imported."""
-    if env:
+def _context(env: dict[str, str], env_at_import: bool):
+    """How ranks are started. Forked from multiprocessing's fork server, which has imported
+    torch once, so a pool's start costs no import of torch per rank; but spawned where the
+    ranks have an environment of their own that must be set before torch is imported
+    (``env_at_import``: the caller cannot tell, so it must)."""
+    if env and env_at_import:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # What FSDP2 and DTensor tests import, too: once here, not once per rank.
@@ -98,6 +101,8 @@ class Pool:
         *,
         start_timeout_s: float,
         group_timeout_s: float,
+        setup: tuple[str, str, str] | None = None,
+        env_at_import: bool = True,
     ):
         self.world = world
         self.backend = backend
@@ -119,8 +124,9 @@ class Pool:
             "logs": self._logs,
             "trace_dir": self._trace_dir,
             "group_timeout_s": group_timeout_s,
+            "setup": setup,
         }
-        ctx = _context(env)
+        ctx = _context(env, env_at_import)
         port = free_port()
         self._conns = []
         self._procs = []
@@ -213,6 +219,7 @@ class Pool:
         failures: dict[int, str] = {}
         died: set[int] = set()
         sequence: dict[int, int | None] = {}
+        values: dict[int, Any] = {}
         group_lost = False
         pending = set(range(self.world))
         for r in range(self.world):
@@ -234,14 +241,15 @@ class Pool:
                         f"rank {r} died during the test ({_exit_text(self._procs[r].exitcode)})"
                     )
                 elif message[0] == "done" and message[1] == task["id"]:
-                    _, _, _, failure, seq, group_ok = message
+                    _, _, _, failure, value, seq, group_ok = message
+                    values[r] = pickle.loads(value)
                     sequence[r] = seq
                     group_lost |= not group_ok
                     if failure is not None:
                         failures[r] = failure
                 if r in failures:
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
-        outcome = Outcome(failures, {}, died)
+        outcome = Outcome(failures, {}, values, died)
         if pending:
             outcome.hung = True
             self._explain_hang(pending, failures, timeout_s, deadline_passed=not failures)

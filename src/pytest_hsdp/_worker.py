@@ -117,6 +117,15 @@ class _Rank:
         if self.spec["backend"] == "hsdp":
             import hsdp_backend  # noqa: F401  registers "hsdp"
         self.meshes.clear()
+        # torchrun's variables, for code that reads them (MASTER_PORT: this group's store).
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world),
+            LOCAL_RANK=str(self.rank),
+            LOCAL_WORLD_SIZE=str(self.world),
+        )
         # The device first: NCCL binds a group to the current device when it is made.
         if self.spec["device"] == "cuda" and torch.cuda.is_available():
             index = self.rank % torch.cuda.device_count()
@@ -149,10 +158,11 @@ class _Rank:
             self.meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
         return self.meshes[key]
 
-    def run(self, task: dict[str, Any]) -> tuple[str | None, int | None, bool]:
+    def run(self, task: dict[str, Any]) -> tuple[str | None, bytes, int | None, bool]:
         import torch.distributed as dist
 
         failure = None
+        value = pickle.dumps(None)
         before = self._groups() if dist.is_initialized() else set()
         try:
             fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
@@ -163,11 +173,16 @@ class _Rank:
             failure = "the test body could not be set up on this rank:\n" + _format(exc, 0)
         else:
             try:
-                fn(**kwargs)
+                returned = fn(**kwargs)
             except SystemExit as exc:
                 failure = f"the test body called sys.exit({exc.code!r})\n" + _format(exc, 1)
             except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
                 failure = _format(exc, 1)
+            else:
+                try:
+                    value = pickle.dumps(returned)
+                except Exception as exc:  # noqa: BLE001 - pickling raises many kinds
+                    failure = f"the body's return value cannot be sent back: {exc!r}"
         if os.getpid() != self.pid:
             # The body forked and its child came back here: it must not act as the rank.
             # The parent finds this line in the rank's log and fails the test.
@@ -182,7 +197,7 @@ class _Rank:
                     dist.destroy_process_group(pg)
                 except Exception:  # noqa: BLE001 - a group the test broke is gone either way
                     pass
-        return failure, self._sequence_number() if group_ok else None, group_ok
+        return failure, value, self._sequence_number() if group_ok else None, group_ok
 
     def _rank_side(self, name: str, task: dict[str, Any]) -> Any:
         import torch.distributed as dist
@@ -229,8 +244,10 @@ def _mesh_groups(mesh: Any) -> list:
 def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, pytest_pid: int) -> None:
     """The rank's loop. Messages in: ("run", task), ("reinit", port), ("stop",). Out:
     ("ready", rank, pid) once the default group is up, ("failed", rank, traceback) if it
-    could not be, ("done", task id, rank, failure text or None, the default group's sequence
-    number or None, whether the default group is still there) per test."""
+    could not be, ("done", task id, rank, failure text or None, the body's pickled return
+    value, the default group's sequence number or None, whether the default group is still
+    there) per test. ``spec["setup"]``: (module, path, name) of a function each rank calls
+    once before its first default group, or None."""
     threading.Thread(target=_watch_pytest, args=(pytest_pid,), daemon=True).start()
     _redirect_output(spec["logs"][rank])
     faulthandler.enable()
@@ -242,6 +259,9 @@ def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, pytest_pi
         import torch
 
         torch.set_num_threads(1)
+        if spec.get("setup"):
+            module, path, name = spec["setup"]
+            _resolve(_load_module(module, path), name)()
         me.init_group(port)
         conn.send(("ready", rank, os.getpid()))
     except BaseException:  # noqa: BLE001
@@ -277,7 +297,7 @@ def _serve(me: _Rank, conn) -> None:
                 return
             continue
         task = message[1]
-        failure, seq, group_ok = me.run(task)
+        failure, value, seq, group_ok = me.run(task)
         sys.stdout.flush()
         sys.stderr.flush()
-        conn.send(("done", task["id"], me.rank, failure, seq, group_ok))
+        conn.send(("done", task["id"], me.rank, failure, value, seq, group_ok))
