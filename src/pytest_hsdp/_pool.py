@@ -242,11 +242,16 @@ class Pool:
                     )
                 elif message[0] == "done" and message[1] == task["id"]:
                     _, _, _, failure, value, seq, group_ok = message
-                    values[r] = pickle.loads(value)
                     sequence[r] = seq
                     group_lost |= not group_ok
                     if failure is not None:
                         failures[r] = failure
+                    try:
+                        values[r] = pickle.loads(value)
+                    except Exception as exc:  # noqa: BLE001 - unpickling raises many kinds
+                        failures.setdefault(r, f"rank {r}'s return value cannot be read: {exc!r}")
+                else:
+                    failures[r] = f"rank {r} answered {message[0]!r} where a result was expected"
                 if r in failures:
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
         outcome = Outcome(failures, {}, values, died)
