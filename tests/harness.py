@@ -117,24 +117,22 @@ class CaseLauncher:
     KEPT_POOLS = 6
 
     def __init__(self):
+        from pytest_hsdp import _pool
+
         self._cache: dict[tuple, dict[str, str | None]] = {}
-        self._pools: dict[tuple, Any] = {}  # (world, env) -> Pool, least recently used first
+        self._pools = _pool.Pools(self.KEPT_POOLS)
         self._ids = 0
 
     def close(self) -> None:
-        while self._pools:
-            self._pools.pop(next(iter(self._pools))).close()
+        self._pools.close()
 
     def _pool_for(self, world: int, env: dict[str, str]):
         from pytest_hsdp import _pool
 
-        key = (world, tuple(sorted(env.items())))
-        pool = self._pools.pop(key, None)
-        if pool is None or pool.broken:
-            while len(self._pools) >= self.KEPT_POOLS:
-                self._pools.pop(next(iter(self._pools))).close()
-            timeout = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env})
-            pool = _pool.Pool(
+        timeout = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env})
+        return self._pools.get(
+            (world, tuple(sorted(env.items()))),
+            lambda: _pool.Pool(
                 world,
                 "hsdp",
                 "cpu",
@@ -143,9 +141,8 @@ class CaseLauncher:
                 group_timeout_s=timeout,
                 setup=("hooks", hooks.__file__, "install"),
                 env_at_import=False,
-            )
-        self._pools[key] = pool
-        return pool
+            ),
+        )
 
     def _run(self, module: str, names: list[str], world: int, env, timeout_s) -> list:
         """Every rank's {case: None or traceback}, or raises RankFailure."""
@@ -167,14 +164,7 @@ class CaseLauncher:
         }
         outcome = pool.run(task, timeout_s)
         if not outcome.passed:
-            lines = [f"{len(outcome.failures)} of {world} ranks failed"]
-            for r, text in sorted(outcome.failures.items()):
-                lines.append(f"--- rank {r} ---\n{text.rstrip()}")
-                if outcome.output.get(r, "").strip():
-                    lines.append(f"--- rank {r} output ---\n{outcome.output[r][-6000:].rstrip()}")
-            if outcome.trace:
-                lines.append(f"--- flight records ---\n{outcome.trace}")
-            raise RankFailure("\n".join(lines))
+            raise RankFailure(outcome.report(world, "hsdp", output_chars=6000))
         per_rank = [outcome.values[r] for r in range(world)]
         if any(text for res in per_rank for text in res.values()):
             pool.close()  # a failed case may have left the ranks' groups unusable

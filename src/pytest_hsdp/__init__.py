@@ -16,7 +16,6 @@ import atexit
 import inspect
 import itertools
 import pickle
-from collections import OrderedDict
 from typing import Any
 
 import pytest
@@ -106,38 +105,33 @@ mesh = _rank_side_fixture(
 
 
 class _Pools:
-    """The session's warm pools, least recently used first."""
+    """The session's warm pools (``--hsdp-max-pools`` kept) and its task ids."""
 
     def __init__(self, config: pytest.Config):
         self._config = config
-        self._pools: OrderedDict[tuple, _pool.Pool] = OrderedDict()
+        self._pools = _pool.Pools(config.getoption("--hsdp-max-pools"))
         self._ids = itertools.count(1)
         atexit.register(self.close)  # also when pytest is interrupted before unconfigure
 
     def get(self, key: tuple) -> _pool.Pool:
-        pool = self._pools.pop(key, None)
-        if pool is None or pool.broken:
-            world, backend, device, env = key
-            limit = max(1, self._config.getoption("--hsdp-max-pools"))
-            while len(self._pools) >= limit:
-                self._pools.popitem(last=False)[1].close()
-            pool = _pool.Pool(
+        world, backend, device, env = key
+        return self._pools.get(
+            key,
+            lambda: _pool.Pool(
                 world,
                 backend,
                 device,
                 dict(env),
                 start_timeout_s=self._config.getoption("--hsdp-start-timeout"),
                 group_timeout_s=max(60.0, self._config.getoption("--hsdp-timeout")),
-            )
-        self._pools[key] = pool
-        return pool
+            ),
+        )
 
     def next_id(self) -> int:
         return next(self._ids)
 
     def close(self) -> None:
-        while self._pools:
-            self._pools.popitem()[1].close()
+        self._pools.close()
 
 
 _POOLS = pytest.StashKey[_Pools]()
@@ -237,17 +231,5 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         if text.strip():
             pyfuncitem.add_report_section("call", f"rank {r} output", text)
     if not outcome.passed:
-        pytest.fail(_report(outcome, pool.world, backend), pytrace=False)
+        pytest.fail(outcome.report(pool.world, backend), pytrace=False)
     return True
-
-
-def _report(outcome: _pool.Outcome, world: int, backend: str) -> str:
-    lines = [f"{len(outcome.failures)} of {world} ranks failed (backend {backend})"]
-    # A rank that died is the likely cause of the others' failures: first.
-    for r, text in sorted(
-        outcome.failures.items(), key=lambda kv: (kv[0] not in outcome.died, kv[0])
-    ):
-        lines.append(f"--- rank {r} ---\n{text.rstrip()}")
-    if outcome.trace:
-        lines.append(f"--- flight records ---\n{outcome.trace}")
-    return "\n".join(lines)

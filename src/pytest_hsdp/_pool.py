@@ -55,6 +55,42 @@ class Outcome:
     def passed(self) -> bool:
         return not self.failures
 
+    def report(self, world: int, backend: str, output_chars: int = 0) -> str:
+        """The failure text: each failing rank's reason, a rank that died first (the likely
+        cause of the others'); with ``output_chars``, the tail of each one's output too."""
+        lines = [f"{len(self.failures)} of {world} ranks failed (backend {backend})"]
+        for r, text in sorted(
+            self.failures.items(), key=lambda kv: (kv[0] not in self.died, kv[0])
+        ):
+            lines.append(f"--- rank {r} ---\n{text.rstrip()}")
+            if output_chars and self.output.get(r, "").strip():
+                lines.append(f"--- rank {r} output ---\n{self.output[r][-output_chars:].rstrip()}")
+        if self.trace:
+            lines.append(f"--- flight records ---\n{self.trace}")
+        return "\n".join(lines)
+
+
+class Pools:
+    """Warm pools by key, the least recently used stopped beyond ``limit``."""
+
+    def __init__(self, limit: int):
+        self._limit = max(1, limit)
+        self._pools: dict[Any, Pool] = {}  # least recently used first
+
+    def get(self, key: Any, make) -> Pool:
+        """The pool for ``key``, made by ``make()`` where there is none or it is broken."""
+        pool = self._pools.pop(key, None)
+        if pool is None or pool.broken:
+            while len(self._pools) >= self._limit:
+                self._pools.pop(next(iter(self._pools))).close()
+            pool = make()
+        self._pools[key] = pool
+        return pool
+
+    def close(self) -> None:
+        while self._pools:
+            self._pools.pop(next(iter(self._pools))).close()
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -107,7 +143,6 @@ class Pool:
         self.world = world
         self.backend = backend
         self.broken = False
-        self.tests_run = 0
         self._dir = tempfile.mkdtemp(prefix="pytest-hsdp-")
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(world)]
         # hsdp's flight records: where the ranks' environment says, else the pool's own.
@@ -214,7 +249,6 @@ class Pool:
 
     def run(self, task: dict[str, Any], timeout_s: float) -> Outcome:
         """Runs ``task`` on every rank; the pool is ``broken`` after it unless kept."""
-        self.tests_run += 1
         offsets = [self._log_size(r) for r in range(self.world)]
         failures: dict[int, str] = {}
         died: set[int] = set()
