@@ -3,7 +3,7 @@ import os
 import tempfile
 
 import pytest
-from harness import CaseLauncher
+from harness import CaseLauncher, close_pools
 
 # Every case runs on both CPU engines (the shared-memory engine and the
 # inner-gloo route) and through the NCCL-contract double (the code path CUDA
@@ -101,9 +101,7 @@ def flight_records_in_a_temporary_directory():
 
 @pytest.fixture(scope="session")
 def launcher():
-    cases = CaseLauncher()
-    yield cases
-    cases.close()
+    return CaseLauncher()
 
 
 def hsdp_segments() -> list[str]:
@@ -116,3 +114,10 @@ def no_segment_outlives_the_suite():
     yield
     leaked = sorted(set(hsdp_segments()) - before)
     assert not leaked, f"shared-memory segments left in /dev/shm: {leaked}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(no_segment_outlives_the_suite):
+    # The tests' warm pools (harness.py), stopped before the segments are counted.
+    yield
+    close_pools()

@@ -1,15 +1,18 @@
 """The tests' side of the rank launchers: their timeouts from the tests'
-settings (tools/settings.py), and launches that run many cases at once.
+settings (tools/settings.py), and warm ranks shared by every test.
 
-run_ranks starts every rank as its own process with the default group on
-the requested backend (tools/ranks.py); the launch has a wall-clock deadline,
-after which every process still alive is killed, so a hang costs seconds and
-no process outlives its test. CaseLauncher runs modules of cases on
-pytest_hsdp's warm pools (src/pytest_hsdp/_pool.py), the plugin users get.
+run_ranks and CaseLauncher run on pytest_hsdp's warm pools
+(src/pytest_hsdp/_pool.py), the plugin users get: one pool per (world,
+backend, environment), the last few kept for the session, each test with a
+wall-clock deadline after which the pool is killed, so a hang costs seconds.
+A launch that must start from fresh processes (a rank meant to die, no
+default group, a test that looks at what a process holds once its group is
+gone) runs on tools/ranks.py's launcher instead.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 import pickle
@@ -30,12 +33,73 @@ from tools import settings  # noqa: E402
 from tools.ranks import RankFailure, free_port  # noqa: E402
 from tools.ranks import run_ranks as _run_ranks  # noqa: E402
 
-__all__ = ["RankFailure", "free_port", "run_ranks", "run_cases", "CaseLauncher"]
+__all__ = ["RankFailure", "free_port", "run_ranks", "run_cases", "CaseLauncher", "close_pools"]
 
 # Per-collective timeout inside the ranks; a lost peer surfaces this fast.
 COLLECTIVE_TIMEOUT_S = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S")
 # Wall-clock limit for one launch (all ranks, all cases).
 LAUNCH_TIMEOUT_S = settings.read("HSDP_TEST_LAUNCH_TIMEOUT_S")
+
+
+# Warm pools kept at once: one per (world, backend, environment) seen lately.
+KEPT_POOLS = 6
+_pools = None
+
+
+def _pool_for(world: int, backend: str, env: dict[str, str]):
+    """The session's warm pool of ``world`` ranks on ``backend`` with ``env``."""
+    global _pools
+    from pytest_hsdp import _pool
+
+    if _pools is None:
+        _pools = _pool.Pools(KEPT_POOLS)
+    timeout = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env})
+    return _pools.get(
+        (world, backend, tuple(sorted(env.items()))),
+        lambda: _pool.Pool(
+            world,
+            backend,
+            "cpu",
+            env,
+            start_timeout_s=LAUNCH_TIMEOUT_S,
+            group_timeout_s=timeout,
+            setup=("hooks", hooks.__file__, "install"),
+            # hsdp's settings are read when a group is made, not when torch is imported.
+            env_at_import=False,
+        ),
+    )
+
+
+def close_pools() -> None:
+    """Stops every warm pool (the session's end)."""
+    if _pools is not None:
+        _pools.close()
+
+
+def _run_on_pool(fn, world: int, backend: str, env, timeout_s: float, qualname: str, kwargs):
+    from pytest_hsdp import _pool
+
+    try:
+        pool = _pool_for(world, backend, dict(env or {}))
+    except _pool.PoolError as exc:
+        raise RankFailure(str(exc)) from None
+    module = sys.modules[fn.__module__]
+    task = {
+        "id": next(_task_ids),
+        "module": fn.__module__,
+        "path": module.__file__,
+        "qualname": qualname,
+        "kwargs": pickle.dumps(kwargs),
+        "rank_side": ["rank", "world_size"],
+        "mesh": None,
+    }
+    outcome = pool.run(task, timeout_s)
+    if not outcome.passed:
+        raise RankFailure(outcome.report(world, backend, output_chars=6000))
+    return [outcome.values[r] for r in range(world)]
+
+
+_task_ids = itertools.count(1)
 
 
 def run_ranks(
@@ -45,9 +109,10 @@ def run_ranks(
     env: dict[str, str] | None = None,
     timeout_s: float = LAUNCH_TIMEOUT_S,
     may_die: tuple[int, ...] = (),
+    fresh: bool = False,
     **kwargs,
 ) -> list[Any]:
-    """Runs ``fn(rank, world, **kwargs)`` on ``world`` processes.
+    """Runs ``fn(rank, world, **kwargs)`` on ``world`` ranks.
 
     ``fn`` must be importable by name (defined at module level). Returns the
     per-rank return values (None for a rank in ``may_die`` that died, as a
@@ -55,8 +120,25 @@ def run_ranks(
     rank's traceback (and the ranks that had to be killed).
     HSDP_TEST_COLLECTIVE_TIMEOUT_S in ``env`` overrides the parent's. Each
     rank installs the tests' hooks (hooks.py) from its environment.
+
+    The ranks are a warm pool with the default group on ``backend``, unless
+    ``fresh`` or ``may_die`` ask for new processes or ``backend`` is None (the
+    body makes its own groups).
     """
     env = env or {}
+    if backend is not None and not may_die and not fresh:
+        return _run_on_pool(
+            _call,
+            world,
+            backend,
+            env,
+            timeout_s,
+            _call.__name__,
+            {
+                "fn": (fn.__module__, sys.modules[fn.__module__].__file__, fn.__qualname__),
+                "kwargs": kwargs,
+            },
+        )
     return _run_ranks(
         fn,
         world,
@@ -67,6 +149,17 @@ def run_ranks(
         may_die=may_die,
         kwargs=kwargs,
         setup=hooks.install,
+    )
+
+
+def _call(rank: int, world_size: int, fn: tuple[str, str, str], kwargs: dict) -> Any:
+    """A run_ranks body as a task of a warm pool (pytest_hsdp's, which names the world
+    world_size)."""
+    from pytest_hsdp import _worker
+
+    module, path, qualname = fn
+    return _worker._resolve(_worker._load_module(module, path), qualname)(
+        rank, world_size, **kwargs
     )
 
 
@@ -106,68 +199,28 @@ def run_cases(rank: int, world: int, module: str, names: list[str]) -> dict[str,
 class CaseLauncher:
     """Runs each (module, world, env) once and serves per-case verdicts.
 
-    The ranks are pytest_hsdp's warm pools, one per (world, env), the last few kept: every
-    module of cases with the same world and environment runs on the same processes, so a
-    launch costs a process start only for a (world, env) not seen lately. The ranks are
-    forked from the fork server (the cases' settings are read when a group is made, not when
-    torch is imported). A pool where any case failed, or that the plugin would not keep, is
-    replaced.
+    Every module of cases with the same world and environment runs on the same warm pool
+    (``_pool_for``), so a launch costs a process start only for a (world, env) not seen
+    lately. A pool where any case failed is replaced.
     """
 
-    KEPT_POOLS = 6
-
     def __init__(self):
-        from pytest_hsdp import _pool
-
         self._cache: dict[tuple, dict[str, str | None]] = {}
-        self._pools = _pool.Pools(self.KEPT_POOLS)
-        self._ids = 0
-
-    def close(self) -> None:
-        self._pools.close()
-
-    def _pool_for(self, world: int, env: dict[str, str]):
-        from pytest_hsdp import _pool
-
-        timeout = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env})
-        return self._pools.get(
-            (world, tuple(sorted(env.items()))),
-            lambda: _pool.Pool(
-                world,
-                "hsdp",
-                "cpu",
-                env,
-                start_timeout_s=LAUNCH_TIMEOUT_S,
-                group_timeout_s=timeout,
-                setup=("hooks", hooks.__file__, "install"),
-                env_at_import=False,
-            ),
-        )
 
     def _run(self, module: str, names: list[str], world: int, env, timeout_s) -> list:
         """Every rank's {case: None or traceback}, or raises RankFailure."""
-        from pytest_hsdp import _pool
-
-        try:
-            pool = self._pool_for(world, dict(env or {}))
-        except _pool.PoolError as exc:
-            raise RankFailure(str(exc)) from None
-        self._ids += 1
-        task = {
-            "id": self._ids,
-            "module": __name__,
-            "path": __file__,
-            "qualname": run_cases_on_pool.__name__,
-            "kwargs": pickle.dumps({"module": module, "names": names}),
-            "rank_side": ["rank", "world_size"],
-            "mesh": None,
-        }
-        outcome = pool.run(task, timeout_s)
-        if not outcome.passed:
-            raise RankFailure(outcome.report(world, "hsdp", output_chars=6000))
-        per_rank = [outcome.values[r] for r in range(world)]
+        per_rank = _run_on_pool(
+            run_cases_on_pool,
+            world,
+            "hsdp",
+            env,
+            timeout_s,
+            run_cases_on_pool.__name__,
+            {"module": module, "names": names},
+        )
         if any(text for res in per_rank for text in res.values()):
-            pool.close()  # a failed case may have left the ranks' groups unusable
+            # A failed case may have left the ranks' groups unusable.
+            _pool_for(world, "hsdp", dict(env or {})).close()
         return per_rank
 
     def verdict(

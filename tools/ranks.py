@@ -1,6 +1,6 @@
-"""Runs a function on W ranks, each a separate process, with hard timeouts:
-the one rank launcher of the tests (tests/harness.py) and the benchmarks
-(benchmarks/).
+"""Runs a function on W ranks, each a new process, with hard timeouts: the
+rank launcher of the benchmarks (benchmarks/) and of the tests' launches that
+need fresh processes (tests/harness.py; the others run on warm pools).
 
 Every rank gets the torchrun variables (MASTER_ADDR / MASTER_PORT on a free
 loopback port, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and, unless

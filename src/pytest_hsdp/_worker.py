@@ -164,6 +164,7 @@ class _Rank:
         failure = None
         value = pickle.dumps(None)
         before = self._groups() if dist.is_initialized() else set()
+        environ = dict(os.environ)
         try:
             fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
             kwargs = pickle.loads(task["kwargs"])
@@ -188,15 +189,22 @@ class _Rank:
             # The parent finds this line in the rank's log and fails the test.
             os.write(2, f"\n{FORKED_MARK} {os.getpid()}\n".encode())
             os._exit(70)
+        if os.environ != environ:
+            # The next test on this rank sees the pool's environment, not this one's changes.
+            os.environ.clear()
+            os.environ.update(environ)
         group_ok = dist.is_initialized()
         if group_ok:
             meshes = {g for mesh in self.meshes.values() for g in _mesh_groups(mesh)}
             keep = before | {dist.group.WORLD} | meshes
-            for pg in self._groups() - keep:
+            left_behind = self._groups() - keep
+            for pg in left_behind:
                 try:
                     dist.destroy_process_group(pg)
                 except Exception:  # noqa: BLE001 - a group the test broke is gone either way
                     pass
+            if left_behind:
+                _forget_meshes()
         return failure, value, self._sequence_number() if group_ok else None, group_ok
 
     def _rank_side(self, name: str, task: dict[str, Any]) -> Any:
@@ -224,6 +232,36 @@ class _Rank:
             return int(dist.group.WORLD._get_sequence_number_for_group())
         except Exception:  # noqa: BLE001 - a backend without one: not compared
             return None
+
+
+def _forget_meshes() -> None:
+    """Empties DTensor's caches, which hold DeviceMeshes: a mesh compares equal to another of
+    the same shape and ranks whatever its groups, so the next test's mesh would find the
+    destroyed groups of this one's there ("Could not resolve the process group"). The caches
+    differ by torch release; the ones a release lacks are skipped."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    if tensor is None:
+        return
+    dispatcher = getattr(getattr(tensor, "DTensor", None), "_op_dispatcher", None)
+    propagator = getattr(dispatcher, "sharding_propagator", None)
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    collectives = sys.modules.get("torch.distributed.tensor._collective_utils")
+    caches = [
+        getattr(propagator, "propagate_op_sharding", None),
+        getattr(propagator, "_propagate_tensor_meta_cached", None),
+        getattr(redistribute, "_gen_transform_infos", None),
+        getattr(getattr(collectives, "MeshTopoInfo", None), "build_from_mesh", None),
+    ]
+    for cache in caches:
+        clear = getattr(cache, "cache_clear", None)
+        if clear is not None:
+            clear()
+    # The C++ dispatch fast path's own cache (torch.distributed.tensor.debug clears it so).
+    clear_fast_path = getattr(
+        sys.modules["torch"]._C, "_clear_DTensor_sharding_propagator_cache", None
+    )
+    if clear_fast_path is not None:
+        clear_fast_path()
 
 
 def _format(exc: BaseException, skip: int) -> str:

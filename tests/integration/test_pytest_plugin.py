@@ -127,6 +127,26 @@ def test_a_mesh(rank, mesh):
     assert t.item() == (0 + 1 if rank < 2 else 2 + 3)
 
 
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("round", [1, 2])
+def test_builds_a_mesh_of_its_own(rank, round):
+    # The second round's mesh equals the first's (shape, ranks), whose groups are gone.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    record_pid(f"own_mesh{round}", rank)
+    mesh = init_device_mesh("cpu", (2, 2))
+    t = distribute_tensor(torch.arange(8.0), mesh, [Shard(0), Shard(0)])
+    assert torch.equal((t * 2 + 1).full_tensor(), torch.arange(8.0) * 2 + 1)
+    os.environ["LEFT_BY_A_TEST"] = "1"
+
+
+@pytest.mark.world_size(4)
+def test_sees_the_pools_environment(rank):
+    record_pid("environment", rank)
+    assert "LEFT_BY_A_TEST" not in os.environ
+
+
 @pytest.mark.world_size(1)
 def test_one_rank(rank, world_size):
     assert (rank, world_size) == (0, 1)
@@ -302,6 +322,9 @@ def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
         "test_a_fresh_pool_after_ranks_out_of_step",
         "test_the_marker_names_the_backend",
         "test_a_mesh",
+        "test_builds_a_mesh_of_its_own[1]",
+        "test_builds_a_mesh_of_its_own[2]",
+        "test_sees_the_pools_environment",
         "test_one_rank",
         "test_forks_and_the_child_exits",
         "test_method",
@@ -321,6 +344,8 @@ def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
     assert set(pids(d, "after_partial")).isdisjoint(pids(d, "first"))
     # Destroying the default group keeps the pool (every rank makes a new group).
     assert pids(d, "after_destroy") == pids(d, "destroyer") == pids(d, "after_partial")
+    # A test's own mesh and environment go with it; the pool stays.
+    assert pids(d, "own_mesh1") == pids(d, "own_mesh2") == pids(d, "environment")
     # Ranks out of step: a fresh pool.
     assert set(pids(d, "after_out_of_step")).isdisjoint(pids(d, "out_of_step"))
 

@@ -299,7 +299,7 @@ def test_soak_rounds_with_ranks_killed_and_recreated():
     while rounds < 2 or time.monotonic() - start < SOAK_SECONDS:
         seed, ops = draw.randrange(1 << 30), draw.choice([300, 1000, 2000])
         if rounds % 2 == 0:
-            counts = run_ranks(soak_body, 3, ops=ops, seed=seed, timeout_s=600)
+            counts = run_ranks(soak_body, 3, ops=ops, seed=seed, timeout_s=600, fresh=True)
             assert counts[1] == ops, (seed, counts)
             ops_run += ops
         else:

@@ -195,7 +195,9 @@ def test_a_split_before_the_communicator_exists_raises_clearly_and_the_group_sta
     inner ones: torch's own error, on every rank, before any split starts
     (were hsdp to answer true, its split would raise its own error instead:
     ProcessGroupHSDP::split checks too, for callers that do not ask)."""
-    results = run_ranks(split_before_any_collective_body, 2, env=engine_env(NCCL_CONTRACT))
+    results = run_ranks(
+        split_before_any_collective_body, 2, env=engine_env(NCCL_CONTRACT), fresh=True
+    )
     for result in results:
         assert result["first"].startswith("RuntimeError"), result
         assert "Parent process group backend is not initialized" in result["first"], result
