@@ -338,6 +338,46 @@ def async_failure_surfaces_from_wait(rank, world, ref):
 
 
 @case
+def abort_hooks(rank, world, ref):
+    """Abort hooks (Backend::registerAbortHook, torch 2.14+) run as ProcessGroupNCCL2 runs
+    them: on a rank where an op of the group fails (here a timeout: one rank never joins),
+    in id order, a hook that raises logged and the next still run, the failure still the
+    caller's; not on a rank where nothing failed; before abort(); an unregistered hook no
+    longer. An id in use is refused (ProcessGroupNCCL2 keeps the first hook without a word)."""
+    import datetime
+
+    from hsdp_backend import _torch_compat
+
+    if world == 1 or not _torch_compat.ABORT_HOOKS:
+        return  # no peer to wait for; before 2.14 no Backend has abort hooks
+    absent = world - 1
+    g = dist.new_group(backend="hsdp", timeout=datetime.timedelta(seconds=1))
+    calls = []
+
+    def boom():
+        calls.append("raised")
+        raise RuntimeError("a hook that fails")
+
+    g.register_abort_hook(3, lambda: calls.append("third"))
+    g.register_abort_hook(1, lambda: calls.append("first"))
+    g.register_abort_hook(2, boom)
+    raises(ValueError, "hook id 1 is already registered", g.register_abort_hook, 1, print)
+    if rank != absent:
+        raises(RuntimeError, "(?i)timed? ?out", dist.all_reduce, torch.ones(4), group=g)
+        assert calls[:3] == ["first", "raised", "third"], calls
+    else:
+        assert calls == [], calls
+    dist.barrier(group=ref)
+    calls.clear()
+    g.unregister_abort_hook(2)
+    g.unregister_abort_hook(2)  # unknown: nothing, as ProcessGroupNCCL2
+    g.register_abort_hook(4, g.abort)  # aborting its own group runs no hook again
+    g.abort()
+    assert calls == ["first", "third"], calls
+    dist.barrier(group=ref)
+
+
+@case
 def ephemeral_timeout_extension(rank, world, ref):
     """c10d's ephemeral timeout extension (``_add_ephemeral_timeout_for_all_pgs``,
     which torch.compile calls when a cache hit lets a rank skip compiling;

@@ -241,17 +241,24 @@ std::string FlightRecorder::dump(const std::string& reason) {
   return path;
 }
 
-std::string FlightRecorder::dumpOnFailure(const std::string& reason) {
+std::string FlightRecorder::failed(const std::string& reason) {
+  std::string path;
+  bool first = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failureDumped_) {
-      // Another thread's failure came first (its dump may still be in
-      // progress): that dump is the one, at the path it writes.
-      return pathLocked();
-    }
+    // Where another thread's failure came first (its dump may still be in
+    // progress), that dump is the one, at the path it writes.
+    first = !failureDumped_;
     failureDumped_ = true;
+    if (!first) {
+      path = pathLocked();
+    }
   }
-  return dump(reason);
+  if (first) {
+    path = dump(reason);
+  }
+  abortHooks_.run(rank_);
+  return path;
 }
 
 std::string FlightRecorder::pathLocked() const {

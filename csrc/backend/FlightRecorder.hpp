@@ -3,7 +3,8 @@
 // The flight recorder: a ring of one group's last N collectives on this rank
 // (sequence number, op, bytes, route, start and end times, outcome), kept
 // whatever the route (shared memory, gloo, NCCL), and written to a file
-// when the group fails, on SIGUSR1, or on hsdp_backend.dump_trace(). The
+// when the group fails (then the group's abort hooks run: AbortHooks.hpp),
+// on SIGUSR1, or on hsdp_backend.dump_trace(). The
 // files of all ranks, read together by `python -m hsdp_backend.trace DIR`,
 // show the first collective where the ranks diverge.
 //
@@ -18,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/AbortHooks.hpp"
 #include "shm/FunctionRef.hpp"
 
 namespace hsdp {
@@ -77,9 +79,13 @@ class FlightRecorder {
 
   // Writes the ring; returns the file's path, or why it could not be written.
   std::string dump(const std::string& reason);
-  // dump(), the first time only: the group's first failure is the one that
-  // explains the rest. Returns the path of that dump.
-  std::string dumpOnFailure(const std::string& reason);
+  // One of the group's ops failed: dump(), the first time only (the group's
+  // first failure is the one that explains the rest), then the abort hooks,
+  // every time. Returns the path of that dump.
+  std::string failed(const std::string& reason);
+  AbortHooks& abortHooks() {
+    return abortHooks_;
+  }
 
   // Dumps every live recorder of this process; returns their paths.
   static std::vector<std::string> dumpAll(const std::string& reason);
@@ -112,6 +118,7 @@ class FlightRecorder {
   std::string group_ = "unnamed";
   std::function<std::string()> snapshot_;
   bool failureDumped_ = false;
+  AbortHooks abortHooks_;
 };
 
 } // namespace hsdp

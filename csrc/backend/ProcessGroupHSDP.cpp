@@ -332,7 +332,24 @@ void ProcessGroupHSDP::checkUsable(const OpContext& c) const {
   }
 }
 
+#if HSDP_TORCH_HAS_ABORT_HOOKS
+void ProcessGroupHSDP::registerAbortHook(int64_t hookId, c10d::AbortHook hook) {
+  TORCH_CHECK_VALUE(
+      trace_->abortHooks().add(hookId, std::move(hook)),
+      ctx("register_abort_hook").prefix(),
+      "hook id ",
+      hookId,
+      " is already registered on this group (unregister it first)");
+}
+
+void ProcessGroupHSDP::unregisterAbortHook(int64_t hookId) {
+  trace_->abortHooks().remove(hookId);
+}
+#endif
+
 void ProcessGroupHSDP::abort() {
+  // Before the group goes: a hook may still read it.
+  trace_->abortHooks().run(getRank());
   ended_.store("aborted", std::memory_order_release);
   if (engine_) {
     engine_->abort("aborted its process group");

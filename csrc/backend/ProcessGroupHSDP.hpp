@@ -127,6 +127,17 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Counts this group's collectives (hsdp's own: most never reach an inner backend).
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
+#if HSDP_TORCH_HAS_ABORT_HOOKS
+  // Run when one of the group's ops fails and before abort() (AbortHooks.hpp).
+  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override;
+  void unregisterAbortHook(int64_t hookId) override;
+#endif
+#if HSDP_TORCH_HAS_SUPPORTS_ABORT_HOOKS
+  bool supportsAbortHooks() const override {
+    return true;
+  }
+#endif
+  // Runs the abort hooks, then ends every pending wait with an error.
   void abort() override;
   void shutdown() override;
   void startCoalescing() override;

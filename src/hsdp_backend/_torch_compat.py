@@ -56,6 +56,8 @@ LAZY_BACKEND_REGISTRATION = _THIS >= (2, 14)
 # (_add_ephemeral_timeout_for_all_pgs, torch.compile's) to every group's
 # backends (Backend::addEphemeralTimeout); before, only to ProcessGroupNCCL.
 EPHEMERAL_TIMEOUT_ON_ANY_BACKEND = _THIS >= (2, 14)
+# 2.14: Backend::registerAbortHook (C10D_BACKEND_HAS_HOOKS), which hsdp serves.
+ABORT_HOOKS = _THIS >= (2, 14)
 # 2.14: dist.monitored_barrier runs on any backend that implements it (hsdp
 # does); before, torch's Python refuses every backend but gloo with
 # ValueError("monitored_barrier is only implemented for GLOO backend.")

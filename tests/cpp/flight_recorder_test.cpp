@@ -1,5 +1,6 @@
 // The flight recorder's bookkeeping of ops a device finishes later
-// (FlightRecorder::completesAtMark): read back from the file a dump writes.
+// (FlightRecorder::completesAtMark): read back from the file a dump writes;
+// and what a failure runs (FlightRecorder::failed: one dump, the abort hooks).
 
 #include "backend/FlightRecorder.hpp"
 
@@ -13,6 +14,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -144,6 +146,42 @@ TEST_F(FlightRecorderTest, AGoneEntryOrAnOffRecorderRecordsNoMark) {
   r.finished(3, "");
   r.completesAtMark(3, [&](std::unique_ptr<hsdp::DeviceMark>&) { ++asked; });
   EXPECT_EQ(asked, 0);
+}
+
+TEST_F(FlightRecorderTest, EveryFailureRunsTheAbortHooksTheFirstDumps) {
+  hsdp::FlightRecorder r(0, 1, {8, dir_}), off(0, 1, {0, dir_});
+  std::vector<std::string> calls;
+  ASSERT_TRUE(r.abortHooks().add(2, [&] {
+    calls.push_back("raises");
+    throw std::runtime_error("a hook that fails");
+  }));
+  ASSERT_TRUE(r.abortHooks().add(1, [&] { calls.push_back("one"); }));
+  ASSERT_TRUE(r.abortHooks().add(3, [&] { calls.push_back("three"); }));
+  EXPECT_FALSE(r.abortHooks().add(1, [&] { calls.push_back("replaced"); })) << "an id in use";
+  r.started(1, "all_reduce", 64, "shm");
+  const std::string first = r.failed("peer lost");
+  EXPECT_EQ(calls, (std::vector<std::string>{"one", "raises", "three"}))
+      << "in id order, past a throw";
+  std::remove(first.c_str());
+  EXPECT_EQ(r.failed("and again"), first) << "the path of the first failure's dump";
+  EXPECT_FALSE(std::ifstream(first).good()) << "a later failure writes no dump";
+  EXPECT_EQ(calls.size(), 6u) << "every failure runs the hooks";
+  r.abortHooks().remove(2);
+  r.abortHooks().remove(2); // unknown: nothing
+  ASSERT_TRUE(off.abortHooks().add(1, [&] { calls.push_back("off"); }));
+  off.failed("x");
+  EXPECT_EQ(calls.back(), "off") << "an off recorder runs its hooks too";
+}
+
+TEST_F(FlightRecorderTest, AHookThatFailsItsGroupAgainRunsNoHook) {
+  hsdp::FlightRecorder r(0, 1, {8, dir_});
+  int runs = 0;
+  ASSERT_TRUE(r.abortHooks().add(1, [&] {
+    ++runs;
+    r.failed("from a hook");
+  }));
+  r.failed("first");
+  EXPECT_EQ(runs, 1);
 }
 
 } // namespace
