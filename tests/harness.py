@@ -77,6 +77,7 @@ def close_pools() -> None:
 
 
 def _run_on_pool(fn, world: int, backend: str, env, timeout_s: float, qualname: str, kwargs):
+    """Every rank's return value and the pool they ran on, or raises RankFailure."""
     from pytest_hsdp import _pool
 
     try:
@@ -96,7 +97,7 @@ def _run_on_pool(fn, world: int, backend: str, env, timeout_s: float, qualname: 
     outcome = pool.run(task, timeout_s)
     if not outcome.passed:
         raise RankFailure(outcome.report(world, backend, output_chars=6000))
-    return [outcome.values[r] for r in range(world)]
+    return [outcome.values[r] for r in range(world)], pool
 
 
 _task_ids = itertools.count(1)
@@ -127,7 +128,7 @@ def run_ranks(
     """
     env = env or {}
     if backend is not None and not may_die and not fresh:
-        return _run_on_pool(
+        per_rank, _ = _run_on_pool(
             _call,
             world,
             backend,
@@ -139,6 +140,7 @@ def run_ranks(
                 "kwargs": kwargs,
             },
         )
+        return per_rank
     return _run_ranks(
         fn,
         world,
@@ -209,7 +211,7 @@ class CaseLauncher:
 
     def _run(self, module: str, names: list[str], world: int, env, timeout_s) -> list:
         """Every rank's {case: None or traceback}, or raises RankFailure."""
-        per_rank = _run_on_pool(
+        per_rank, pool = _run_on_pool(
             run_cases_on_pool,
             world,
             "hsdp",
@@ -220,7 +222,7 @@ class CaseLauncher:
         )
         if any(text for res in per_rank for text in res.values()):
             # A failed case may have left the ranks' groups unusable.
-            _pool_for(world, "hsdp", dict(env or {})).close()
+            pool.close()
         return per_rank
 
     def verdict(

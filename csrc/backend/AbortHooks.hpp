@@ -19,7 +19,10 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 namespace hsdp {
@@ -28,49 +31,76 @@ class AbortHooks {
  public:
   using Hook = std::function<void()>;
 
-  // False, and nothing changed, when `id` is in use.
+  // False, and nothing changed, when `id` is in use. A hook is never copied
+  // or destroyed under the lock: a Python callable's copy and destruction
+  // take the GIL, which must not be waited for while holding it (a refused
+  // hook goes with `held`, declared before the lock, so destroyed after).
   bool add(int64_t id, Hook hook) {
+    auto held = std::make_shared<const Hook>(std::move(hook));
     std::lock_guard<std::mutex> lock(mutex_);
-    return hooks_.emplace(id, std::move(hook)).second;
+    return hooks_.try_emplace(id, std::move(held)).second;
   }
 
   // An id that is not registered: nothing (as ProcessGroupNCCL2).
   void remove(int64_t id) {
+    std::shared_ptr<const Hook> gone;
     std::lock_guard<std::mutex> lock(mutex_);
-    hooks_.erase(id);
+    const auto it = hooks_.find(id);
+    if (it != hooks_.end()) {
+      gone = std::move(it->second);
+      hooks_.erase(it);
+    }
+  } // `gone` after the lock (declared first, destroyed last)
+
+  // Every hook dropped (the group is shut down: a hook that holds its group
+  // would otherwise keep it alive).
+  void clear() {
+    std::map<int64_t, std::shared_ptr<const Hook>> gone;
+    std::lock_guard<std::mutex> lock(mutex_);
+    gone.swap(hooks_);
   }
 
-  // `rank` names this process in what a failing hook prints.
-  // A hook that aborts its own group runs no hook again (abort() runs them).
-  void run(int rank) const noexcept {
-    thread_local const AbortHooks* running = nullptr;
-    if (running == this) {
-      return;
+  // `who` names this rank and group in what a failing hook prints. A hook
+  // that fails or aborts a group whose hooks this thread is running (its
+  // own, or one whose hooks led here) runs no hook again.
+  void run(const std::string& who) const noexcept {
+    thread_local std::vector<const AbortHooks*> running;
+    for (const AbortHooks* r : running) {
+      if (r == this) {
+        return;
+      }
     }
-    const AbortHooks* outer = running;
-    running = this;
-    std::vector<Hook> hooks;
+    running.push_back(this);
+    std::vector<std::pair<int64_t, std::shared_ptr<const Hook>>> hooks;
     {
+      // Copies of pointers only: copying a Python callable takes the GIL.
       std::lock_guard<std::mutex> lock(mutex_);
-      for (const auto& entry : hooks_) {
-        hooks.push_back(entry.second);
-      }
+      hooks.assign(hooks_.begin(), hooks_.end());
     }
-    for (const auto& hook : hooks) {
+    for (const auto& [id, hook] : hooks) {
       try {
-        hook();
+        (*hook)();
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "[hsdp] rank %d: an abort hook raised: %s\n", rank, e.what());
+        std::fprintf(
+            stderr,
+            "[hsdp] %s: abort hook %lld raised: %s\n",
+            who.c_str(),
+            (long long)id,
+            e.what());
       } catch (...) {
-        std::fprintf(stderr, "[hsdp] rank %d: an abort hook raised a non-std exception\n", rank);
+        std::fprintf(
+            stderr,
+            "[hsdp] %s: abort hook %lld raised a non-std exception\n",
+            who.c_str(),
+            (long long)id);
       }
     }
-    running = outer;
+    running.pop_back();
   }
 
  private:
   mutable std::mutex mutex_;
-  std::map<int64_t, Hook> hooks_; // run in id order
+  std::map<int64_t, std::shared_ptr<const Hook>> hooks_; // run in id order
 };
 
 } // namespace hsdp

@@ -241,9 +241,10 @@ std::string FlightRecorder::dump(const std::string& reason) {
   return path;
 }
 
-std::string FlightRecorder::failed(const std::string& reason) {
+std::string FlightRecorder::failed(uint64_t seq, const std::string& reason) {
   std::string path;
   bool first = false;
+  bool reported = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     // Where another thread's failure came first (its dump may still be in
@@ -253,12 +254,27 @@ std::string FlightRecorder::failed(const std::string& reason) {
     if (!first) {
       path = pathLocked();
     }
+    // A synchronous failure reaches here twice (the route, then the call
+    // unwinding): its hooks run once.
+    reported = seq != 0 && seq == lastFailed_;
+    lastFailed_ = seq;
   }
   if (first) {
     path = dump(reason);
   }
-  abortHooks_.run(rank_);
+  if (!reported) {
+    runAbortHooks();
+  }
   return path;
+}
+
+void FlightRecorder::runAbortHooks() {
+  std::string who;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    who = "rank " + std::to_string(rank_) + ", group " + group_;
+  }
+  abortHooks_.run(who);
 }
 
 std::string FlightRecorder::pathLocked() const {

@@ -79,13 +79,14 @@ class FlightRecorder {
 
   // Writes the ring; returns the file's path, or why it could not be written.
   std::string dump(const std::string& reason);
-  // One of the group's ops failed: dump(), the first time only (the group's
+  // Op `seq` of the group failed: dump(), the first time only (the group's
   // first failure is the one that explains the rest), then the abort hooks,
-  // every time. Returns the path of that dump.
-  std::string failed(const std::string& reason);
+  // once per op. Returns the path of that dump.
+  std::string failed(uint64_t seq, const std::string& reason);
   AbortHooks& abortHooks() {
     return abortHooks_;
   }
+  void runAbortHooks();
 
   // Dumps every live recorder of this process; returns their paths.
   static std::vector<std::string> dumpAll(const std::string& reason);
@@ -118,6 +119,7 @@ class FlightRecorder {
   std::string group_ = "unnamed";
   std::function<std::string()> snapshot_;
   bool failureDumped_ = false;
+  uint64_t lastFailed_ = 0; // the op whose failure last ran the hooks
   AbortHooks abortHooks_;
 };
 

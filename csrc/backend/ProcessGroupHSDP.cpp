@@ -349,7 +349,7 @@ void ProcessGroupHSDP::unregisterAbortHook(int64_t hookId) {
 
 void ProcessGroupHSDP::abort() {
   // Before the group goes: a hook may still read it.
-  trace_->abortHooks().run(getRank());
+  trace_->runAbortHooks();
   ended_.store("aborted", std::memory_order_release);
   if (engine_) {
     engine_->abort("aborted its process group");
@@ -362,6 +362,9 @@ void ProcessGroupHSDP::abort() {
 
 void ProcessGroupHSDP::shutdown() {
   ended_.store("shut down", std::memory_order_release);
+  // A hook that holds its group (a bound method of it) would keep it alive:
+  // Python's collector cannot see the cycle through C++.
+  trace_->abortHooks().clear();
   if (engine_) {
     engine_->leave("shut down its process group");
   }

@@ -139,6 +139,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
 #endif
   // Runs the abort hooks, then ends every pending wait with an error.
   void abort() override;
+  // Drops the abort hooks, then leaves the group.
   void shutdown() override;
   void startCoalescing() override;
   c10::intrusive_ptr<c10d::Work> endCoalescing() override;

@@ -80,7 +80,7 @@ TracedCall::~TracedCall() {
   // The route or a synchronous wait raised: the exception the caller gets
   // says what; the record says where in the sequence.
   trace_->finished(call_.seq, "raised an exception (the caller got it)");
-  trace_->failed("collective #" + std::to_string(call_.seq) + " raised an exception");
+  trace_->failed(call_.seq, "collective #" + std::to_string(call_.seq) + " raised an exception");
 }
 
 c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock) {
@@ -107,7 +107,7 @@ c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock)
           if (f.hasError()) {
             const std::string error = f.tryRetrieveErrorMessage();
             trace->finished(seq, error);
-            trace->failed(error);
+            trace->failed(seq, error);
             return;
           }
           if (!device) {

@@ -189,22 +189,19 @@ class _Rank:
             # The parent finds this line in the rank's log and fails the test.
             os.write(2, f"\n{FORKED_MARK} {os.getpid()}\n".encode())
             os._exit(70)
-        if os.environ != environ:
-            # The next test on this rank sees the pool's environment, not this one's changes.
-            os.environ.clear()
-            os.environ.update(environ)
+        _restore_environ(environ)
         group_ok = dist.is_initialized()
         if group_ok:
             meshes = {g for mesh in self.meshes.values() for g in _mesh_groups(mesh)}
             keep = before | {dist.group.WORLD} | meshes
-            left_behind = self._groups() - keep
-            for pg in left_behind:
+            for pg in self._groups() - keep:
                 try:
                     dist.destroy_process_group(pg)
                 except Exception:  # noqa: BLE001 - a group the test broke is gone either way
                     pass
-            if left_behind:
-                _forget_meshes()
+        # After every test: one that made and destroyed its own groups leaves no trace in
+        # the group registry, but DTensor's caches still hold their meshes.
+        _forget_meshes()
         return failure, value, self._sequence_number() if group_ok else None, group_ok
 
     def _rank_side(self, name: str, task: dict[str, Any]) -> Any:
@@ -232,6 +229,16 @@ class _Rank:
             return int(dist.group.WORLD._get_sequence_number_for_group())
         except Exception:  # noqa: BLE001 - a backend without one: not compared
             return None
+
+
+def _restore_environ(environ: dict[str, str]) -> None:
+    """Undoes the variables a test set or removed (only those: threads it left may be reading
+    the others), so the next test on this rank sees the pool's environment."""
+    for key in [k for k in os.environ if k not in environ]:
+        del os.environ[key]
+    for key, value in environ.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _forget_meshes() -> None:

@@ -148,7 +148,7 @@ TEST_F(FlightRecorderTest, AGoneEntryOrAnOffRecorderRecordsNoMark) {
   EXPECT_EQ(asked, 0);
 }
 
-TEST_F(FlightRecorderTest, EveryFailureRunsTheAbortHooksTheFirstDumps) {
+TEST_F(FlightRecorderTest, EveryFailedOpRunsTheAbortHooksTheFirstDumps) {
   hsdp::FlightRecorder r(0, 1, {8, dir_}), off(0, 1, {0, dir_});
   std::vector<std::string> calls;
   ASSERT_TRUE(r.abortHooks().add(2, [&] {
@@ -159,29 +159,42 @@ TEST_F(FlightRecorderTest, EveryFailureRunsTheAbortHooksTheFirstDumps) {
   ASSERT_TRUE(r.abortHooks().add(3, [&] { calls.push_back("three"); }));
   EXPECT_FALSE(r.abortHooks().add(1, [&] { calls.push_back("replaced"); })) << "an id in use";
   r.started(1, "all_reduce", 64, "shm");
-  const std::string first = r.failed("peer lost");
+  const std::string first = r.failed(1, "peer lost");
   EXPECT_EQ(calls, (std::vector<std::string>{"one", "raises", "three"}))
       << "in id order, past a throw";
+  r.failed(1, "the same op, seen again as the call unwinds");
+  EXPECT_EQ(calls.size(), 3u) << "one op's failure runs the hooks once";
   std::remove(first.c_str());
-  EXPECT_EQ(r.failed("and again"), first) << "the path of the first failure's dump";
+  EXPECT_EQ(r.failed(2, "and again"), first) << "the path of the first failure's dump";
   EXPECT_FALSE(std::ifstream(first).good()) << "a later failure writes no dump";
-  EXPECT_EQ(calls.size(), 6u) << "every failure runs the hooks";
+  EXPECT_EQ(calls.size(), 6u) << "every failed op runs the hooks";
   r.abortHooks().remove(2);
   r.abortHooks().remove(2); // unknown: nothing
+  r.runAbortHooks();
+  EXPECT_EQ(calls.size(), 8u);
+  r.abortHooks().clear();
+  r.runAbortHooks();
+  EXPECT_EQ(calls.size(), 8u) << "cleared";
   ASSERT_TRUE(off.abortHooks().add(1, [&] { calls.push_back("off"); }));
-  off.failed("x");
+  off.failed(1, "x");
   EXPECT_EQ(calls.back(), "off") << "an off recorder runs its hooks too";
 }
 
-TEST_F(FlightRecorderTest, AHookThatFailsItsGroupAgainRunsNoHook) {
-  hsdp::FlightRecorder r(0, 1, {8, dir_});
-  int runs = 0;
-  ASSERT_TRUE(r.abortHooks().add(1, [&] {
-    ++runs;
-    r.failed("from a hook");
+TEST_F(FlightRecorderTest, HooksThatFailTheirOwnOrEachOthersGroupRunOnce) {
+  hsdp::FlightRecorder a(0, 1, {8, dir_}), b(0, 1, {8, dir_});
+  int runsA = 0, runsB = 0;
+  ASSERT_TRUE(a.abortHooks().add(1, [&] {
+    ++runsA;
+    a.failed(7, "its own group, from a hook");
+    b.failed(7, "another group, from a hook");
   }));
-  r.failed("first");
-  EXPECT_EQ(runs, 1);
+  ASSERT_TRUE(b.abortHooks().add(1, [&] {
+    ++runsB;
+    a.failed(8, "back to the first group");
+  }));
+  a.failed(1, "first");
+  EXPECT_EQ(runsA, 1);
+  EXPECT_EQ(runsB, 1);
 }
 
 } // namespace

@@ -103,7 +103,7 @@ void ShmRoute::run(const char* op, const Collective& c) {
 
 void ShmRoute::fail(const shm::CommError& e, uint64_t seq) {
   trace_->finished(seq, e.what());
-  const std::string path = trace_->failed(e.what());
+  const std::string path = trace_->failed(seq, e.what());
   C10_THROW_ERROR(
       DistBackendError,
       std::string(e.what()) + "\nFlight record of this rank: " + path +
