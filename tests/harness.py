@@ -76,21 +76,22 @@ def close_pools() -> None:
         _pools.close()
 
 
-def _run_on_pool(fn, world: int, backend: str, env, timeout_s: float, qualname: str, kwargs):
-    """Every rank's return value and the pool they ran on, or raises RankFailure."""
+def _run_on_pool(fn, world: int, backend: str, env, timeout_s: float, kwargs: dict):
+    """``fn(rank, world, **kwargs)`` on every rank of a warm pool: their return values and
+    the pool, or raises RankFailure."""
     from pytest_hsdp import _pool
 
     try:
         pool = _pool_for(world, backend, dict(env or {}))
     except _pool.PoolError as exc:
         raise RankFailure(str(exc)) from None
-    module = sys.modules[fn.__module__]
+    body = (fn.__module__, sys.modules[fn.__module__].__file__, fn.__qualname__)
     task = {
         "id": next(_task_ids),
-        "module": fn.__module__,
-        "path": module.__file__,
-        "qualname": qualname,
-        "kwargs": pickle.dumps(kwargs),
+        "module": __name__,
+        "path": __file__,
+        "qualname": _call.__name__,
+        "kwargs": pickle.dumps({"fn": body, "kwargs": kwargs}),
         "rank_side": ["rank", "world_size"],
         "mesh": None,
     }
@@ -128,18 +129,7 @@ def run_ranks(
     """
     env = env or {}
     if backend is not None and not may_die and not fresh:
-        per_rank, _ = _run_on_pool(
-            _call,
-            world,
-            backend,
-            env,
-            timeout_s,
-            _call.__name__,
-            {
-                "fn": (fn.__module__, sys.modules[fn.__module__].__file__, fn.__qualname__),
-                "kwargs": kwargs,
-            },
-        )
+        per_rank, _ = _run_on_pool(fn, world, backend, env, timeout_s, kwargs)
         return per_rank
     return _run_ranks(
         fn,
@@ -155,19 +145,14 @@ def run_ranks(
 
 
 def _call(rank: int, world_size: int, fn: tuple[str, str, str], kwargs: dict) -> Any:
-    """A run_ranks body as a task of a warm pool (pytest_hsdp's, which names the world
-    world_size)."""
+    """A body ``fn`` (module, file, qualname) as a task of a warm pool (pytest_hsdp's, which
+    names the world world_size)."""
     from pytest_hsdp import _worker
 
     module, path, qualname = fn
     return _worker._resolve(_worker._load_module(module, path), qualname)(
         rank, world_size, **kwargs
     )
-
-
-def run_cases_on_pool(rank: int, world_size: int, module: str, names: list[str]):
-    """run_cases as a task of a warm pool (pytest_hsdp's, which names the world world_size)."""
-    return run_cases(rank, world_size, module, names)
 
 
 def run_cases(rank: int, world: int, module: str, names: list[str]) -> dict[str, str | None]:
@@ -212,13 +197,7 @@ class CaseLauncher:
     def _run(self, module: str, names: list[str], world: int, env, timeout_s) -> list:
         """Every rank's {case: None or traceback}, or raises RankFailure."""
         per_rank, pool = _run_on_pool(
-            run_cases_on_pool,
-            world,
-            "hsdp",
-            env,
-            timeout_s,
-            run_cases_on_pool.__name__,
-            {"module": module, "names": names},
+            run_cases, world, "hsdp", env, timeout_s, {"module": module, "names": names}
         )
         if any(text for res in per_rank for text in res.values()):
             # A failed case may have left the ranks' groups unusable.
