@@ -6,6 +6,7 @@
 
 #include "backend/Checks.hpp"
 #include "backend/WorkHSDP.hpp"
+#include "backend/routes/SplitInner.hpp"
 
 namespace hsdp {
 
@@ -120,11 +121,16 @@ void ProcessGroupHSDP::eagerConnectSingleDevice(at::Device device) {
 // Communication buffers come from the route their collectives take: the
 // shared-memory pool, else the inner backend of the device (NCCL's memory
 // pool on CUDA, as on a plain nccl group; Gloo has none).
+// c10d hands over the device's index only: -1 is the CPU, and also a CUDA
+// device named without an index (torch.device("cuda")), which allocateTensor
+// then serves from NCCL's pool. So -1 is true only where both would serve: a
+// false costs the caller its own allocation, a wrong true a failed one.
 bool ProcessGroupHSDP::supportsTensorAlloc(c10::DeviceIndex index) {
   if (index >= 0) {
     return cuda_ && cuda_->backend().supportsTensorAlloc(index);
   }
-  return engine_ ? engine_->allocates() : cpu_->backend().supportsTensorAlloc(index);
+  const bool cpu = engine_ ? engine_->allocates() : cpu_->backend().supportsTensorAlloc(index);
+  return cpu && (!cuda_ || cuda_->backend().supportsTensorAlloc(index));
 }
 
 at::Tensor ProcessGroupHSDP::allocateTensor(long size, at::TensorOptions options) {

@@ -115,7 +115,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // route their collectives take: on CPU the shared-memory pool (peers read
   // them with plain loads; shm/Pool.hpp), on CUDA the inner NCCL's memory
   // pool, exactly as on a plain nccl group. c10d hands supportsTensorAlloc
-  // only an index: -1 is CPU (FSDP2 always names a CUDA device's index).
+  // only an index (FSDP2 always names a CUDA device's).
   // getMemAllocator is NCCL's when the group has CUDA, else the pool's.
   bool supportsTensorAlloc(c10::DeviceIndex index) override;
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;

@@ -850,6 +850,18 @@ TEST(Buffers, WithoutAPoolAllocationIsTheInnerBackends) {
   EXPECT_EQ(g.pg->getMemAllocator().get(), c10::GetCPUAllocator());
 }
 
+// Index -1 is the CPU and also a CUDA device named without an index, whose
+// allocation NCCL's pool serves: true only where both routes would allocate.
+TEST(Buffers, ADeviceWithoutAnIndexIsServedOnlyWhereCpuAndCudaBothAllocate) {
+  CudaGroup g;
+  g.cpu->allocates = true;
+  EXPECT_FALSE(g.pg->supportsTensorAlloc(-1)); // the inner NCCL has no pool
+  g.cuda->allocates = true;
+  EXPECT_TRUE(g.pg->supportsTensorAlloc(-1));
+  g.cpu->allocates = false;
+  EXPECT_FALSE(g.pg->supportsTensorAlloc(-1));
+}
+
 TEST(Buffers, ARouteWithoutBuffersRefusesNamingTheRankAndTheOp) {
   Group g(kPacking);
   EXPECT_FALSE(g.pg->supportsTensorAlloc(-1));
