@@ -8,7 +8,7 @@ validation, planning, the route, its Work and its flight recorder. Both go throu
 ``gloo`` at one rank and, for the ops that copy, a plain ``memcpy`` of the same bytes.
 
 ``--like nccl`` gives hsdp the inner backend's capabilities as NCCL's (scales inside the
-reduction, the CUDA route's completion on host streams), ``--like gloo`` as Gloo's. What this
+reduction, the CUDA route's completion on host streams), ``--like gloo`` as Gloo's (futures completed on hsdp's workers). What this
 cannot see: the CUDA route's device events (the flight recorder's "done" event, the side stream of
 a post-step), which only a GPU shows (``benchmarks/device_calls.py``).
 
@@ -18,7 +18,7 @@ own, after); the table gives each contender's median time per call, and hsdp's o
 median over rounds of hsdp minus null in the same round, with the 10th-90th percentile of those
 differences.
 
-    python -m benchmarks.layer_cost [--like nccl|gloo] [--rounds 40] [--json PATH]
+    python -m benchmarks.layer_cost [--like nccl|gloo] [--strided] [--rounds 40] [--json PATH]
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ import warnings
 from collections.abc import Callable
 
 SIZES = [8, 64 * 1024, 1024 * 1024]
-OPS = ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter")
+OPS = ("all_reduce", "all_reduce_async", "all_reduce_callback", "all_gather", "reduce_scatter")
 
 
-def _contenders(op: str, nbytes: int, groups: dict) -> tuple[dict[str, Callable], Callable]:
+def _contenders(
+    op: str, nbytes: int, groups: dict, strided: bool = False
+) -> tuple[dict[str, Callable], Callable]:
     """Per contender, one call on buffers of its own, and a check of its result."""
     import torch
     import torch.distributed as dist
@@ -47,8 +49,18 @@ def _contenders(op: str, nbytes: int, groups: dict) -> tuple[dict[str, Callable]
         src = torch.arange(n, dtype=torch.float32).remainder_(7)
         if op.startswith("all_reduce"):
             t = src.clone()
+            if strided:  # every second element: hsdp stages it and copies the result back
+                t = torch.empty(2 * n)[::2].copy_(src)
             if op == "all_reduce_async":
                 calls[name] = lambda t=t, g=group: dist.all_reduce(t, group=g, async_op=True).wait()
+            elif op == "all_reduce_callback":
+
+                def call(t=t, g=group):
+                    work = dist.all_reduce(t, group=g, async_op=True)
+                    work.get_future().then(_first).wait()  # a callback, as DDP's comm hooks add
+                    work.wait()
+
+                calls[name] = call
             else:
                 calls[name] = lambda t=t, g=group: dist.all_reduce(t, group=g)
             results[name] = t
@@ -67,6 +79,10 @@ def _contenders(op: str, nbytes: int, groups: dict) -> tuple[dict[str, Callable]
             torch.testing.assert_close(t, want, rtol=0, atol=0, msg=lambda m, w=name: f"{w}: {m}")
 
     return calls, check
+
+
+def _first(fut):
+    return fut.value()[0]
 
 
 def _time(call: Callable, reps: int) -> float:
@@ -108,6 +124,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--sample-ms", type=float, default=3.0)
     parser.add_argument("--ops", type=lambda s: s.split(","), default=list(OPS))
+    parser.add_argument(
+        "--strided",
+        action="store_true",
+        help="all-reduce tensors that are not contiguous: every call has a post-step (the copy back)",
+    )
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
@@ -120,8 +141,8 @@ def main() -> None:
     from hsdp_backend._registration import hooks
 
     caps = {
-        "nccl": _C.InnerCaps("null", native_scale=True, host_streams=True),
-        "gloo": _C.InnerCaps("null"),
+        "nccl": _C.InnerCaps("null", native_scale=True, streams=hsdp_testing.host_streams()),
+        "gloo": _C.InnerCaps("null", fixed_completion_pool=True),
     }[args.like]
     hooks.inner_cpu = lambda opts, gloo: (
         hsdp_testing.NullBackend(opts.group_rank, opts.group_size),
@@ -143,7 +164,7 @@ def main() -> None:
             rows = []
             for nbytes in SIZES:
                 for op in args.ops:
-                    calls, check = _contenders(op, nbytes, groups)
+                    calls, check = _contenders(op, nbytes, groups, args.strided)
                     for call in calls.values():
                         call()
                     check()

@@ -105,6 +105,11 @@ void bindSettings(py::module& m) {
   checkedField(config, "run_backend_map", &hsdp::Config::runBackendMap);
   checkedField(config, "run_verbose", &hsdp::Config::runVerbose);
 
+  // Side streams for an inner backend whose Works follow NCCL's stream
+  // contract; a model of them comes from an injected backend's own module.
+  py::class_<hsdp::PostStepStreams, std::shared_ptr<hsdp::PostStepStreams>>(
+      m, "PostStepStreams", "Side streams for post-steps (csrc/backend/WorkOnStream.hpp).");
+
   // What an inner backend does natively (routes/InnerRoute.hpp), for an
   // inner CPU backend handed to create_backend in Gloo's place.
   py::class_<hsdp::InnerCaps> caps(
@@ -116,11 +121,11 @@ void bindSettings(py::module& m) {
                   bool nativeScale,
                   bool nativeCoalescing,
                   bool fixedCompletionPool,
-                  bool hostStreams,
+                  std::shared_ptr<hsdp::PostStepStreams> streams,
                   std::optional<bool> bf16PreMulSum) {
-        hsdp::InnerCaps caps{
-            std::move(name), nativeScale, nativeCoalescing, fixedCompletionPool, hostStreams};
+        hsdp::InnerCaps caps{std::move(name), nativeScale, nativeCoalescing, fixedCompletionPool};
         caps.bf16PreMulSum = bf16PreMulSum.value_or(caps.bf16PreMulSum);
+        caps.streams = std::move(streams);
         return caps;
       }),
       py::arg("name"),
@@ -128,7 +133,8 @@ void bindSettings(py::module& m) {
       py::arg("native_scale") = false,
       py::arg("native_coalescing") = false,
       py::arg("fixed_completion_pool") = false,
-      py::arg("host_streams") = false,
+      // None: host-complete Works, as Gloo's (routes/AsyncCompletion.hpp).
+      py::arg("streams") = nullptr,
       // None: as this torch release's ProcessGroupNCCL (common/TorchCompat.hpp).
       py::arg("bf16_premul_sum") = py::none());
   caps.def_readonly("name", &hsdp::InnerCaps::name);
@@ -157,8 +163,9 @@ void bindGroups(py::module& m) {
             rank);
         std::unique_ptr<hsdp::InnerRoute> cuda;
         if (cudaBackend) {
-          cuda = std::make_unique<hsdp::InnerRoute>(
-              retain(cudaBackend), hsdp::InnerCaps{"nccl", true, true}, rank);
+          hsdp::InnerCaps nccl{"nccl", /*nativeScale=*/true, /*nativeCoalescing=*/true};
+          nccl.streams = std::make_shared<hsdp::DeviceStreams>();
+          cuda = std::make_unique<hsdp::InnerRoute>(retain(cudaBackend), std::move(nccl), rank);
         }
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
         return c10::make_intrusive<hsdp::ProcessGroupHSDP>(

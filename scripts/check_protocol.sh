@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Model-checks the engine's step protocol (csrc/shm/protocol.pml) and its
-# sleep/wake handshake (csrc/shm/wake.pml) with spin: the protocol must be
-# safe and deadlock-free, the overwrite rule must be implied by the order of
-# steps (NO_REUSE_WAIT safe), no wake-up may be lost, and each broken rule
-# must be caught. Exits non-zero otherwise. Needs spin and gcc (Debian's
+# Model-checks the engine's step protocol (csrc/shm/protocol.pml), its
+# sleep/wake handshake (csrc/shm/wake.pml) and the wait contract of the Works
+# hsdp completes on its own threads (csrc/backend/wait.pml) with spin: the
+# protocol must be safe and deadlock-free, the overwrite rule must be implied
+# by the order of steps (NO_REUSE_WAIT safe), no wake-up may be lost, no wait
+# may wait for ever, and each broken rule must be caught. Exits non-zero otherwise. Needs spin and gcc (Debian's
 # spin: scripts/setup.sh installs it).
 #
 # By default the safe configurations are proved at sizes that take seconds
@@ -69,3 +70,11 @@ check safe -DW=2 -DK=3
 check safe -DW=3 -DK=2
 check violation -DW=2 -DK=3 -DNO_RECHECK
 check violation -DW=2 -DK=3 -DSLEEPERS_FIRST
+# The wait contract: every scenario served, and each broken rule caught.
+MODEL=wait MODEL_FILE=$(dirname "$model")/../backend/wait.pml
+check safe
+check violation -DRELEASED_ON_WORKER
+check violation -DNO_ELASTIC
+check violation -DNO_RESCUE
+check violation -DEARLY_RELEASE
+check violation -DNO_WAKE

@@ -93,7 +93,7 @@ def nccl_contract_inner(opts, gloo):
         NCCL_CONTRACT,
         native_scale=True,
         native_coalescing=True,
-        host_streams=True,
+        streams=hsdp_testing.host_streams(),
         # As hsdp built for that release knows its ProcessGroupNCCL
         # (common/TorchCompat.hpp); by default, this build's own knowledge.
         bf16_premul_sum=None if release is None else not double.bf16_factor_as_float,

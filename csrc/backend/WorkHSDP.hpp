@@ -33,6 +33,8 @@ void unregisterInflight(c10d::Work& work);
 // Work that waited for the callbacks might wait for this very thread (a
 // callback waiting for its own Work, or for one whose callback waits for
 // it; a task joining the parts of a block whose callbacks wait for it).
+// This rule, with OpQueue's workers and rescuer, is model-checked in
+// csrc/backend/wait.pml (scripts/check_protocol.sh).
 bool onCompletionThread();
 
 class WorkHSDP : public c10d::Work {

@@ -6,6 +6,7 @@
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
+#include <functional>
 #include <thread>
 
 #include "common/TorchCompat.hpp"
@@ -23,97 +24,92 @@ c10::Stream SideStreams::get(c10::Device device) {
   return streams_.emplace_back(impl.getStreamFromGlobalPool(device, /*isHighPriority=*/false));
 }
 
-PostStepMark::PostStepMark(c10::Stream stream)
-    : stream_(stream),
-      event_(std::in_place, stream.device_type()),
-      captured_(compat::isStreamCapturing(stream)) {
-  event_->record(stream);
-}
+namespace {
 
-PostStepMark::PostStepMark(c10::intrusive_ptr<c10::ivalue::Future> hostDone)
-    : hostDone_(std::move(hostDone)) {}
-
-// Querying an event recorded during graph capture is an error: a captured
-// op has not run (it runs at each replay), so it is not complete.
-bool PostStepMark::done() const {
-  return stream_ ? !captured_ && event_->query() : hostDone_->completed();
-}
-
-bool PostStepMark::capturingNow() const {
-  return stream_ && compat::isCapturing(stream_->device());
-}
-
-void PostStepMark::orderCurrentStreamAfter() const {
-  if (stream_) {
-    c10::impl::VirtualGuardImpl impl(stream_->device_type());
-    event_->block(impl.getStream(stream_->device()));
-  } else {
-    hostDone_->wait();
+// The end of a post-step on a device stream: an event recorded after it.
+class EventMark final : public PostStepMark {
+ public:
+  // Right after the post-step was enqueued on `stream` (current).
+  explicit EventMark(c10::Stream stream)
+      : stream_(stream),
+        event_(stream.device_type()),
+        captured_(compat::isStreamCapturing(stream)) {
+    event_.record(stream);
   }
-}
 
-WorkOnStream::WorkOnStream(
-    int rank,
-    c10d::OpType opType,
-    c10::Stream stream,
-    std::vector<c10::intrusive_ptr<c10d::Work>> inners,
-    std::vector<at::Tensor> outputs,
-    std::vector<at::Tensor> keepAlive)
-    : Work(rank, opType),
-      inners_(std::move(inners)),
-      outputs_(std::move(outputs)),
-      keepAlive_(std::move(keepAlive)) {
-  c10::impl::VirtualGuardImpl impl(stream.device_type());
+  // Querying an event recorded during graph capture is an error: a captured
+  // op has not run (it runs at each replay), so it is not complete.
+  bool done() const override {
+    return !captured_ && event_.query();
+  }
+  bool capturingNow() const override {
+    return compat::isCapturing(stream_.device());
+  }
+  bool captured() const override {
+    return captured_;
+  }
+  void orderCurrentStreamAfter() const override {
+    c10::impl::VirtualGuardImpl impl(stream_.device_type());
+    event_.block(impl.getStream(stream_.device()));
+  }
+  std::string where() const override {
+    return stream_.device().str();
+  }
+
+ private:
+  c10::Stream stream_;
+  c10::Event event_;
+  bool captured_;
+};
+
+} // namespace
+
+PostStepRun DeviceStreams::run(
+    c10::Device device,
+    std::function<void()> step,
+    const std::vector<at::Tensor>& outputs,
+    std::vector<at::Tensor> keepAlive) {
+  c10::impl::VirtualGuardImpl impl(device.type());
+  const c10::Stream current = impl.getStream(device);
+  const c10::Stream side = streams_.get(device);
+  // The post-step reads what the caller enqueued before this call (a
+  // staged copy, the op's inputs): the side stream starts after it.
+  c10::Event issued(device.type());
+  issued.record(current);
+  issued.block(side);
+  c10::StreamGuard guard(side);
+  step();
   // The caching allocator must not hand these blocks to another stream
   // before the side stream is done with them, even if the caller drops
   // every reference first (as it may once it has waited).
-  for (const auto* list : {&outputs_, &keepAlive_}) {
-    for (const auto& t : *list) {
+  for (const auto& list : {std::cref(outputs), std::cref(keepAlive)}) {
+    for (const auto& t : list.get()) {
       if (t.defined() && t.has_storage()) {
-        impl.recordDataPtrOnStream(t.storage().data_ptr(), stream);
+        impl.recordDataPtrOnStream(t.storage().data_ptr(), side);
       }
     }
   }
-  mark_ = std::make_shared<const PostStepMark>(stream);
-  std::vector<c10::Device> devices{stream.device()};
-  future_ = c10::make_intrusive<c10::ivalue::Future>(
-      c10::ListType::create(c10::TensorType::get()), devices);
+  PostStepRun run{std::make_shared<const EventMark>(side), {}, std::move(keepAlive)};
+  run.future = c10::make_intrusive<c10::ivalue::Future>(
+      c10::ListType::create(c10::TensorType::get()), std::vector<c10::Device>{device});
   // markCompleted records the future's events on the current streams: with
   // the side stream current they follow the post-step.
-  c10::StreamGuard guard(stream);
-  future_->markCompleted(c10::IValue(outputs_));
+  run.future->markCompleted(c10::IValue(outputs));
+  return run;
 }
 
 WorkOnStream::WorkOnStream(
     int rank,
     c10d::OpType opType,
-    c10::intrusive_ptr<c10::ivalue::Future> done,
-    c10::intrusive_ptr<c10::ivalue::Future> released,
+    PostStepRun run,
     std::vector<c10::intrusive_ptr<c10d::Work>> inners,
     std::vector<at::Tensor> outputs)
     : Work(rank, opType),
+      mark_(std::move(run.mark)),
       inners_(std::move(inners)),
       outputs_(std::move(outputs)),
-      future_(std::move(done)),
-      released_(std::move(released)) {
-  // A future of its own for the mark, which the route keeps: `done`'s value
-  // holds the outputs. Completed by `done`'s first callback, so that a
-  // callback issuing on the route orders itself after the post-step, not
-  // after itself.
-  auto ended = c10::make_intrusive<c10::ivalue::Future>(c10::NoneType::get());
-  future_->addCallback([ended](c10::ivalue::Future& f) {
-    if (f.hasError()) {
-      ended->setError(f.exception_ptr());
-    } else {
-      ended->markCompleted();
-    }
-  });
-  mark_ = std::make_shared<const PostStepMark>(std::move(ended));
-}
-
-bool WorkOnStream::postStepDone() const {
-  return mark_->done() && (!released_ || released_->completed() || onCompletionThread());
-}
+      keepAlive_(std::move(run.keepAlive)),
+      future_(std::move(run.future)) {}
 
 std::exception_ptr WorkOnStream::exception() const {
   for (const auto& w : inners_) {
@@ -126,18 +122,18 @@ std::exception_ptr WorkOnStream::exception() const {
       return e;
     }
   }
-  if (!mark_->stream() && future_->completed() && future_->hasError()) {
-    return future_->exception_ptr(); // the post-step failed
+  if (future_->completed() && future_->hasError()) {
+    return future_->exception_ptr(); // the post-step failed (on a model's host stream)
   }
   return nullptr;
 }
 
 bool WorkOnStream::isCompleted() {
-  return exception() != nullptr || postStepDone();
+  return exception() != nullptr || mark_->waitIsOver();
 }
 
 bool WorkOnStream::isSuccess() const {
-  return exception() == nullptr && postStepDone();
+  return exception() == nullptr && mark_->waitIsOver();
 }
 
 std::vector<at::Tensor> WorkOnStream::result() {
@@ -145,11 +141,7 @@ std::vector<at::Tensor> WorkOnStream::result() {
 }
 
 void WorkOnStream::synchronize() {
-  if (released_ && !onCompletionThread()) {
-    released_->wait(); // after the mark's future: one sleep, not two
-  } else {
-    mark_->orderCurrentStreamAfter();
-  }
+  mark_->endWait();
   unregisterInflight(*this);
 }
 
@@ -166,21 +158,19 @@ bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
   if (timeout != kNoTimeout && !mark_->captured()) {
     // A bounded wait is a host wait by definition: poll the post-step.
     // (Under graph capture there is nothing to poll: a stream wait.)
-    while (!postStepDone()) {
+    while (!mark_->waitIsOver()) {
       if (std::chrono::steady_clock::now() >= deadline) {
         C10_THROW_ERROR(
             DistBackendError,
             "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
                 std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) +
-                ", the step after the collective, on " +
-                (mark_->stream() ? mark_->stream()->device().str() : std::string("host streams")) +
-                ")");
+                ", the step after the collective, on " + mark_->where() + ")");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
   synchronize();
-  if (auto e = exception()) { // a post-step that failed (host streams)
+  if (auto e = exception()) { // a post-step that failed (on a model's host stream)
     std::rethrow_exception(e);
   }
   return true;

@@ -18,18 +18,19 @@
 // milliseconds before timing out"; then the post-step gets what is left of
 // the timeout.
 //
-// On host streams (an injected CPU backend, InnerCaps::hostStreams) the
-// side stream is a completion worker (WorkHSDP::onQueue): the mark is a
-// future done at the first callback of `done`, the worker's future, and
-// waiting ends with its `released`, after the callbacks.
+// Where the side stream is and how its end is waited for is the stream
+// model's (PostStepStreams): the device's own streams and events on CUDA
+// (DeviceStreams). The tests model a side stream on host threads
+// (csrc/testing/HostStreams.hpp), so that the rest of the CUDA route runs on
+// CPU tensors over the NCCL-contract double.
 
-#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
-#include <optional>
+#include <string>
 #include <vector>
 
 namespace hsdp {
@@ -55,52 +56,89 @@ class SideStreams {
 // however long after (the caller may have dropped them long before).
 class PostStepMark {
  public:
-  // Right after the post-step was enqueued on `stream` (current).
-  explicit PostStepMark(c10::Stream stream);
-  // Host streams: completes once the post-step has run (its value, none).
-  explicit PostStepMark(c10::intrusive_ptr<c10::ivalue::Future> hostDone);
+  virtual ~PostStepMark() = default;
 
-  // Whether the post-step has run (never blocks; not under graph capture).
-  bool done() const;
+  // Whether the post-step has run (never blocks; false under graph capture).
+  virtual bool done() const = 0;
   // Whether the current stream of this mark's device is being captured into
-  // a CUDA graph now (never on host streams).
-  bool capturingNow() const;
+  // a CUDA graph now.
+  virtual bool capturingNow() const = 0;
   // Issued while its stream was capturing a CUDA graph.
-  bool captured() const {
-    return captured_;
+  virtual bool captured() const = 0;
+  // Orders the current stream after the post-step.
+  virtual void orderCurrentStreamAfter() const = 0;
+  // The op's own Work: whether its waiting is over, and waiting for that.
+  // As done() and orderCurrentStreamAfter() unless a model says otherwise.
+  virtual bool waitIsOver() const {
+    return done();
   }
-  // Orders the current stream after the post-step (on host streams: waits
-  // for it).
-  void orderCurrentStreamAfter() const;
-  const std::optional<c10::Stream>& stream() const {
-    return stream_;
+  virtual void endWait() const {
+    orderCurrentStreamAfter();
+  }
+  // The side stream, as errors name it.
+  virtual std::string where() const = 0;
+};
+
+// A post-step handed to a side stream: its end, the future the op's Work
+// hands out (complete with the outputs once the post-step has run), and the
+// buffers the Work holds for as long as it lives.
+struct PostStepRun {
+  std::shared_ptr<const PostStepMark> mark;
+  c10::intrusive_ptr<c10::ivalue::Future> future;
+  std::vector<at::Tensor> keepAlive;
+};
+
+// Side streams, one per device, for a route whose inner Works follow NCCL's
+// stream contract (routes/AsyncCompletion.hpp). One per route.
+class PostStepStreams {
+ public:
+  virtual ~PostStepStreams() = default;
+
+  // Whether post-steps on `device`'s tensors run here.
+  virtual bool serves(c10::Device device) const = 0;
+  // Runs `step` on `device`'s side stream after what the caller's current
+  // stream has enqueued so far, without blocking the caller. `outputs` are
+  // the future's value; `keepAlive` are buffers `step` or the inner ops
+  // still read or write after the call returns: the streams keep them alive
+  // until then (or hand them to the Work).
+  virtual PostStepRun
+  run(c10::Device device,
+      std::function<void()> step,
+      const std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor> keepAlive) = 0;
+  // Streams of the same kind for another route (a split's child): a group's
+  // post-steps wait for no other group's.
+  virtual std::shared_ptr<PostStepStreams> another() const = 0;
+};
+
+// A device's own streams and events (CUDA): `step` is enqueued on the side
+// stream at once, behind an event of the caller's stream, and an event after
+// it is the mark; the buffers are recorded on the side stream for the
+// caching allocator and held by the Work.
+class DeviceStreams final : public PostStepStreams {
+ public:
+  bool serves(c10::Device device) const override {
+    return !device.is_cpu();
+  }
+  PostStepRun
+  run(c10::Device device,
+      std::function<void()> step,
+      const std::vector<at::Tensor>& outputs,
+      std::vector<at::Tensor> keepAlive) override;
+  std::shared_ptr<PostStepStreams> another() const override {
+    return std::make_shared<DeviceStreams>();
   }
 
  private:
-  std::optional<c10::Stream> stream_; // none on host streams
-  std::optional<c10::Event> event_;   // recorded on stream_ after the post-step
-  c10::intrusive_ptr<c10::ivalue::Future> hostDone_;
-  bool captured_ = false;
+  SideStreams streams_;
 };
 
 class WorkOnStream : public c10d::Work {
  public:
-  // Call with `stream` current, right after the post-step was enqueued on
-  // it. `keepAlive` are buffers the enqueued work still reads or writes.
   WorkOnStream(
       int rank,
       c10d::OpType opType,
-      c10::Stream stream,
-      std::vector<c10::intrusive_ptr<c10d::Work>> inners,
-      std::vector<at::Tensor> outputs,
-      std::vector<at::Tensor> keepAlive);
-  // Host streams: `done` completes (or fails) once the post-step has run,
-  // and `released` after it, once the worker let go of the op's tensors.
-  WorkOnStream(
-      int rank,
-      c10d::OpType opType,
-      c10::intrusive_ptr<c10::ivalue::Future> done,
-      c10::intrusive_ptr<c10::ivalue::Future> released,
+      PostStepRun run,
       std::vector<c10::intrusive_ptr<c10d::Work>> inners,
       std::vector<at::Tensor> outputs);
 
@@ -121,16 +159,11 @@ class WorkOnStream : public c10d::Work {
   }
 
  private:
-  // The post-step ran (host streams: and its worker let go of the op, as
-  // waiting ends).
-  bool postStepDone() const;
-
   std::shared_ptr<const PostStepMark> mark_;
   std::vector<c10::intrusive_ptr<c10d::Work>> inners_;
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> keepAlive_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
-  c10::intrusive_ptr<c10::ivalue::Future> released_; // host streams
 };
 
 } // namespace hsdp

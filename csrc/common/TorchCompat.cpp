@@ -26,7 +26,7 @@ bool isStreamCapturing(const c10::Stream& stream) {
     return status != cudaStreamCaptureStatusNone;
   }
 #endif
-  return false; // a CPU stream (host streams: InnerCaps::hostStreams) is never captured
+  return false; // a stream of a device without graphs is never captured
 #endif
 }
 

@@ -9,6 +9,7 @@
 
 #include "common/Config.hpp"
 #include "shm/Reduce.hpp"
+#include "testing/HostStreams.hpp"
 #include "testing/NcclContractBackend.hpp"
 #include "testing/NullBackend.hpp"
 
@@ -77,6 +78,14 @@ PYBIND11_MODULE(hsdp_testing, m) {
           }),
           py::arg("rank"),
           py::arg("size"));
+
+  // Host threads as side streams, for an inner CPU backend whose Works keep
+  // NCCL's stream contract (InnerCaps(streams=...)): the package's
+  // PostStepStreams type, which hsdp_backend._C registers.
+  m.def("host_streams", [] {
+    py::module::import("hsdp_backend._C");
+    return std::shared_ptr<hsdp::PostStepStreams>(std::make_shared<hsdp::testing::HostStreams>());
+  });
 
   // The double's test hooks, on a Backend that must be the double.
   m.def("is_nccl_contract", [](c10d::Backend* backend) {

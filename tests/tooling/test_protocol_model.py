@@ -1,7 +1,9 @@
-"""The engine's step protocol and its sleep/wake handshake, model-checked:
-csrc/shm/protocol.pml and wake.pml (next to Engine.hpp) checked by spin
-through scripts/check_protocol.sh: safe and deadlock-free, no lost wake-up,
-and every broken rule caught (so the assertions bite)."""
+"""The engine's step protocol and its sleep/wake handshake, and the wait
+contract of the Works hsdp completes on its own threads, model-checked:
+csrc/shm/protocol.pml and wake.pml (next to Engine.hpp), csrc/backend/wait.pml
+(next to OpQueue and WorkHSDP) checked by spin through
+scripts/check_protocol.sh: safe and deadlock-free, no lost wake-up, no wait
+left waiting, and every broken rule caught (so the assertions bite)."""
 
 import pathlib
 import shutil
@@ -37,3 +39,10 @@ def test_step_protocol_model_checks():
     assert sum("violation found" in line for line in lines) == 7, out
     assert sum("-DPOOL" in line for line in lines) == 6, out
     assert sum("-DPOOL_REDUCE" in line for line in lines) == 2, out
+    wait = [line for line in out.splitlines() if line.startswith("[wait]")]
+    # Every scenario served; 5 broken rules caught (2 by assertion, 3 by a
+    # wait left waiting).
+    assert len(wait) == 6, out
+    assert sum("safe, no deadlock" in line for line in wait) == 1, out
+    assert sum("violation found" in line for line in wait) == 5, out
+    assert sum("assertion violated" in line for line in wait) == 2, out

@@ -1,51 +1,10 @@
 #include "backend/routes/InnerRoute.hpp"
 
-#include <ATen/core/ivalue.h>
-#include <c10/core/Event.h>
-#include <c10/core/StreamGuard.h>
-#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include "backend/WorkHSDP.hpp"
-#include "backend/WorkOnStream.hpp"
 
 namespace hsdp {
-
-namespace {
-
-// The device the op's tensors live on (CPU when it has none, as a barrier).
-c10::Device
-deviceOf(const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& keepAlive) {
-  for (const auto* list : {&outputs, &keepAlive}) {
-    for (const auto& t : *list) {
-      if (t.defined()) {
-        return t.device();
-      }
-    }
-  }
-  return c10::Device(c10::kCPU);
-}
-
-// Orders the current stream after `w`'s result without a host wait.
-void waitOnCurrentStream(c10d::Work& w) {
-  c10::intrusive_ptr<c10::ivalue::Future> future;
-  try {
-    future = w.getFuture();
-  } catch (const c10::Error&) {
-    w.wait(); // a Work without a future: its own wait is all there is
-    return;
-  }
-  future->wait();
-  if (!future->devices().empty() && future->storages().empty()) {
-    // A device future whose value holds no storage recorded no event
-    // (ivalue::Future::markCompleted records one per device of the value's
-    // storages), so its wait ordered nothing: the Work's own synchronize()
-    // does (WorkNCCL's: the current stream waits for its end event).
-    w.synchronize();
-  }
-}
-
-} // namespace
 
 std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
   if (steps.empty()) {
@@ -59,17 +18,13 @@ std::function<void()> inOrder(std::vector<std::function<void()>> steps) {
 }
 
 InnerRoute::InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps, int rank)
-    : backend_(std::move(backend)), caps_(caps), rank_(rank) {
+    : backend_(std::move(backend)), caps_(std::move(caps)), rank_(rank) {
   TORCH_CHECK(backend_, "hsdp: an inner route needs a backend");
-}
-
-std::vector<InnerRoute::WorkPtr> InnerRoute::Inner::all() const {
-  auto works = ops;
-  if (blockEnd) {
-    works.push_back(blockEnd);
+  if (caps_.streams) {
+    completion_ = std::make_unique<StreamOrdered>(caps_.streams->another());
+  } else {
+    completion_ = std::make_unique<HostWorkers>(caps_.fixedCompletionPool);
   }
-  works.insert(works.end(), companions.begin(), companions.end());
-  return works;
 }
 
 InnerRoute::WorkPtr InnerRoute::run(const Call& call, const Collective& c) {
@@ -215,18 +170,13 @@ InnerRoute::WorkPtr InnerRoute::finishInner(
   if (!post && ordering == 0) {
     return asyncOp ? WorkHSDP::completed(rank_, type, std::move(outputs)) : WorkPtr();
   }
-  const auto device = deviceOf(outputs, keepAlive);
-  // Point-to-point Works complete independently of each other: waiting for
-  // them one after another on a queue would make a receive's wait depend on
-  // an earlier send's, so they stay the inner backend's own.
-  const bool p2p = isPointToPoint(type);
   // NCCL keeps a block's tensors alive only for its async calls (stashed on
   // the end Work): buffers of hsdp's own (staged copies) made for its
   // synchronous calls must outlive the block, which a bare end Work does not
   // see to.
   const bool blockNeedsBuffers = inner.blockEnd && !keepAlive.empty();
   if (!post && ordering == 1 && !blockNeedsBuffers &&
-      !(asyncOp && caps_.fixedCompletionPool && !p2p)) {
+      (!asyncOp || completion_->handsBackInnerWork(type))) {
     // The inner Work already is the whole op (a block's end Work waits for
     // every op of the block). NCCL returns none for a synchronous call (it
     // ran on the caller's stream), so this is Gloo's, or an async op's.
@@ -245,162 +195,8 @@ InnerRoute::WorkPtr InnerRoute::finishInner(
     }
     return {};
   }
-  if (device.is_cpu() && !caps_.hostStreams) {
-    // Also with nothing to run after the inner op when the inner backend
-    // completes futures on a fixed pool (caps_.fixedCompletionPool).
-    return finishOnThread(type, inner.all(), std::move(outputs), std::move(post));
-  }
-  return finishOnStream(
-      type, device, std::move(inner), std::move(outputs), std::move(post), std::move(keepAlive));
-}
-
-OpQueue& InnerRoute::completions() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (!completions_) {
-    completions_ = std::make_unique<OpQueue>();
-  }
-  return *completions_;
-}
-
-InnerRoute::WorkPtr InnerRoute::finishOnThread(
-    c10d::OpType type,
-    std::vector<WorkPtr> works,
-    std::vector<at::Tensor> outputs,
-    std::function<void()> post) {
-  return WorkHSDP::onQueue(
-      completions(),
-      rank_,
-      type,
-      std::move(outputs),
-      [works = std::move(works), post = std::move(post)] {
-        // Blocking here is this thread's purpose: the inner ops were all
-        // issued already, so each completes without anything further from
-        // this process.
-        for (const auto& w : works) {
-          w->wait();
-        }
-        if (post) {
-          post();
-        }
-      });
-}
-
-namespace {
-
-// Orders the current stream after the inner Works' results, without a host
-// wait on CUDA (on host streams the current stream is this thread).
-void orderAfter(const std::vector<c10::intrusive_ptr<c10d::Work>>& ops, c10d::Work* blockEnd) {
-  for (const auto& w : ops) {
-    // Through the Work's device-aware future, not wait(): WorkNCCL::wait()
-    // also hands back the tensors NCCL holds for the allocator, whose blocks
-    // the caller's stream (which has not waited) could then reuse while
-    // NCCL still runs. Failures surface through the returned Work.
-    waitOnCurrentStream(*w);
-  }
-  if (blockEnd) {
-    // Its future carries no event: synchronize() makes the current stream
-    // wait for NCCL's end-of-block event. The tensors it hands back to the
-    // allocator are kept alive by the returned Work, recorded on this stream.
-    blockEnd->synchronize();
-  }
-}
-
-} // namespace
-
-InnerRoute::WorkPtr InnerRoute::finishOnStream(
-    c10d::OpType type,
-    c10::Device device,
-    Inner inner,
-    std::vector<at::Tensor> outputs,
-    std::function<void()> post,
-    std::vector<at::Tensor> keepAlive) {
-  const bool hasPost = post != nullptr;
-  if (device.is_cpu()) {
-    // Host streams (caps_.hostStreams): the side stream is a completion
-    // worker, which has nothing to wait for from the caller (its tensors
-    // are written before this call returns).
-    // The buffers stay alive until the inner ops ran (what recording them
-    // on the side stream does on CUDA).
-    auto done = WorkHSDP::onQueue(
-        completions(),
-        rank_,
-        type,
-        outputs,
-        [ops = inner.ops,
-         end = inner.blockEnd,
-         post = std::move(post),
-         keepAlive = std::move(keepAlive)] {
-          orderAfter(ops, end.get());
-          if (post) {
-            post();
-          }
-        });
-    return pending(
-        hasPost,
-        c10::make_intrusive<WorkOnStream>(
-            rank_, type, done->getFuture(), done->released(), inner.all(), std::move(outputs)));
-  }
-  c10::impl::VirtualGuardImpl impl(device.type());
-  const c10::Stream current = impl.getStream(device);
-  const c10::Stream side = sideStreams_.get(device);
-  // The post-step reads what the caller enqueued before this call (a
-  // staged copy, the op's inputs): the side stream starts after it.
-  c10::Event issued(device.type());
-  issued.record(current);
-  issued.block(side);
-  c10::StreamGuard guard(side);
-  orderAfter(inner.ops, inner.blockEnd.get());
-  if (hasPost) {
-    post();
-  }
-  return pending(
-      hasPost,
-      c10::make_intrusive<WorkOnStream>(
-          rank_, type, side, inner.all(), std::move(outputs), std::move(keepAlive)));
-}
-
-c10::intrusive_ptr<WorkOnStream>
-InnerRoute::pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work) {
-  // A post-step captured in a CUDA graph runs at each replay, in the graph's
-  // own order: later eager ops have nothing of it to wait for.
-  if (hasPost && !work->mark()->captured()) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    lastPostStep_ = work->mark();
-    hasPostStep_.store(true, std::memory_order_release);
-  }
-  return work;
-}
-
-void InnerRoute::beforeIssue() {
-  if (!hasPostStep_.load(std::memory_order_acquire)) {
-    return;
-  }
-  std::shared_ptr<const PostStepMark> last;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    last = lastPostStep_;
-  }
-  if (!last) {
-    return;
-  }
-  // Under CUDA graph capture an event query is not allowed (in torch's
-  // default, global capture mode it invalidates the capture), nor a wait on
-  // an event recorded outside it; torch.cuda.graph synchronizes the device
-  // before it captures, so the captured op needs no wait. The post-step is
-  // kept for the eager ops after the capture (a bare capture_begin does not
-  // synchronize).
-  if (last->capturingNow()) {
-    return;
-  }
-  if (last->done()) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (lastPostStep_ == last) {
-      lastPostStep_.reset();
-      hasPostStep_.store(false, std::memory_order_release);
-    }
-    return;
-  }
-  last->orderCurrentStreamAfter();
+  return completion_->complete(
+      rank_, type, std::move(inner), std::move(outputs), std::move(post), std::move(keepAlive));
 }
 
 void InnerRoute::startCoalescing() {

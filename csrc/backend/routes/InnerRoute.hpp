@@ -16,10 +16,14 @@
 // argument) runs only after wait() on every inner Work, and where it runs
 // decides what the returned Work means:
 //   * synchronous: on the calling thread and the current stream, at once;
-//   * async, CUDA: on a side stream that waited for every inner Work, then an
-//     event; the returned Work's wait() makes the caller's stream wait on it;
-//   * async, CPU: on the route's completion workers, in issue order (also
-//     with no post-step when the inner backend has a fixedCompletionPool).
+//   * async, stream-ordered Works (NCCL's): on a side stream that waited for
+//     every inner Work, then an event; the returned Work's wait() makes the
+//     caller's stream wait on it;
+//   * async, host-complete Works (Gloo's): on the route's completion
+//     workers, in issue order (also with no post-step when the inner
+//     backend has a fixedCompletionPool).
+// The route's AsyncCompletion is one of the two, chosen when it is built
+// (routes/AsyncCompletion.hpp).
 // Between startCoalescing and endCoalescing on a backend that coalesces
 // natively (NCCL launches nothing before endCoalescing) post-steps are held
 // back and run after endCoalescing's Work (at once, on the caller's stream,
@@ -33,8 +37,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "backend/OpQueue.hpp"
-#include "backend/WorkOnStream.hpp"
+#include "backend/routes/AsyncCompletion.hpp"
 #include "backend/routes/Route.hpp"
 #include "common/TorchCompat.hpp"
 
@@ -61,23 +64,20 @@ struct InnerCaps {
   // *_coalesced calls, into one launch: hsdp forwards them without packing.
   bool nativeCoalescing = false;
   // Completes async Works' futures on a fixed pool of its own threads, as
-  // Gloo does (two by default): hsdp completes them on its own workers
-  // instead, so callbacks that wait for collectives they issue cannot
-  // exhaust that pool (see OpQueue.hpp).
+  // Gloo does (HostWorkers, routes/AsyncCompletion.hpp).
   bool fixedCompletionPool = false;
-  // Its CPU Works follow NCCL's stream contract (InnerRoute.hpp's list, a
-  // stream-ordered future included), so CPU tensors take the CUDA branch,
-  // on a device whose streams are hsdp's completion workers: the side
-  // stream's waits and post-step run there, and the returned Work is a
-  // WorkOnStream. Only an injected inner backend declares it (the tests'
-  // NCCL-contract double does: everything the CUDA branch decides, which
-  // Works order the result, through what, how errors and timeouts surface,
-  // then runs on CPU).
-  bool hostStreams = false;
-  // With nativeScale (last, so that positional initialisers keep their
-  // meaning): a bf16 PREMUL_SUM's factor reaches the transport
+  // With nativeScale (after the flags, so that positional initialisers keep
+  // their meaning): a bf16 PREMUL_SUM's factor reaches the transport
   // intact. ProcessGroupNCCL's is this torch release's (TorchCompat.hpp).
   bool bf16PreMulSum = HSDP_TORCH_NCCL_BF16_PREMUL_SUM_INTACT;
+  // Its async Works follow NCCL's stream contract (the list above, a
+  // stream-ordered future included): post-steps run on these side streams
+  // (StreamOrdered; a route takes its own, another()). None: its Works are
+  // host-complete (HostWorkers). The inner NCCL's are the device's own; an
+  // injected inner CPU backend may bring a model of its own (the tests'
+  // NCCL-contract double brings host threads as streams, so that everything
+  // the CUDA route decides runs on CPU).
+  std::shared_ptr<PostStepStreams> streams;
 };
 
 // One post-step that runs `steps` in order (empty when they are).
@@ -129,15 +129,11 @@ class InnerRoute final : public Route {
       std::function<void()> post = {},
       std::vector<at::Tensor> keepAlive = {});
 
-  // Call before an op reads or writes its tensors on this route: orders the
-  // current stream after the last async post-step still pending. NCCL runs
-  // a group's ops in order on one stream, so two async ops on one tensor
-  // need no wait() between them (c10d allows it); a post-step runs on a side
-  // stream, which the next op's NCCL kernel (ordered after the caller's
-  // stream only) would otherwise overtake. Post-steps are rare on CUDA (a
-  // staged argument, an integer divide_by), so this is one event query, and
-  // one stream wait when one is pending.
-  void beforeIssue();
+  // Call before an op reads or writes its tensors on this route (see
+  // StreamOrdered::beforeIssue).
+  void beforeIssue() {
+    completion_->beforeIssue();
+  }
 
   // Whether the inner backend has made its communicator. NCCL makes it at
   // the first collective (or an eager connect, or a split), not at creation.
@@ -158,18 +154,7 @@ class InnerRoute final : public Route {
   WorkPtr endCoalescing();
 
  private:
-  // The inner Works an op's result depends on.
-  struct Inner {
-    // Ordered through each Work's device-aware future (on CPU: wait()).
-    std::vector<WorkPtr> ops;
-    // A native coalescing block's end Work: ordered by its synchronize().
-    WorkPtr blockEnd;
-    // The Works of async ops inside that block: they order after nothing,
-    // and are kept for their errors only.
-    std::vector<WorkPtr> companions;
-
-    std::vector<WorkPtr> all() const;
-  };
+  using Inner = InnerWorks;
 
   WorkPtr finishInner(
       c10d::OpType type,
@@ -178,36 +163,15 @@ class InnerRoute final : public Route {
       std::vector<at::Tensor> outputs,
       std::function<void()> post,
       std::vector<at::Tensor> keepAlive);
-  WorkPtr finishOnThread(
-      c10d::OpType type,
-      std::vector<WorkPtr> works,
-      std::vector<at::Tensor> outputs,
-      std::function<void()> post);
-  WorkPtr finishOnStream(
-      c10d::OpType type,
-      c10::Device device,
-      Inner inner,
-      std::vector<at::Tensor> outputs,
-      std::function<void()> post,
-      std::vector<at::Tensor> keepAlive);
   // One collective of a plan, on the inner backend.
   WorkPtr run(const Call& call, const Collective& c);
-  OpQueue& completions();
-  // Remembers `work` as the route's last pending post-step when it has one.
-  c10::intrusive_ptr<WorkOnStream> pending(bool hasPost, c10::intrusive_ptr<WorkOnStream> work);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   InnerCaps caps_;
   int rank_;
 
-  std::mutex mutex_;
-  SideStreams sideStreams_;                          // where async CUDA post-steps run
-  std::unique_ptr<OpQueue> completions_;             // CPU async post-steps, made on first use
-  std::shared_ptr<const PostStepMark> lastPostStep_; // see beforeIssue()
-  // Whether lastPostStep_ is set: every op asks, and on routes that never
-  // run post-steps on a stream (Gloo, and the shared-memory ops that pick a
-  // route first) the answer needs no lock.
-  std::atomic<bool> hasPostStep_{false};
+  std::unique_ptr<AsyncCompletion> completion_; // chosen by caps_.streams
+  std::mutex mutex_;                            // the coalescing block's state
   std::atomic<bool> connected_{false};
   bool coalescing_ = false;
   struct Held {
