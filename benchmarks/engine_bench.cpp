@@ -55,7 +55,7 @@ size_t key(const Args& a, const std::string& name, size_t fallback) {
 }
 
 void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
-  EngineConfig c = hsdp::Config().engineConfig(a.ranks, std::chrono::seconds(60));
+  EngineConfig c = engineConfigFor(hsdp::Config(), a.ranks, std::chrono::seconds(60));
   auto micros = [&](const char* name, std::chrono::nanoseconds& field) {
     if (a.keys.count(name) != 0) {
       field = std::chrono::microseconds(a.keys.at(name));

@@ -33,7 +33,7 @@ ShmOptions shmOptionsOf(
       break;
   }
   shm.slotBytes = static_cast<size_t>(config.slotBytes);
-  shm.engine = config.engineConfig(size, groupTimeout);
+  shm.engine = shm::engineConfigFor(config, size, groupTimeout);
   shm.hostIdentity = hostIdentity;
   return shm;
 }

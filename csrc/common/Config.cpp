@@ -1,7 +1,5 @@
 #include "common/Config.hpp"
 
-#include "shm/Engine.hpp"
-
 #include <fstream>
 #include <stdexcept>
 #include <string>
@@ -80,24 +78,6 @@ size_t Config::streamStoreBytesFor(int groupSize) const {
   static const size_t cache = lastLevelCacheBytes();
   const size_t ranks = static_cast<size_t>(std::max(groupSize, 1));
   return cache / (ranks * (ranks + 1));
-}
-
-shm::EngineConfig
-Config::engineConfig(int groupSize, std::chrono::milliseconds groupTimeout) const {
-  shm::EngineConfig e;
-  e.timeout = engineTimeout(groupTimeout);
-  e.spin = spin(groupSize);
-  e.yield = std::chrono::microseconds(yieldUs);
-  e.oneShotBytes = static_cast<size_t>(oneShotBytes);
-  // Set, one threshold serves both paths (0 turns both off); auto, the pool's
-  // is fixed and the ordinary buffers' provisional until the group measures
-  // its own.
-  e.pooledReadBytes = pooledReadBytes();
-  e.directReadBytes = e.pooledReadBytes;
-  e.measureDirectReadBytes = !directReadBytes.has_value();
-  e.directAllReduceBytes = static_cast<size_t>(directAllReduceBytes);
-  e.streamStoreBytes = streamStoreBytesFor(groupSize);
-  return e;
 }
 
 std::chrono::milliseconds Config::engineTimeout(std::chrono::milliseconds groupTimeout) const {

@@ -17,10 +17,6 @@
 
 namespace hsdp {
 
-namespace shm {
-struct EngineConfig;
-} // namespace shm
-
 struct Config {
   enum class Engine { Auto, Shm, Gloo };
 
@@ -42,11 +38,10 @@ struct Config {
   // (shm/Crossover.hpp).
   std::optional<int64_t> directReadBytes;
   static constexpr int64_t kPooledReadBytes = 8 << 10;
-  // Measured on cache-line-aligned buffers, as torch allocates them (the
-  // direct path is about a third slower on them than on buffers 16 bytes
-  // into a line, where an earlier 256 KiB was chosen): 2 ranks, slots /
-  // direct, 1 MiB 136-143 / 146-158 us, 1.25 MiB 194-197 / 166-169 us
-  // (benchmarks/engine_bench.cpp).
+  // Where the direct path overtakes the slots on cache-line-aligned buffers,
+  // as torch allocates them (on buffers 16 bytes into a line it overtakes
+  // them sooner: an earlier 256 KiB was measured so), docs/results/
+  // cpu-performance-2026-11.md, "The engine's constants".
   int64_t directAllReduceBytes = 1152 << 10;
   // Reduce-scatters whose output per rank is at least this many bytes write
   // it around the cache (shm::Store::Streaming); unset: auto (see
@@ -89,10 +84,6 @@ struct Config {
   // The largest cache cpu0 shares, from sysfs (what a VM's guest really
   // shares; sysconf can report the whole host's); 0 if unknown.
   static size_t lastLevelCacheBytes();
-  // The shared-memory engine's settings for a group of `groupSize` ranks
-  // whose c10d timeout is `groupTimeout`: the one mapping from this table
-  // to them.
-  shm::EngineConfig engineConfig(int groupSize, std::chrono::milliseconds groupTimeout) const;
   std::chrono::milliseconds engineTimeout(std::chrono::milliseconds groupTimeout) const;
 
   // Throws std::invalid_argument naming the first field out of range.

@@ -8,12 +8,9 @@
 // the hypervisor: the system call pins and copies page by page, while the
 // slots' second copy reads lines the writer's core just wrote, from the
 // cache the cores share. Measured through the engine, in-place all-gathers
-// on 2 ranks: on an Intel Xeon VM direct reads won from 8 KiB (64 KiB: 5.2
-// us direct, 9.4 us through the slots); on an AMD EPYC (Zen 5) VM the slots
-// won up to 1 MiB (64 KiB: 4.1-5.1 us against 8.1-10.3 us direct), where
-// process_vm_readv moves 9-11 GB/s and a copy of lines another core just
-// wrote 35-40 GB/s. So a group measures it when it is created, instead of
-// trusting a constant measured elsewhere.
+// on 2 ranks, direct reads won from a few KiB on an Intel Xeon VM and lost up
+// to 1 MiB on an AMD EPYC VM (docs/results/cpu-performance-2026-11.md, "The engine's constants").
+// So a group measures it when it is created, instead of trusting a constant measured elsewhere.
 
 #include "shm/FunctionRef.hpp"
 
@@ -41,12 +38,10 @@ struct ReadSample {
 // Why not further: the measurement repeats one call, so its data stays in
 // the cache, where the slots' extra copy is cheap; a call a program makes
 // meets data its compute evicted. Up to 512 KiB per rank both paths' data
-// fit the caches either way and the measurement holds (AMD EPYC VM, 2
-// ranks, through torch: the slots 1.4-1.8x faster from 64 KiB to 1 MiB, as
-// measured here); from 2 MiB it overstates the slots (measured here 2x
-// faster at 4 MiB, where through torch direct reads were level in place and
-// 1.2-1.3x faster out of place). So above the sizes measured, direct reads
-// win, as they did everywhere on the Intel VM.
+// fit the caches either way and the measurement holds; from 2 MiB it
+// overstates the slots, which through torch were level with direct reads or
+// slower (docs/results/cpu-performance-2026-11.md, "The engine's constants"). So above the sizes
+// measured, direct reads win, as they did everywhere on the Intel VM.
 size_t directReadCrossover(const std::vector<ReadSample>& samples);
 
 // The sizes per rank timeDirectReads measures: from 8 KiB by factors of 4,

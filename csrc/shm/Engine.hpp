@@ -62,6 +62,10 @@
 #include <string>
 #include <vector>
 
+namespace hsdp {
+struct Config;
+} // namespace hsdp
+
 namespace hsdp::shm {
 
 // The backend fills it from hsdp::Config (common/Config.hpp: the settings
@@ -122,6 +126,12 @@ struct EngineConfig {
   std::vector<int> groupRanks;
   int groupSize = 0;
 };
+
+// The settings of a group of `groupSize` ranks whose c10d timeout is
+// `groupTimeout`, from hsdp's configuration table (common/Config.hpp): the
+// one mapping from that table to them (EngineConfig.cpp).
+EngineConfig
+engineConfigFor(const Config& config, int groupSize, std::chrono::milliseconds groupTimeout);
 
 // Whether this process may read `pid`'s memory: reads `bytes` at `address`.
 bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes);
@@ -263,7 +273,8 @@ class Engine final : public Collectives {
     void at(Activity::State state) const;
 
     // The op's deadline, set by its first wait that does not pass at once
-    // (most small ops never need one, and a clock read is 30 ns in a VM):
+    // (most small ops never need one, and a clock read in a VM is a
+    // noticeable part of a small op):
     // the group's timeout, and any extension active then, count from there.
     std::chrono::steady_clock::time_point deadlineFrom(std::chrono::steady_clock::time_point now);
     // What deadlineFrom gave the op to wait.
@@ -287,10 +298,9 @@ class Engine final : public Collectives {
   // My pool buffer holding [p, p + bytes), if the call may read pool
   // buffers: direct reads on and `perRank` bytes a rank at least the
   // direct-read threshold (below it the pooled step's final wait for every
-  // peer costs more than the slots' copy: 2.3 against 1.4-1.9 us up to
-  // 4 KiB at 2 ranks, 2.7 against 4.8 at 8 KiB; benchmarks/engine_bench).
-  // A pure function of the call and rank 0's settings on every rank, so
-  // ranks whose buffers are pool buffers agree on trying.
+  // peer costs more than the slots' copy; docs/results/cpu-performance-2026-11.md, "The engine's
+  // constants"). A pure function of the call and rank 0's settings on every rank, so ranks whose
+  // buffers are pool buffers agree on trying.
   PoolRef pooled(const void* p, size_t bytes, size_t perRank) const;
   // Posts my pool buffer `mine` alone as the call's first step. When every
   // rank posted one, calls `use(buffers, step)` (buffers[q]: rank q's

@@ -138,10 +138,9 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   // Spin first: a peer a few microseconds behind is cheaper to wait for
   // than a futex round trip. The counters are checked after every pause:
   // polling a line the peer has not written is a hit in this core's cache,
-  // while a pause lasts 10-140 cycles by CPU (25 ns on this project's AMD
-  // EPYC machine), so checking every 64 pauses made a rank notice its peer's
-  // post 0.8 us late on average, most of an 8-byte all-reduce's handshake.
-  // No spin at all when ranks share cores (spin 0): the peer may need
+  // and checking only every few dozen pauses made a rank notice its peer's
+  // post late by most of a small all-reduce's handshake (docs/results/cpu-performance-2026-11.md,
+  // "The engine's constants"). No spin at all when ranks share cores (spin 0): the peer may need
   // this one.
   const auto waitStart = Clock::now();
   const auto spinUntil = waitStart + config_.spin;
@@ -160,11 +159,11 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
   } else if (config_.yield.count() > 0) {
     // When ranks share cores (more ranks than cores, or other processes on
     // them), the rank this one waits for may be waiting for this core: a
-    // yield hands it over at once, where a futex sleep costs a wake-up (4
-    // ranks on 2 cores: an 8-byte all_reduce 2 us instead of 30). But a
-    // process outside the group that wants the core keeps it for a whole
-    // time slice (milliseconds) after a yield; a yield that took that long
-    // says such a process is here, and yielding pauses for a while.
+    // yield hands it over at once, where a futex sleep costs a wake-up, an
+    // order of magnitude more on a small call (docs/results/cpu-performance-2026-11.md, "The
+    // engine's constants"). But a process outside the group that wants the core keeps it for a
+    // whole time slice (milliseconds) after a yield; a yield that took that long says such a
+    // process is here, and yielding pauses for a while.
     for (const auto until = Clock::now() + config_.yield;;) {
       const auto before = Clock::now();
       sched_yield();

@@ -65,12 +65,13 @@ TEST(StreamStoreSelection, SettingOrTheCacheOverTheCallsFootprint) {
     const size_t w = static_cast<size_t>(ranks);
     EXPECT_EQ(c.streamStoreBytesFor(ranks), cache / (w * (w + 1))) << ranks << " ranks";
     EXPECT_EQ(
-        c.engineConfig(ranks, std::chrono::seconds(1)).streamStoreBytes, cache / (w * (w + 1)));
+        hsdp::shm::engineConfigFor(c, ranks, std::chrono::seconds(1)).streamStoreBytes,
+        cache / (w * (w + 1)));
   }
   c.streamStoreBytes = 12345;
-  EXPECT_EQ(c.engineConfig(2, std::chrono::seconds(1)).streamStoreBytes, 12345u);
+  EXPECT_EQ(hsdp::shm::engineConfigFor(c, 2, std::chrono::seconds(1)).streamStoreBytes, 12345u);
   c.streamStoreBytes = 0;
-  EXPECT_EQ(c.engineConfig(8, std::chrono::seconds(1)).streamStoreBytes, 0u);
+  EXPECT_EQ(hsdp::shm::engineConfigFor(c, 8, std::chrono::seconds(1)).streamStoreBytes, 0u);
 }
 
 } // namespace

@@ -177,12 +177,12 @@ TEST(TimeDirectReads, TimesBothPathsUpToTheSlotAndLeavesTheEngineAsItWas) {
 // pool's fixed; set, one value serves both and nothing is measured.
 TEST(DirectReadSetting, AutoMeasuresSetServesBothPaths) {
   hsdp::Config c;
-  EngineConfig e = c.engineConfig(2, std::chrono::seconds(60));
+  EngineConfig e = engineConfigFor(c, 2, std::chrono::seconds(60));
   EXPECT_TRUE(e.measureDirectReadBytes);
   EXPECT_EQ(e.pooledReadBytes, static_cast<size_t>(hsdp::Config::kPooledReadBytes));
   for (const int64_t set : {int64_t{0}, int64_t{4096}}) {
     c.directReadBytes = set;
-    e = c.engineConfig(2, std::chrono::seconds(60));
+    e = engineConfigFor(c, 2, std::chrono::seconds(60));
     EXPECT_FALSE(e.measureDirectReadBytes);
     EXPECT_EQ(e.directReadBytes, static_cast<size_t>(set));
     EXPECT_EQ(e.pooledReadBytes, static_cast<size_t>(set));
