@@ -320,13 +320,25 @@ def coalesced_list_length_mismatch(rank, world, ref):
 def async_failure_surfaces_from_wait(rank, world, ref):
     """A collective that cannot complete (only rank 0 calls it) fails from
     wait() with an exception once the group's timeout expires: no hang, no
-    crash. The broken group is abandoned; the default group keeps working."""
+    crash. The broken group is abandoned; the default group keeps working.
+    Its backend's get_error() says so as ProcessGroupNCCL's would: TIMEOUT on
+    rank 0 on shared memory (whose wait reached its deadline) and
+    REMOTE_ERROR on the ranks that only find the segment broken; on the
+    NCCL-contract double, its own TIMEOUT (as NCCL's watchdog sets it); on
+    the inner Gloo (whose get_error() always says SUCCESS), hsdp's record of
+    rank 0's failed op (COMM_ERROR); SUCCESS where nothing failed."""
     import datetime
     import time
+
+    from hooks import engine_under_test
 
     if world == 1:
         return
     g = dist.new_group(backend="hsdp", timeout=datetime.timedelta(seconds=2))
+    be = g._get_backend(torch.device("cpu"))
+    errors = torch._C._distributed_c10d.ErrorType if hasattr(be, "get_error") else None
+    if errors is not None:
+        assert be.get_error() == errors.SUCCESS, be.get_error()
     if rank == 0:
         work = dist.all_reduce(torch.ones(4), op=dist.ReduceOp.AVG, group=g, async_op=True)
         start = time.monotonic()
@@ -334,6 +346,13 @@ def async_failure_surfaces_from_wait(rank, world, ref):
         assert time.monotonic() - start < 30
         assert work.is_completed()
     dist.barrier(group=ref)
+    if errors is not None:
+        engine = engine_under_test()
+        if rank == 0:
+            want = errors.COMM_ERROR if engine == "gloo" else errors.TIMEOUT
+        else:
+            want = errors.REMOTE_ERROR if engine == "shm" else errors.SUCCESS
+        assert be.get_error() == want, f"rank {rank}: get_error() {be.get_error()}, expected {want}"
     still_usable(rank, world)
 
 

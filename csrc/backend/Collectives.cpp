@@ -786,6 +786,20 @@ void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device,
   }
 }
 
+WorkPtr ProcessGroupHSDP::allreduce_sparse(
+    std::vector<at::Tensor>& tensors,
+    const c10d::AllreduceOptions& opts) {
+  auto call = begin("all_reduce", OpType::ALLREDUCE, opts.asyncOp, opts.timeout);
+  checkNotEmpty(call.ctx, tensors);
+  auto& r = inner(call, tensors[0]);
+  return forward(
+      call,
+      r,
+      bytesOf(tensors),
+      [&](auto& b) { return b.allreduce_sparse(tensors, opts); },
+      completes(tensors));
+}
+
 void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   stats_.record("monitored_barrier", 1, 0);
   cpu_->backend().monitoredBarrier(opts, waitAllRanks);

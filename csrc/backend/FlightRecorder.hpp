@@ -83,6 +83,11 @@ class FlightRecorder {
   // first failure is the one that explains the rest), then the abort hooks,
   // once per op. Returns the path of that dump.
   std::string failed(uint64_t seq, const std::string& reason);
+  // Whether an op of the group has failed on this rank.
+  bool anyFailed() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return failureDumped_;
+  }
   AbortHooks& abortHooks() {
     return abortHooks_;
   }
@@ -114,7 +119,7 @@ class FlightRecorder {
   const int rank_;
   const int size_;
   const TraceOptions options_;
-  std::mutex mutex_;
+  mutable std::mutex mutex_;
   std::vector<Entry> ring_;
   std::string group_ = "unnamed";
   std::function<std::string()> snapshot_;

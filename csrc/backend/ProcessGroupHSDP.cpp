@@ -353,6 +353,54 @@ void ProcessGroupHSDP::unregisterAbortHook(int64_t hookId) {
 }
 #endif
 
+c10d::ErrorType ProcessGroupHSDP::getError() {
+  if (engine_) {
+    switch (engine_->failure()) {
+      case shm::Engine::Failure::Timeout:
+        return c10d::ErrorType::TIMEOUT;
+      case shm::Engine::Failure::Local:
+        return c10d::ErrorType::COMM_ERROR;
+      case shm::Engine::Failure::Remote:
+        return c10d::ErrorType::REMOTE_ERROR;
+      case shm::Engine::Failure::None:
+        break;
+    }
+  }
+  for (auto* r : {cuda_.get(), cpu_.get()}) {
+    if (r) {
+      if (const auto e = r->backend().getError(); e != c10d::ErrorType::SUCCESS) {
+        return e;
+      }
+    }
+  }
+  return trace_->anyFailed() ? c10d::ErrorType::COMM_ERROR : c10d::ErrorType::SUCCESS;
+}
+
+#if HSDP_TORCH_HAS_SUSPEND
+namespace {
+c10d::Backend& innerNccl(const std::unique_ptr<InnerRoute>& cuda, const OpContext& c) {
+  HSDP_CHECK(
+      cuda,
+      c,
+      "this process group was created without CUDA (no GPU was visible to torch when it was "
+      "created): it holds no device memory of NCCL's to suspend, resume or report");
+  return cuda->backend();
+}
+} // namespace
+
+void ProcessGroupHSDP::suspend() {
+  innerNccl(cuda_, ctx("suspend")).suspend();
+}
+
+void ProcessGroupHSDP::resume() {
+  innerNccl(cuda_, ctx("resume")).resume();
+}
+
+std::unordered_map<std::string, uint64_t> ProcessGroupHSDP::getMemoryStats() {
+  return innerNccl(cuda_, ctx("get_memory_stats")).getMemoryStats();
+}
+#endif
+
 void ProcessGroupHSDP::abort() {
   // Before the group goes: a hook may still read it.
   trace_->runAbortHooks();

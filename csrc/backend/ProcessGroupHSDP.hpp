@@ -137,6 +137,19 @@ class ProcessGroupHSDP final : public c10d::Backend {
     return true;
   }
 #endif
+  // The first failure this rank saw on the group, as ProcessGroupNCCL
+  // reports its own: TIMEOUT (a shared-memory wait's deadline), REMOTE_ERROR
+  // (another rank's failure broke the shared-memory group), COMM_ERROR
+  // (another failure of an op of the group on this rank, on any route), or
+  // what an inner backend says (NCCL's own; Gloo always says SUCCESS).
+  c10d::ErrorType getError() override;
+#if HSDP_TORCH_HAS_SUSPEND
+  // The inner NCCL's: a group without CUDA holds no device memory to
+  // release, and refuses naming that.
+  void suspend() override;
+  void resume() override;
+  std::unordered_map<std::string, uint64_t> getMemoryStats() override;
+#endif
   // Runs the abort hooks, then ends every pending wait with an error.
   void abort() override;
   // Drops the abort hooks, then leaves the group.
@@ -218,6 +231,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
+  // c10d calls it for sparse CUDA tensors only (a sparse CPU tensor's
+  // all-reduce reaches allreduce): the inner backend of the tensors' device.
+  c10::intrusive_ptr<c10d::Work>
+  allreduce_sparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override;
 
   // hsdp's own API (bound in bindings.cpp).
 

@@ -44,6 +44,9 @@
 // (C10D_BACKEND_HAS_HOOKS); 2.15: supportsAbortHooks, which says they are honoured.
 #define HSDP_TORCH_HAS_ABORT_HOOKS HSDP_TORCH_AT_LEAST(2, 14)
 #define HSDP_TORCH_HAS_SUPPORTS_ABORT_HOOKS HSDP_TORCH_AT_LEAST(2, 15)
+// 2.12: Backend::suspend / resume / getMemoryStats (ProcessGroupNCCL's
+// communicators' device memory, released and taken back).
+#define HSDP_TORCH_HAS_SUSPEND HSDP_TORCH_AT_LEAST(2, 12)
 // 2.14: ProcessGroupNCCL hands NCCL a bf16 PREMUL_SUM's factor intact.
 // Before (2.11.0, 2.12.x, 2.13.0, read from their libtorch_cuda.so:
 // docs/versions.md) getNcclReduceOp built it with `unpackPreMulSum<float,

@@ -234,12 +234,24 @@ std::string Engine::brokenBy() const {
 }
 
 void Engine::abort(const std::string& why) {
+  int none = static_cast<int>(Failure::None);
+  failedHere_.compare_exchange_strong(none, static_cast<int>(Failure::Local));
   markBroken(prefix("abort") + why);
 }
 
-void Engine::fail(const OpState& op, const std::string& what) {
+void Engine::fail(const OpState& op, const std::string& what, Failure kind) {
+  int none = static_cast<int>(Failure::None);
+  failedHere_.compare_exchange_strong(none, static_cast<int>(kind));
   markBroken(prefix(op.name) + what);
   throw CommError(prefix(op.name) + what);
+}
+
+Engine::Failure Engine::failure() const {
+  if (const auto here = static_cast<Failure>(failedHere_.load()); here != Failure::None) {
+    return here;
+  }
+  return segment_.header().brokenBy.load(std::memory_order_acquire) != 0 ? Failure::Remote
+                                                                         : Failure::None;
 }
 
 bool Engine::checkSignatures(const OpState& op, uint64_t step) {

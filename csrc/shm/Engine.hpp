@@ -240,6 +240,13 @@ class Engine final : public Collectives {
   // their deadline. For abort, and for a rank that leaves the group.
   void abort(const std::string& why);
 
+  // How the group failed, as this rank sees it: not at all; by one of this
+  // rank's waits reaching its deadline; by another failure of this rank's
+  // (a dead or mismatched peer it found, an abort); or broken by another
+  // rank only.
+  enum class Failure { None, Timeout, Local, Remote };
+  Failure failure() const;
+
  private:
   // Named in messages by detail::kKindNames (same values).
   enum class Kind : uint32_t {
@@ -328,7 +335,7 @@ class Engine final : public Collectives {
   // Fails the op unless every rank's signature for `step` matches mine;
   // returns whether any rank posted a pool buffer (pooledStep).
   bool checkSignatures(const OpState& op, uint64_t step);
-  [[noreturn]] void fail(const OpState& op, const std::string& what);
+  [[noreturn]] void fail(const OpState& op, const std::string& what, Failure kind = Failure::Local);
   // Records the first failure of the group (later ones keep the first).
   void markBroken(const std::string& reason);
   // "rank r failed: reason" once the group is broken, else empty.
@@ -378,6 +385,8 @@ class Engine final : public Collectives {
   const int size_;
   const EngineConfig config_;
   std::shared_ptr<const std::atomic<int64_t>> timeoutExtensionMs_;
+  // This rank's own failure (Failure), the first one: failure() reads it.
+  std::atomic<int> failedHere_{static_cast<int>(Failure::None)};
   uint64_t step_ = 0;      // last step this rank finished
   uint64_t posted_ = 0;    // last step this rank posted
   uint64_t doneByAll_ = 0; // every rank's `done` was at least this when last read

@@ -215,7 +215,8 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
             "Timed out after " + std::to_string(op.timeout.count()) + " ms waiting for " +
                 rankName(laggard) + " (it has not reached step " + std::to_string(target) +
                 " of the group; is it stuck, or did it call a different collective?). " +
-                whereEveryRankIs());
+                whereEveryRankIs(),
+            Failure::Timeout);
       }
       futexWait(&h.wakeSeq, seq, std::min<std::chrono::nanoseconds>(kSlice, deadline - now));
     }

@@ -45,7 +45,11 @@ std::exception_ptr distError(const std::string& message) {
 //     looked (WorkNCCL::checkAndSetException), exception() alone does not;
 //   * wait(timeout) that expires aborts the communicator and throws NCCL's
 //     message ("... ran for N milliseconds before timing out"); the Work
-//     has failed for good.
+//     has failed for good;
+//   * the group's getError() is the first failure any of its Works met, as
+//     the watchdog sets it (ProcessGroupNCCL::Watchdog::runLoop: an op past
+//     its timeout TIMEOUT, another failure COMM_ERROR). An op of the inner
+//     Gloo that fails on its timeout stands for one the watchdog times out.
 class DeferredWork final : public c10d::Work {
  public:
   DeferredWork(
@@ -55,13 +59,15 @@ class DeferredWork final : public c10d::Work {
       std::function<void()> land,
       std::vector<at::Tensor> outputs,
       std::string failure,
-      std::function<void()> abortComm)
+      std::function<void()> abortComm,
+      std::shared_ptr<std::atomic<int>> commError = nullptr)
       : Work(rank, type),
         inners_(std::move(inners)),
         land_(std::move(land)),
         outputs_(std::move(outputs)),
         failure_(std::move(failure)),
         abortComm_(std::move(abortComm)),
+        commError_(std::move(commError)),
         future_(c10::make_intrusive<c10::ivalue::Future>(
             c10::ListType::create(c10::TensorType::get()))) {}
 
@@ -123,6 +129,7 @@ class DeferredWork final : public c10d::Work {
       landing_ = true;
       lock.unlock();
       std::exception_ptr error;
+      auto kind = c10d::ErrorType::COMM_ERROR;
       const auto start = std::chrono::steady_clock::now();
       try {
         for (const auto& w : inners_) {
@@ -134,24 +141,37 @@ class DeferredWork final : public c10d::Work {
         if (!failure_.empty()) {
           error = distError(failure_);
         }
-      } catch (...) {
-        error = timeout == kNoTimeout ? std::current_exception() : timedOut(start);
+      } catch (const std::exception& e) {
+        if (timeout == kNoTimeout) {
+          error = std::current_exception();
+          if (std::string(e.what()).find("Timed out") != std::string::npos) {
+            kind = c10d::ErrorType::TIMEOUT;
+          }
+        } else {
+          error = timedOut(start);
+          kind = c10d::ErrorType::TIMEOUT;
+        }
       }
       lock.lock();
-      landed(error);
+      landed(error, kind);
       lock.unlock();
       future_->markCompleted(c10::IValue(outputs_)); // outside the lock: callbacks
       lock.lock();
     } else if (timeout == kNoTimeout) {
       landed_cv_.wait(lock, [&] { return landed_; });
     } else if (!landed_cv_.wait_for(lock, timeout, [&] { return landed_; })) {
-      landed(timedOut(std::chrono::steady_clock::now() - timeout));
+      landed(timedOut(std::chrono::steady_clock::now() - timeout), c10d::ErrorType::TIMEOUT);
     }
   }
 
-  // Under the lock. The first outcome is final.
-  void landed(std::exception_ptr error) {
+  // Under the lock. The first outcome is final; the group keeps the first
+  // failure of any of its Works.
+  void landed(std::exception_ptr error, c10d::ErrorType kind) {
     if (!landed_) {
+      if (error && commError_) {
+        int none = static_cast<int>(c10d::ErrorType::SUCCESS);
+        commError_->compare_exchange_strong(none, static_cast<int>(kind));
+      }
       error_ = std::move(error);
       landed_ = true;
       landed_cv_.notify_all();
@@ -183,7 +203,8 @@ class DeferredWork final : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::string failure_;
   std::function<void()> abortComm_;
-  std::exception_ptr error_; // set once landed_, never changed after
+  std::shared_ptr<std::atomic<int>> commError_; // the group's getError()
+  std::exception_ptr error_;                    // set once landed_, never changed after
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
@@ -506,7 +527,14 @@ WorkPtr NcclContractBackend::run(
     value.clear();
   }
   auto work = c10::make_intrusive<DeferredWork>(
-      rank_, type, std::move(works), std::move(land), value, std::move(failure), abortComm());
+      rank_,
+      type,
+      std::move(works),
+      std::move(land),
+      value,
+      std::move(failure),
+      abortComm(),
+      commError_);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (coalescing_) {
@@ -585,7 +613,8 @@ WorkPtr NcclContractBackend::endCoalescing() {
       [stashed = std::move(stashed)] {},
       std::vector<at::Tensor>{},
       "",
-      abortComm());
+      abortComm(),
+      commError_);
   if (!asyncOp) {
     block->wait();
     return {};

@@ -17,6 +17,8 @@
 //     that does not order itself after the Work reads stale data;
 //   * failures reach a Work only through isCompleted() or wait(); a bounded
 //     wait() that expires aborts the communicator and throws NCCL's message;
+//     getError() is the first failure of any of the group's Works (TIMEOUT
+//     for an op past its timeout, else COMM_ERROR), as the watchdog sets it;
 //   * between startCoalescing and endCoalescing an async call returns a Work
 //     that orders after nothing (complete future, wait() returns at once);
 //     nothing lands before endCoalescing's Work is waited for, and that
@@ -57,6 +59,7 @@
 
 #include <atomic>
 #include <functional>
+#include <memory>
 #include <mutex>
 
 namespace hsdp::testing {
@@ -221,6 +224,10 @@ class NcclContractBackend final : public c10d::Backend {
 
   // The next op's Work fails with `message` (the op still runs, so the
   // ranks stay in step).
+  // The first failure any of its Works met (DeferredWork, NcclContractBackend.cpp).
+  c10d::ErrorType getError() override {
+    return static_cast<c10d::ErrorType>(commError_->load());
+  }
   void failNext(const std::string& message);
   // "op:REDUCTION" for every reduction received, in order ("all_reduce:AVG").
   std::vector<std::string> receivedReductions();
@@ -267,6 +274,8 @@ class NcclContractBackend final : public c10d::Backend {
   std::vector<WorkPtr> held_; // calls made while coalescing
   bool heldAsync_ = false;
   std::vector<at::Tensor> stashed_; // the block's async calls' tensors
+  std::shared_ptr<std::atomic<int>> commError_ =
+      std::make_shared<std::atomic<int>>(static_cast<int>(c10d::ErrorType::SUCCESS));
   std::string failNext_;
   std::vector<std::string> received_;
   std::atomic<int64_t> allocations_{0};

@@ -102,6 +102,31 @@ class FakeInner : public c10d::Backend {
     return std::shared_ptr<c10::Allocator>(c10::GetCPUAllocator(), [](c10::Allocator*) {});
   }
 
+  // What getError() answers; suspend/resume/getMemoryStats and
+  // allreduce_sparse are recorded.
+  c10d::ErrorType error = c10d::ErrorType::SUCCESS;
+  bool failNext = false; // the next allreduce raises
+  c10d::ErrorType getError() override {
+    return error;
+  }
+#if HSDP_TORCH_HAS_SUSPEND
+  void suspend() override {
+    calls.push_back("suspend");
+  }
+  void resume() override {
+    calls.push_back("resume");
+  }
+  std::unordered_map<std::string, uint64_t> getMemoryStats() override {
+    calls.push_back("getMemoryStats");
+    return {{"bytes", 42}};
+  }
+#endif
+  c10::intrusive_ptr<c10d::Work>
+  allreduce_sparse(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
+    record("allreduce_sparse", o.reduceOp, ts);
+    return c10::make_intrusive<DoneWork>(ts);
+  }
+
   // What the other ranks contribute to a MAX all-reduce (none: the same).
   std::function<void(at::Tensor&)> peersMax;
 
@@ -139,6 +164,10 @@ class FakeInner : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work>
   allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
+    if (failNext) {
+      failNext = false;
+      TORCH_CHECK(false, "the fake's all-reduce fails");
+    }
     received = ts;
     receivedTimeout = o.timeout;
     auto work = reduceAll("allreduce", ts, o.reduceOp);
@@ -861,6 +890,65 @@ TEST(Buffers, ADeviceWithoutAnIndexIsServedOnlyWhereCpuAndCudaBothAllocate) {
   g.cpu->allocates = false;
   EXPECT_FALSE(g.pg->supportsTensorAlloc(-1));
 }
+
+// getError: an inner backend's error (NCCL's own) first, then hsdp's record
+// of a failed op (Gloo's getError always says SUCCESS).
+TEST(Backend, GetErrorIsTheInnerBackendsElseWhetherAnOpFailedHere) {
+  CudaGroup g;
+  EXPECT_EQ(g.pg->getError(), c10d::ErrorType::SUCCESS);
+  g.cuda->error = c10d::ErrorType::TIMEOUT;
+  EXPECT_EQ(g.pg->getError(), c10d::ErrorType::TIMEOUT);
+  g.cuda->error = c10d::ErrorType::SUCCESS;
+  g.cpu->error = c10d::ErrorType::REMOTE_ERROR;
+  EXPECT_EQ(g.pg->getError(), c10d::ErrorType::REMOTE_ERROR);
+  g.cpu->error = c10d::ErrorType::SUCCESS;
+
+  Group failing(kPacking);
+  failing.fake->failNext = true; // the inner all-reduce raises
+  at::Tensor t = at::ones({4});
+  std::vector<at::Tensor> ts{t};
+  EXPECT_ANY_THROW(waitFor(failing.pg->allreduce(ts, c10d::AllreduceOptions{})));
+  EXPECT_EQ(failing.pg->getError(), c10d::ErrorType::COMM_ERROR);
+}
+
+// A sparse CUDA all-reduce (the only kind c10d sends to allreduce_sparse)
+// goes to the inner backend of the tensors' device, as it is.
+TEST(Backend, AllreduceSparseGoesToTheInnerBackendOfTheDevice) {
+  CudaGroup g;
+  at::Tensor t = at::ones({4}).to_sparse();
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions o;
+  waitFor(g.pg->allreduce_sparse(ts, o));
+  EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"allreduce_sparse SUM x1"}));
+  EXPECT_TRUE(g.cuda->calls.empty());
+}
+
+#if HSDP_TORCH_HAS_SUSPEND
+// suspend / resume / getMemoryStats are the inner NCCL's; a group without
+// CUDA refuses them, naming the rank, the op and why.
+TEST(Backend, SuspendResumeAndMemoryStatsAreTheInnerNcclsOrRefused) {
+  CudaGroup g;
+  g.pg->suspend();
+  g.pg->resume();
+  EXPECT_EQ(g.pg->getMemoryStats().at("bytes"), 42u);
+  EXPECT_EQ(g.cuda->calls, (std::vector<std::string>{"suspend", "resume", "getMemoryStats"}));
+  EXPECT_TRUE(g.cpu->calls.empty());
+
+  Group cpuOnly(kNative);
+  try {
+    cpuOnly.pg->suspend();
+    FAIL() << "a group without CUDA suspended";
+  } catch (const c10::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(
+        what.find("[rank 1/4] suspend: this process group was created without CUDA"),
+        std::string::npos)
+        << what;
+    EXPECT_NE(what.find("no device memory of NCCL's"), std::string::npos) << what;
+  }
+  EXPECT_ANY_THROW(cpuOnly.pg->getMemoryStats());
+}
+#endif
 
 TEST(Buffers, ARouteWithoutBuffersRefusesNamingTheRankAndTheOp) {
   Group g(kPacking);

@@ -459,6 +459,46 @@ TEST(EngineFailures, ARankThatNeverArrivesIsNamedAtTheDeadline) {
   EXPECT_LT(took, std::chrono::seconds(10));
 }
 
+// What getError() reports (ProcessGroupNCCL's meaning): the rank whose wait
+// reached its deadline says TIMEOUT; a rank that only found the group broken
+// says another rank broke it; one that found a mismatch says its own failure.
+TEST(EngineFailures, EachRankSaysHowTheGroupFailed) {
+  Group g(3, testConfig(std::chrono::milliseconds(300)), false);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(g.engine(r).failure(), Engine::Failure::None);
+  }
+  g.run([](Engine& e) {
+    if (e.rank() != 2) {
+      e.barrier("barrier");
+    }
+  });
+  int timedOut = 0;
+  for (int r : {0, 1}) {
+    const auto f = g.engine(r).failure();
+    EXPECT_TRUE(f == Engine::Failure::Timeout || f == Engine::Failure::Remote) << r;
+    timedOut += f == Engine::Failure::Timeout;
+  }
+  EXPECT_GE(timedOut, 1); // the first to reach its deadline; the other may be woken by it
+  EXPECT_EQ(g.engine(2).failure(), Engine::Failure::Remote);
+
+  Group mismatch(2, testConfig(), false);
+  mismatch.run([](Engine& e) {
+    float x[4] = {1, 2, 3, 4};
+    if (e.rank() == 0) {
+      e.barrier("barrier");
+    } else {
+      e.allReduce("all_reduce", x, 4, DType::F32, RedOp::Sum, Scale{});
+    }
+  });
+  int found = 0;
+  for (int r : {0, 1}) {
+    const auto f = mismatch.engine(r).failure();
+    EXPECT_TRUE(f == Engine::Failure::Local || f == Engine::Failure::Remote) << r;
+    found += f == Engine::Failure::Local;
+  }
+  EXPECT_GE(found, 1); // a rank that found the mismatch; the other may have too
+}
+
 TEST(EngineFailures, ATimeoutSaysWhereEveryRankIs) {
   // Rank 2 returns to its caller after collective #811 and never calls #812.
   Group g(3, testConfig(std::chrono::milliseconds(300)), false);

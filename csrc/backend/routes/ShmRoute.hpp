@@ -76,6 +76,10 @@ class ShmRoute final : public Route {
   void leave(const std::string& why);
   // Fails this host's ranks at once; inter-host peers see this rank's
   // Gloo group fail when the process leaves or at their deadline.
+  // How the shared-memory group failed, as this rank sees it.
+  shm::Engine::Failure failure() const {
+    return local_->failure();
+  }
   void abort(const std::string& why) {
     local_->abort(why);
   }
