@@ -74,6 +74,41 @@ Route& ProcessGroupHSDP::shmOr(InnerRoute& inner, bool shmServes) {
   return shmServes ? static_cast<Route&>(*engine_) : inner;
 }
 
+ProcessGroupHSDP::RoutedReduction ProcessGroupHSDP::routeReduction(
+    const Call& call,
+    InnerRoute& inner,
+    bool shmServesTensors,
+    const c10d::ReduceOp& op,
+    const at::TensorOptions& options,
+    int contributions,
+    double divideBy) {
+  if (shmServesTensors) {
+    auto reduce =
+        planReduce(call.ctx, op, options, contributions, divideBy, engine_->scalesNatively());
+    if (engine_->serves(reduce, options.dtype().toScalarType())) {
+      return {*engine_, std::move(reduce)};
+    }
+  }
+  return {
+      inner, planReduce(call.ctx, op, options, contributions, divideBy, inner.scalesNatively())};
+}
+
+ProcessGroupHSDP::RoutedGroups ProcessGroupHSDP::routeGroups(
+    const Call& call,
+    InnerRoute& inner,
+    bool shmServesTensors,
+    const std::vector<at::Tensor>& tensors,
+    const c10d::ReduceOp& op,
+    double divideBy) {
+  if (shmServesTensors) {
+    auto groups = groupByDtype(call.ctx, tensors, op, size_, divideBy, engine_->scalesNatively());
+    if (shmServes(tensors, groups)) {
+      return {*engine_, std::move(groups)};
+    }
+  }
+  return {inner, groupByDtype(call.ctx, tensors, op, size_, divideBy, inner.scalesNatively())};
+}
+
 TracedCall
 ProcessGroupHSDP::record(Call& call, uint64_t collectives, uint64_t bytes, const Route& route) {
   checkUsable(call.ctx);
@@ -241,9 +276,9 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
   auto& r = inner(call, tensors[0]);
   // AVG averages every contribution: all tensors of all ranks.
   const int contributions = size_ * static_cast<int>(tensors.size());
-  auto reduce = planReduce(
-      call.ctx, opts.reduceOp, tensors[0].options(), contributions, divideBy, r.scalesNatively());
   if (!oneDense(tensors)) {
+    auto reduce = planReduce(
+        call.ctx, opts.reduceOp, tensors[0].options(), contributions, divideBy, r.scalesNatively());
     c10d::AllreduceOptions innerOpts = opts;
     innerOpts.reduceOp = reduce.innerOp;
     return forward(
@@ -253,9 +288,10 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
         [&](auto& b) { return b.allreduce(tensors, innerOpts); },
         completes(tensors, scaleAfter(reduce, tensors), tensors));
   }
-  const bool shm = shmServes(tensors) && engine_->serves(reduce, tensors[0].scalar_type());
-  auto plan = planInPlace(Kind::AllReduce, tensors[0], std::move(reduce));
-  return issue(call, shmOr(r, shm), std::move(plan), bytesOf(tensors));
+  auto routed = routeReduction(
+      call, r, shmServes(tensors), opts.reduceOp, tensors[0].options(), contributions, divideBy);
+  auto plan = planInPlace(Kind::AllReduce, tensors[0], std::move(routed.reduce));
+  return issue(call, routed.route, std::move(plan), bytesOf(tensors));
 }
 
 WorkPtr ProcessGroupHSDP::allreduceBucketed(
@@ -277,10 +313,9 @@ WorkPtr ProcessGroupHSDP::allreduceBucketed(
         "sparse tensors are not supported here; all_reduce serves them, one tensor per call");
     checkSameDevice(call.ctx, tensors[0], t, "a tensor");
   }
-  auto groups = groupByDtype(call.ctx, tensors, op, size_, divideBy, r.scalesNatively());
-  auto& route = shmOr(r, shmServes(tensors, groups));
-  auto plan = planAllReduceBuckets(tensors, groups, bucketBytes, route, staging_);
-  return issue(call, route, std::move(plan), bytesOf(tensors));
+  auto routed = routeGroups(call, r, shmServes(tensors), tensors, op, divideBy);
+  auto plan = planAllReduceBuckets(tensors, routed.groups, bucketBytes, routed.route, staging_);
+  return issue(call, routed.route, std::move(plan), bytesOf(tensors));
 }
 
 WorkPtr ProcessGroupHSDP::allreduce_coalesced(
@@ -491,12 +526,17 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
     checkNumel(call.ctx, inputs[0][rank_], outputs[0].numel(), "this rank's input tensor");
   }
   auto& r = inner(call, outputs[0]);
-  const auto dtype = outputs[0].scalar_type();
-  auto reduce =
-      planReduce(call.ctx, opts.reduceOp, outputs[0].options(), size_, 1.0, r.scalesNatively());
-  if (even && shmServes(outputs) && shmServes(inputs[0]) && engine_->serves(reduce, dtype)) {
+  auto routed = routeReduction(
+      call,
+      r,
+      even && shmServes(outputs) && shmServes(inputs[0]),
+      opts.reduceOp,
+      outputs[0].options(),
+      size_);
+  auto& reduce = routed.reduce;
+  if (&routed.route != static_cast<Route*>(&r)) { // the engine's equal pieces
     auto plan = planReduceScatterFromList(inputs[0], outputs[0], std::move(reduce));
-    return issue(call, *engine_, std::move(plan), bytesOf(inputs[0]));
+    return issue(call, routed.route, std::move(plan), bytesOf(inputs[0]));
   }
   c10d::ReduceScatterOptions innerOpts = opts;
   innerOpts.reduceOp = reduce.innerOp;
@@ -539,12 +579,10 @@ WorkPtr ProcessGroupHSDP::reduceScatterImpl(
   checkNumel(call.ctx, input, output.numel() * size_, "the input (world size x output)");
   checkContiguous(call.ctx, input, "the input");
   auto& r = inner(call, input);
-  const auto dtype = input.scalar_type();
-  auto reduce =
-      planReduce(call.ctx, opts.reduceOp, input.options(), size_, divideBy, r.scalesNatively());
-  const bool shm = shmServes({input, output}) && engine_->serves(reduce, dtype);
-  auto plan = planReduceScatter(input, output, std::move(reduce));
-  return issue(call, shmOr(r, shm), std::move(plan), bytesOf(input));
+  auto routed = routeReduction(
+      call, r, shmServes({input, output}), opts.reduceOp, input.options(), size_, divideBy);
+  auto plan = planReduceScatter(input, output, std::move(routed.reduce));
+  return issue(call, routed.route, std::move(plan), bytesOf(input));
 }
 
 WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
@@ -561,10 +599,11 @@ WorkPtr ProcessGroupHSDP::reduce_scatter_tensor_coalesced(
     checkSameDevice(call.ctx, inputs[0], t, "an input");
   }
   auto& r = inner(call, inputs[0]);
-  auto groups = groupByDtype(call.ctx, inputs, opts.reduceOp, size_, 1.0, r.scalesNatively());
-  auto& route = shmOr(r, shmServes(inputs, groups) && shmServes(outputs));
-  auto plan = planReduceScatterCoalesced(inputs, outputs, groups, route, size_, staging_);
-  return issue(call, route, std::move(plan), bytesOf(inputs));
+  auto routed = routeGroups(
+      call, r, shmServes(inputs) && shmServes(outputs), inputs, opts.reduceOp, /*divideBy=*/1.0);
+  auto plan =
+      planReduceScatterCoalesced(inputs, outputs, routed.groups, routed.route, size_, staging_);
+  return issue(call, routed.route, std::move(plan), bytesOf(inputs));
 }
 
 WorkPtr ProcessGroupHSDP::alltoall_base(
@@ -749,10 +788,10 @@ void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device,
   auto flags = at::tensor(
       {(device || required) && !connected ? 1 : 0, connected ? 1 : 0, connected ? 0 : 1}, at::kInt);
   std::vector<at::Tensor> tensors{flags};
-  auto reduce = planReduce(call.ctx, c10d::ReduceOp::MAX, flags.options(), size_);
-  const bool shm = shmServes(tensors) && engine_->serves(reduce, at::kInt);
-  auto& route = shmOr(*cpu_, shm);
-  if (auto work = issue(call, route, planInPlace(Kind::AllReduce, flags, std::move(reduce)), 0)) {
+  auto routed =
+      routeReduction(call, *cpu_, shmServes(tensors), c10d::ReduceOp::MAX, flags.options(), size_);
+  auto plan = planInPlace(Kind::AllReduce, flags, std::move(routed.reduce));
+  if (auto work = issue(call, routed.route, std::move(plan), 0)) {
     work->wait();
   }
   const bool someWant = flags[0].item<int>() != 0;

@@ -325,6 +325,33 @@ class ProcessGroupHSDP final : public c10d::Backend {
   shmServes(const std::vector<at::Tensor>& tensors, const std::vector<DtypeGroup>& groups) const;
   // The shared-memory route when it serves the call, else `inner`.
   Route& shmOr(InnerRoute& inner, bool shmServes);
+  // A reduction's route, chosen before the reduction is planned for it: the
+  // shared-memory route when it serves the tensors (`shmServesTensors`) and
+  // the reduction as planned for it, else `inner`, with the reduction (or
+  // one per dtype group) planned for the route chosen.
+  struct RoutedReduction {
+    Route& route;
+    ReducePlan reduce;
+  };
+  RoutedReduction routeReduction(
+      const Call& call,
+      InnerRoute& inner,
+      bool shmServesTensors,
+      const c10d::ReduceOp& op,
+      const at::TensorOptions& options,
+      int contributions,
+      double divideBy = 1.0);
+  struct RoutedGroups {
+    Route& route;
+    std::vector<DtypeGroup> groups;
+  };
+  RoutedGroups routeGroups(
+      const Call& call,
+      InnerRoute& inner,
+      bool shmServesTensors,
+      const std::vector<at::Tensor>& tensors,
+      const c10d::ReduceOp& op,
+      double divideBy);
   // comm_stats' counters, the sequence number and the flight-record entry
   // of one collective call.
   [[nodiscard]] TracedCall
