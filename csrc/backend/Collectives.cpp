@@ -59,19 +59,19 @@ InnerRoute& ProcessGroupHSDP::inner(Call& call, const at::Tensor& t) {
 }
 
 bool ProcessGroupHSDP::shmServes(const std::vector<at::Tensor>& tensors) const {
-  return engine_ && engine_->serves(tensors);
+  return shm_ && shm_->serves(tensors);
 }
 
 bool ProcessGroupHSDP::shmServes(
     const std::vector<at::Tensor>& tensors,
     const std::vector<DtypeGroup>& groups) const {
   return shmServes(tensors) && std::all_of(groups.begin(), groups.end(), [&](const auto& g) {
-           return engine_->serves(g.reduce, tensors[g.members[0]].scalar_type());
+           return shm_->serves(g.reduce, tensors[g.members[0]].scalar_type());
          });
 }
 
 Route& ProcessGroupHSDP::shmOr(InnerRoute& inner, bool shmServes) {
-  return shmServes ? static_cast<Route&>(*engine_) : inner;
+  return shmServes ? static_cast<Route&>(*shm_) : inner;
 }
 
 ProcessGroupHSDP::RoutedReduction ProcessGroupHSDP::routeReduction(
@@ -84,9 +84,9 @@ ProcessGroupHSDP::RoutedReduction ProcessGroupHSDP::routeReduction(
     double divideBy) {
   if (shmServesTensors) {
     auto reduce =
-        planReduce(call.ctx, op, options, contributions, divideBy, engine_->scalesNatively());
-    if (engine_->serves(reduce, options.dtype().toScalarType())) {
-      return {*engine_, std::move(reduce)};
+        planReduce(call.ctx, op, options, contributions, divideBy, shm_->scalesNatively());
+    if (shm_->serves(reduce, options.dtype().toScalarType())) {
+      return {*shm_, std::move(reduce)};
     }
   }
   return {
@@ -101,9 +101,9 @@ ProcessGroupHSDP::RoutedGroups ProcessGroupHSDP::routeGroups(
     const c10d::ReduceOp& op,
     double divideBy) {
   if (shmServesTensors) {
-    auto groups = groupByDtype(call.ctx, tensors, op, size_, divideBy, engine_->scalesNatively());
+    auto groups = groupByDtype(call.ctx, tensors, op, size_, divideBy, shm_->scalesNatively());
     if (shmServes(tensors, groups)) {
-      return {*engine_, std::move(groups)};
+      return {*shm_, std::move(groups)};
     }
   }
   return {inner, groupByDtype(call.ctx, tensors, op, size_, divideBy, inner.scalesNatively())};
@@ -136,7 +136,7 @@ WorkPtr ProcessGroupHSDP::issue(Call& call, Route& route, Plan&& plan, uint64_t 
     releaseExtensionAfter(traced.call(), {});
     throw;
   }
-  return finish(traced, std::move(done));
+  return handOver(traced, std::move(done));
 }
 
 WorkPtr ProcessGroupHSDP::forward(
@@ -153,7 +153,7 @@ WorkPtr ProcessGroupHSDP::forward(
     releaseExtensionAfter(traced.call(), {});
     throw;
   }
-  return finish(traced, route.complete(traced.call(), {work}, std::move(done)));
+  return handOver(traced, route.complete(traced.call(), {work}, std::move(done)));
 }
 
 void ProcessGroupHSDP::releaseExtensionAfter(const Call& call, const WorkPtr& work) {
@@ -174,7 +174,7 @@ void ProcessGroupHSDP::releaseExtensionAfter(const Call& call, const WorkPtr& wo
   timeoutExtension_->release(owned);
 }
 
-WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
+WorkPtr ProcessGroupHSDP::handOver(TracedCall& traced, Completion done) {
   bool inBlock = false;
   // Outside a block (most calls) no lock: a block is opened on the thread
   // that issues its calls, which sees its own store.
@@ -196,7 +196,7 @@ WorkPtr ProcessGroupHSDP::finish(TracedCall& traced, Completion done) {
 
 WorkPtr ProcessGroupHSDP::untraced(const Call& call, Completion done) {
   TracedCall none(trace_, recorderStreams_, call); // seq 0: no entry
-  return finish(none, std::move(done));
+  return handOver(none, std::move(done));
 }
 
 namespace {
@@ -471,7 +471,7 @@ WorkPtr ProcessGroupHSDP::gather_single(
     // once either way, and the root reads them all. Decided by the input
     // alone, as on every rank (the root's output has its dtype and device).
     auto gathered = root ? output : at::empty({input.numel() * size_}, input.options());
-    return issue(call, *engine_, planAllGather(input, gathered), bytesOf(input));
+    return issue(call, *shm_, planAllGather(input, gathered), bytesOf(input));
   }
   std::vector<std::vector<at::Tensor>> outputs;
   std::vector<at::Tensor> landed;
@@ -718,8 +718,8 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
       return WorkHSDP::completed(rank_, call.type, {});
     }
   }
-  if (engine_) {
-    return issue(call, *engine_, Plan{.collectives = {{Kind::Barrier, {}}}}, 0);
+  if (shm_) {
+    return issue(call, *shm_, Plan{.collectives = {{Kind::Barrier, {}}}}, 0);
   }
   return forward(call, *cpu_, 0, [&](auto& b) { return b.barrier(opts); });
 }

@@ -61,7 +61,7 @@ ProcessGroupHSDP::ProcessGroupHSDP(
       cuda_(std::move(cudaRoute)),
       trace_(std::make_shared<FlightRecorder>(rank, size, traceOptionsOf(config))) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
-  engine_ = connectShm(
+  shm_ = connectShm(
       store,
       rank,
       size,
@@ -72,20 +72,20 @@ ProcessGroupHSDP::ProcessGroupHSDP(
       staging_,
       &shmWhyNot_);
   init();
-  if (engine_) {
-    engine_->usePool(
+  if (shm_) {
+    shm_->usePool(
         static_cast<size_t>(config.poolBytes), static_cast<size_t>(config.poolChunkBytes));
-    engine_->recordInto(trace_);
-    engine_->setTimeoutExtension(timeoutExtension_->activeMs());
+    shm_->recordInto(trace_);
+    shm_->setTimeoutExtension(timeoutExtension_->activeMs());
     // Last: a constructor that throws leaves no snapshot of a destroyed engine.
-    trace_->setSnapshot([engine = engine_.get()] { return engine->whereEveryRankIs(); });
+    trace_->setSnapshot([engine = shm_.get()] { return engine->whereEveryRankIs(); });
   }
 }
 
 ProcessGroupHSDP::~ProcessGroupHSDP() {
   trace_->detach(); // before the engine its snapshot reads is gone
-  if (engine_) {
-    engine_->leave("left the process group");
+  if (shm_) {
+    shm_->leave("left the process group");
   }
 }
 
@@ -129,7 +129,7 @@ bool ProcessGroupHSDP::supportsTensorAlloc(c10::DeviceIndex index) {
   if (index >= 0) {
     return cuda_ && cuda_->backend().supportsTensorAlloc(index);
   }
-  const bool cpu = engine_ ? engine_->allocates() : cpu_->backend().supportsTensorAlloc(index);
+  const bool cpu = shm_ ? shm_->allocates() : cpu_->backend().supportsTensorAlloc(index);
   return cpu && (!cuda_ || cuda_->backend().supportsTensorAlloc(index));
 }
 
@@ -154,15 +154,15 @@ at::Tensor ProcessGroupHSDP::allocateTensor(long size, at::TensorOptions options
       "tensors on ",
       device,
       " are not supported; hsdp allocates cpu and cuda tensors");
-  if (engine_ && engine_->allocates()) {
-    return engine_->allocate(size, options);
+  if (shm_ && shm_->allocates()) {
+    return shm_->allocate(size, options);
   }
   HSDP_CHECK(
       cpu_->backend().supportsTensorAlloc(-1),
       c,
       "this group has no communication buffers on cpu (",
-      engine_ ? "its ranks cannot map each other's memory, or HSDP_SHM_POOL_BYTES is 0"
-              : "its CPU collectives run on " + cpuEngine() +
+      shm_ ? "its ranks cannot map each other's memory, or HSDP_SHM_POOL_BYTES is 0"
+           : "its CPU collectives run on " + cpuEngine() +
               (shmWhyNot_.empty() ? "" : ": " + shmWhyNot_),
       "); supports_tensor_alloc(cpu) is false, so FSDP2 allocates its own");
   return cpu_->backend().allocateTensor(size, options);
@@ -172,8 +172,8 @@ std::shared_ptr<c10::Allocator> ProcessGroupHSDP::getMemAllocator() {
   if (cuda_) {
     return cuda_->backend().getMemAllocator();
   }
-  if (engine_ && engine_->allocates()) {
-    return engine_->allocator();
+  if (shm_ && shm_->allocates()) {
+    return shm_->allocator();
   }
   return cpu_->backend().getMemAllocator();
 }
@@ -354,8 +354,8 @@ void ProcessGroupHSDP::unregisterAbortHook(int64_t hookId) {
 #endif
 
 c10d::ErrorType ProcessGroupHSDP::getError() {
-  if (engine_) {
-    switch (engine_->failure()) {
+  if (shm_) {
+    switch (shm_->failure()) {
       case shm::Engine::Failure::Timeout:
         return c10d::ErrorType::TIMEOUT;
       case shm::Engine::Failure::Local:
@@ -405,8 +405,8 @@ void ProcessGroupHSDP::abort() {
   // Before the group goes: a hook may still read it.
   trace_->runAbortHooks();
   ended_.store("aborted", std::memory_order_release);
-  if (engine_) {
-    engine_->abort("aborted its process group");
+  if (shm_) {
+    shm_->abort("aborted its process group");
   }
   cpu_->backend().abort();
   if (cuda_) {
@@ -419,8 +419,8 @@ void ProcessGroupHSDP::shutdown() {
   // A hook that holds its group (a bound method of it) would keep it alive:
   // Python's collector cannot see the cycle through C++.
   trace_->abortHooks().clear();
-  if (engine_) {
-    engine_->leave("shut down its process group");
+  if (shm_) {
+    shm_->leave("shut down its process group");
   }
   cpu_->backend().shutdown();
   if (cuda_) {
@@ -480,7 +480,7 @@ WorkPtr ProcessGroupHSDP::endCoalescing() {
   }
   // Works of several CPU routes in one block (bool tensors beside
   // shm-served ones, say): joined on the CPU route's completion thread.
-  return cpu_->finish(OpType::COALESCED, /*asyncOp=*/true, std::move(works), {}, [] {});
+  return cpu_->workFor(OpType::COALESCED, /*asyncOp=*/true, std::move(works), {}, [] {});
 }
 
 } // namespace hsdp

@@ -271,7 +271,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // unless the creator was handed another): what serves this group's CPU
   // collectives.
   std::string cpuEngine() const {
-    return engine_ ? engine_->name() : cpu_->caps().name;
+    return shm_ ? shm_->name() : cpu_->caps().name;
   }
   c10d::Backend& cpuInner() const {
     return cpu_->backend();
@@ -283,10 +283,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // From what size per rank the shared-memory engine reads peers' ordinary
   // buffers directly (all-gathers, broadcasts); 0: never, or no engine.
   size_t shmDirectReadBytes() const {
-    return engine_ ? engine_->directReadBytes() : 0;
+    return shm_ ? shm_->directReadBytes() : 0;
   }
   ShmRoute::BufferStats bufferStats() const {
-    return engine_ ? engine_->bufferStats() : ShmRoute::BufferStats{};
+    return shm_ ? shm_->bufferStats() : ShmRoute::BufferStats{};
   }
   const std::string& shmUnavailableReason() const {
     return shmWhyNot_;
@@ -376,8 +376,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Hands the call's entry to its completion; between startCoalescing and
   // endCoalescing also records the Work in the block (routes that coalesce
   // natively hold their own).
-  c10::intrusive_ptr<c10d::Work> finish(TracedCall& traced, Completion done);
-  // finish() for a call without a flight-record entry.
+  c10::intrusive_ptr<c10d::Work> handOver(TracedCall& traced, Completion done);
+  // handOver() for a call without a flight-record entry.
   c10::intrusive_ptr<c10d::Work> untraced(const Call& call, Completion done);
 
   c10::intrusive_ptr<c10d::Work> allreduceImpl(
@@ -433,7 +433,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // after this group is gone, and read by the engine's waits.
   std::shared_ptr<TimeoutExtension> timeoutExtension_ = std::make_shared<TimeoutExtension>();
   std::string shmWhyNot_;
-  std::unique_ptr<ShmRoute> engine_; // null: no shared memory for this group
+  std::unique_ptr<ShmRoute> shm_; // null: no shared memory for this group
 
   std::mutex coalescingMutex_;
   std::atomic<bool> coalescing_{false}; // written under coalescingMutex_

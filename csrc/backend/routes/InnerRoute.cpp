@@ -117,7 +117,7 @@ Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Pl
   if (!isPointToPoint(call.type)) {
     markConnected();
   }
-  return {finish(
+  return {workFor(
       call.type,
       call.asyncOp,
       std::move(works),
@@ -128,7 +128,7 @@ Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Pl
       std::move(plan.keepAlive))};
 }
 
-InnerRoute::WorkPtr InnerRoute::finish(
+InnerRoute::WorkPtr InnerRoute::workFor(
     c10d::OpType type,
     bool asyncOp,
     std::vector<WorkPtr> works,
@@ -150,7 +150,7 @@ InnerRoute::WorkPtr InnerRoute::finish(
       return {};
     }
   }
-  return finishInner(
+  return workForInner(
       type,
       asyncOp,
       Inner{std::move(works), {}, {}},
@@ -159,7 +159,7 @@ InnerRoute::WorkPtr InnerRoute::finish(
       std::move(keepAlive));
 }
 
-InnerRoute::WorkPtr InnerRoute::finishInner(
+InnerRoute::WorkPtr InnerRoute::workForInner(
     c10d::OpType type,
     bool asyncOp,
     Inner inner,
@@ -225,7 +225,7 @@ InnerRoute::WorkPtr InnerRoute::endCoalescing() {
   // synchronous call's do, on that stream, at once; on a side stream they
   // would wait for nothing and read the outputs before NCCL wrote them.
   // Otherwise the caller of endCoalescing waits on the Work when it wants to.
-  return finishInner(
+  return workForInner(
       c10d::OpType::COALESCED,
       /*asyncOp=*/inner.blockEnd != nullptr,
       std::move(inner),

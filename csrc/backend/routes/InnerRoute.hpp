@@ -121,7 +121,7 @@ class InnerRoute final : public Route {
   // also needs `post` (empty: nothing). `outputs` become the future's value;
   // `keepAlive` are buffers `post` or the inner op still use. Returns null
   // for a synchronous call whose inner op returned none and needs no post.
-  WorkPtr finish(
+  WorkPtr workFor(
       c10d::OpType type,
       bool asyncOp,
       std::vector<WorkPtr> works,
@@ -156,7 +156,7 @@ class InnerRoute final : public Route {
  private:
   using Inner = InnerWorks;
 
-  WorkPtr finishInner(
+  WorkPtr workForInner(
       c10d::OpType type,
       bool asyncOp,
       Inner inner,

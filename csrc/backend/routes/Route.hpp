@@ -8,7 +8,7 @@
 //     hosts and Gloo between them (hierarchical), CPU tensors;
 //   * InnerRoute: an inner c10d backend (Gloo for CPU, or one injected in
 //     its place; NCCL for CUDA), which also serves every op the other
-//     route has no form for, as it is (InnerRoute::finish).
+//     route has no form for, as it is (InnerRoute::workFor).
 // What a route serves decides how a call is planned: a route that scales
 // natively gets AVG and PREMUL_SUM as they are, one that coalesces
 // natively gets lists of the callers' tensors (one launch), the others get

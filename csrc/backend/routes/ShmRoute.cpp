@@ -136,7 +136,7 @@ Completion ShmRoute::issue(const Call& call, Plan&& plan) {
     trace_->finished(seq, "");
   };
   if (!call.asyncOp && queue_->runInlineIfIdle([&] { run(plan); })) {
-    // The result is in place (ProcessGroupHSDP::finish: no Work).
+    // The result is in place (ProcessGroupHSDP::handOver: no Work).
     return {nullptr, /*endRecorded=*/true};
   }
   std::vector<at::Tensor> outputs(plan.outputs.begin(), plan.outputs.end());
