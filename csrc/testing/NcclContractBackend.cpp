@@ -270,7 +270,7 @@ at::Tensor NcclContractBackend::allocateTensor(long size, at::TensorOptions opti
   TORCH_CHECK_VALUE(options.has_device(), "Tensor options must include device");
   TORCH_CHECK_VALUE(
       options.device().is_cpu(),
-      "NCCL tensor allocator expects a CUDA device but got ",
+      "NCCL tensor allocator expects cuda type but got ",
       options.device());
   // ProcessGroupNCCL registers its memory pool with the communicator, which
   // it refuses to do before there is one (ProcessGroupNCCL::allocateTensor,

@@ -204,8 +204,10 @@ class NcclContractBackend final : public c10d::Backend {
   //     double's device, CPU (index -1), standing for a multicast GPU;
   //   * allocateTensor refuses options that name no device
   //     (TORCH_CHECK_VALUE "Tensor options must include device") or a device
-  //     of another kind ("NCCL tensor allocator expects a CUDA device but
-  //     got ..."; here CPU stands for CUDA), else allocates from the
+  //     of another kind (a ValueError, "NCCL tensor allocator expects cuda
+  //     type but got ...", read from libtorch_cuda.so of 2.11, 2.12, 2.14.1
+  //     and 2.15; the wording "expects a CUDA device" is nccl2's; here CPU
+  //     stands for CUDA), else allocates from the
   //     communicator's own memory pool (a MemPool over ncclMemAlloc):
   //     counted here, so a test sees that a request reached it; before the
   //     communicator exists it raises NCCL's "NCCL communicator has not been
