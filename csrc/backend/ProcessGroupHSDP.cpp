@@ -401,6 +401,33 @@ std::unordered_map<std::string, uint64_t> ProcessGroupHSDP::getMemoryStats() {
 }
 #endif
 
+void ProcessGroupHSDP::registerOnCompletionHook(
+    std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& /*hook*/) {
+  HSDP_CHECK(
+      false,
+      ctx("register_on_completion_hook"),
+      "not supported: hsdp records each collective's start and end in its flight recorder "
+      "(hsdp_backend.dump_trace(), read by python -m hsdp_backend.trace; ProcessGroupNCCL "
+      "deprecates this hook in favour of its own), and one op's completion is its Work's "
+      "(work.get_future().then(...))");
+}
+
+void ProcessGroupHSDP::waitForPendingWorks() {
+  HSDP_CHECK(
+      false,
+      ctx("wait_for_pending_works"),
+      "not supported: wait() on the Works of the ops to wait for, or call dist.barrier() for "
+      "every op issued before it on every rank");
+}
+
+void ProcessGroupHSDP::enableCollectivesTiming() {
+  HSDP_CHECK(
+      false,
+      ctx("enable_collectives_timing"),
+      "not supported: each collective's start and end are in hsdp's flight recorder "
+      "(hsdp_backend.dump_trace(), read by python -m hsdp_backend.trace)");
+}
+
 void ProcessGroupHSDP::abort() {
   // Before the group goes: a hook may still read it.
   trace_->runAbortHooks();

@@ -150,6 +150,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
   void resume() override;
   std::unordered_map<std::string, uint64_t> getMemoryStats() override;
 #endif
+  // Refused, naming what serves instead: each collective's start and end
+  // are in the group's flight recorder (ProcessGroupNCCL deprecates its
+  // completion hook in the recorder's favour), one op's end is its Work's.
+  void
+  registerOnCompletionHook(std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) override;
+  void waitForPendingWorks() override;
+  void enableCollectivesTiming() override;
   // Runs the abort hooks, then ends every pending wait with an error.
   void abort() override;
   // Drops the abort hooks, then leaves the group.

@@ -950,6 +950,29 @@ TEST(Backend, SuspendResumeAndMemoryStatsAreTheInnerNcclsOrRefused) {
 }
 #endif
 
+// What ProcessGroupNCCL serves through a completion hook and Gloo through
+// collective timing, hsdp's flight recorder serves: refused, naming it.
+TEST(Backend, CompletionHooksAndTimingAreRefusedNamingTheFlightRecorder) {
+  Group g(kNative);
+  auto refusal = [](const std::function<void()>& call) -> std::string {
+    try {
+      call();
+    } catch (const c10::Error& e) {
+      return e.what();
+    }
+    return "(served)";
+  };
+  const auto hook = refusal([&] { g.pg->registerOnCompletionHook([](auto) {}); });
+  EXPECT_NE(hook.find("[rank 1/4] register_on_completion_hook: not supported"), std::string::npos)
+      << hook;
+  EXPECT_NE(hook.find("flight recorder"), std::string::npos) << hook;
+  const auto timing = refusal([&] { g.pg->enableCollectivesTiming(); });
+  EXPECT_NE(timing.find("[rank 1/4] enable_collectives_timing: not supported"), std::string::npos)
+      << timing;
+  const auto pending = refusal([&] { g.pg->waitForPendingWorks(); });
+  EXPECT_NE(pending.find("dist.barrier()"), std::string::npos) << pending;
+}
+
 TEST(Buffers, ARouteWithoutBuffersRefusesNamingTheRankAndTheOp) {
   Group g(kPacking);
   EXPECT_FALSE(g.pg->supportsTensorAlloc(-1));
