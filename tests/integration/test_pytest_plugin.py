@@ -408,12 +408,15 @@ def test_sleeps(rank):
 def test_no_rank_outlives_an_interrupted_pytest(tmp_path, sig):
     d = write_tests(tmp_path, test_sleeper=SLEEPER)
     env = {**os.environ, "PIDS_DIR": str(tmp_path / "pids")}
+    # pytest's faulthandler writes every thread's stack to stderr on SIGABRT:
+    # what an interrupted pytest that does not end was doing.
+    stderr = open(tmp_path / "pytest.stderr", "w+b")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q"],
         cwd=d,
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=stderr,
     )
     try:
         deadline = time.monotonic() + 200
@@ -427,12 +430,20 @@ def test_no_rank_outlives_an_interrupted_pytest(tmp_path, sig):
             time.sleep(0.1)
         started_by = set(pids(d, "parent")) - {proc.pid}
         proc.send_signal(sig)
-        proc.wait(60)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(30)
+            stderr.seek(0)
+            stacks = stderr.read().decode(errors="replace")[-12000:]
+            pytest.fail(f"pytest had not ended 60 s after {sig.name}; its stderr:\n{stacks}")
         left = ranks + sorted(started_by)
         assert all_gone(left), [p for p in left if alive(p)]
     finally:
         proc.kill()
         proc.wait()
+        stderr.close()
 
 
 def test_a_session_without_marked_tests_imports_no_torch(tmp_path):
