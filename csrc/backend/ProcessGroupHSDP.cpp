@@ -1,5 +1,6 @@
 #include "backend/ProcessGroupHSDP.hpp"
 
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <c10/util/Exception.h>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -130,7 +131,19 @@ bool ProcessGroupHSDP::supportsTensorAlloc(c10::DeviceIndex index) {
     return cuda_ && cuda_->backend().supportsTensorAlloc(index);
   }
   const bool cpu = shm_ ? shm_->allocates() : cpu_->backend().supportsTensorAlloc(index);
-  return cpu && (!cuda_ || cuda_->backend().supportsTensorAlloc(index));
+  if (!cpu || !cuda_) {
+    return cpu;
+  }
+  // NCCL answers for a device index of its own (ProcessGroupNCCL asks the
+  // driver about it, and -1 is none): the current device's, which is what
+  // allocateTensor on a CUDA device without an index allocates on. No device
+  // to ask: false.
+  try {
+    c10::impl::VirtualGuardImpl cuda(at::kCUDA);
+    return cuda.deviceCount() > 0 && cuda_->backend().supportsTensorAlloc(cuda.getDevice().index());
+  } catch (const c10::Error&) {
+    return false;
+  }
 }
 
 at::Tensor ProcessGroupHSDP::allocateTensor(long size, at::TensorOptions options) {
@@ -353,27 +366,54 @@ void ProcessGroupHSDP::unregisterAbortHook(int64_t hookId) {
 }
 #endif
 
+namespace {
+
+// An inner backend's own answer; SUCCESS where it gives none (c10d's
+// default refuses before torch 2.14, and Gloo overrides it from 2.14 only).
+c10d::ErrorType errorOf(c10d::Backend& backend) {
+  try {
+    return backend.getError();
+  } catch (const c10::Error&) {
+    return c10d::ErrorType::SUCCESS;
+  }
+}
+
+} // namespace
+
 c10d::ErrorType ProcessGroupHSDP::getError() {
+  if (const int first = firstError_.load(); first != static_cast<int>(c10d::ErrorType::SUCCESS)) {
+    return static_cast<c10d::ErrorType>(first);
+  }
+  auto error = c10d::ErrorType::SUCCESS;
   if (shm_) {
     switch (shm_->failure()) {
       case shm::Engine::Failure::Timeout:
-        return c10d::ErrorType::TIMEOUT;
+        error = c10d::ErrorType::TIMEOUT;
+        break;
       case shm::Engine::Failure::Local:
-        return c10d::ErrorType::COMM_ERROR;
+        error = c10d::ErrorType::COMM_ERROR;
+        break;
       case shm::Engine::Failure::Remote:
-        return c10d::ErrorType::REMOTE_ERROR;
+        error = c10d::ErrorType::REMOTE_ERROR;
+        break;
       case shm::Engine::Failure::None:
         break;
     }
   }
   for (auto* r : {cuda_.get(), cpu_.get()}) {
-    if (r) {
-      if (const auto e = r->backend().getError(); e != c10d::ErrorType::SUCCESS) {
-        return e;
-      }
+    if (r && error == c10d::ErrorType::SUCCESS) {
+      error = errorOf(r->backend());
     }
   }
-  return trace_->anyFailed() ? c10d::ErrorType::COMM_ERROR : c10d::ErrorType::SUCCESS;
+  if (error == c10d::ErrorType::SUCCESS && trace_->anyFailed()) {
+    error = c10d::ErrorType::COMM_ERROR;
+  }
+  if (error != c10d::ErrorType::SUCCESS) {
+    int none = static_cast<int>(c10d::ErrorType::SUCCESS);
+    firstError_.compare_exchange_strong(none, static_cast<int>(error));
+    return static_cast<c10d::ErrorType>(firstError_.load());
+  }
+  return error;
 }
 
 #if HSDP_TORCH_HAS_SUSPEND

@@ -441,6 +441,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::shared_ptr<TimeoutExtension> timeoutExtension_ = std::make_shared<TimeoutExtension>();
   std::string shmWhyNot_;
   std::unique_ptr<ShmRoute> shm_; // null: no shared memory for this group
+  // getError's first answer other than SUCCESS, kept as the watchdog keeps
+  // ProcessGroupNCCL's first failure.
+  std::atomic<int> firstError_{static_cast<int>(c10d::ErrorType::SUCCESS)};
 
   std::mutex coalescingMutex_;
   std::atomic<bool> coalescing_{false}; // written under coalescingMutex_

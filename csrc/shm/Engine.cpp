@@ -234,8 +234,8 @@ std::string Engine::brokenBy() const {
 }
 
 void Engine::abort(const std::string& why) {
-  int none = static_cast<int>(Failure::None);
-  failedHere_.compare_exchange_strong(none, static_cast<int>(Failure::Local));
+  // The caller's choice (an abort, a shutdown), not a failure of this rank:
+  // its peers find the group broken by it (failure(): Remote).
   markBroken(prefix("abort") + why);
 }
 

@@ -242,8 +242,9 @@ class Engine final : public Collectives {
 
   // How the group failed, as this rank sees it: not at all; by one of this
   // rank's waits reaching its deadline; by another failure of this rank's
-  // (a dead or mismatched peer it found, an abort); or broken by another
-  // rank only.
+  // (a dead or mismatched peer it found); or broken by another rank only
+  // (its failure, or its abort or shutdown). This rank's own abort() is not
+  // a failure of its own.
   enum class Failure { None, Timeout, Local, Remote };
   Failure failure() const;
 

@@ -17,6 +17,10 @@
 //     completion thread, with the future: WorkHSDP.hpp's rule);
 //   * a post-step that throws fails the future (a device stream would fail
 //     the kernel), which the WorkOnStream reports as the op's failure.
+// Its workers and their completion-thread rule (WorkHSDP.hpp) are this
+// module's own copy: a callback on them that waits for a Work the package
+// completes on its own workers (none on the double's route, which has no
+// shared-memory engine) would be waited for as from a caller's thread.
 
 #include "backend/OpQueue.hpp"
 #include "backend/WorkOnStream.hpp"

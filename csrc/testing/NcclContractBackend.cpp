@@ -151,6 +151,8 @@ class DeferredWork final : public c10d::Work {
           error = timedOut(start);
           kind = c10d::ErrorType::TIMEOUT;
         }
+      } catch (...) {
+        error = timeout == kNoTimeout ? std::current_exception() : timedOut(start);
       }
       lock.lock();
       landed(error, kind);

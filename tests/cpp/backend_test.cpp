@@ -10,6 +10,7 @@
 #include <ATen/core/ivalue.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
 #include "backend/ProcessGroupHSDP.hpp"
@@ -91,8 +92,9 @@ class FakeInner : public c10d::Backend {
   // Communication buffers, when `allocates` (as the NCCL double on CPU).
   bool allocates = false;
   int allocations = 0;
+  bool onDevices = false; // answers for device indices (as NCCL), not only -1 (the CPU)
   bool supportsTensorAlloc(c10::DeviceIndex index) override {
-    return allocates && index == -1;
+    return allocates && (index == -1 || (onDevices && index >= 0));
   }
   at::Tensor allocateTensor(long size, at::TensorOptions options) override {
     ++allocations;
@@ -105,8 +107,10 @@ class FakeInner : public c10d::Backend {
   // What getError() answers; suspend/resume/getMemoryStats and
   // allreduce_sparse are recorded.
   c10d::ErrorType error = c10d::ErrorType::SUCCESS;
-  bool failNext = false; // the next allreduce raises
+  bool failNext = false;        // the next allreduce raises
+  bool refusesGetError = false; // as c10d's default before torch 2.14, Gloo's among them
   c10d::ErrorType getError() override {
+    TORCH_CHECK(!refusesGetError, "Backend fake does not support getError");
     return error;
   }
 #if HSDP_TORCH_HAS_SUSPEND
@@ -880,13 +884,21 @@ TEST(Buffers, WithoutAPoolAllocationIsTheInnerBackends) {
 }
 
 // Index -1 is the CPU and also a CUDA device named without an index, whose
-// allocation NCCL's pool serves: true only where both routes would allocate.
+// allocation NCCL's pool serves on the current device: true only where both
+// routes would allocate, NCCL asked about the current device (it has no
+// answer for -1), false where there is no device to ask. Never raises.
 TEST(Buffers, ADeviceWithoutAnIndexIsServedOnlyWhereCpuAndCudaBothAllocate) {
   CudaGroup g;
+  g.cuda->onDevices = true;
   g.cpu->allocates = true;
   EXPECT_FALSE(g.pg->supportsTensorAlloc(-1)); // the inner NCCL has no pool
   g.cuda->allocates = true;
-  EXPECT_TRUE(g.pg->supportsTensorAlloc(-1));
+  bool aDevice = false;
+  try {
+    aDevice = c10::impl::VirtualGuardImpl(at::kCUDA).deviceCount() > 0;
+  } catch (const c10::Error&) {
+  }
+  EXPECT_EQ(g.pg->supportsTensorAlloc(-1), aDevice);
   g.cpu->allocates = false;
   EXPECT_FALSE(g.pg->supportsTensorAlloc(-1));
 }
@@ -898,10 +910,19 @@ TEST(Backend, GetErrorIsTheInnerBackendsElseWhetherAnOpFailedHere) {
   EXPECT_EQ(g.pg->getError(), c10d::ErrorType::SUCCESS);
   g.cuda->error = c10d::ErrorType::TIMEOUT;
   EXPECT_EQ(g.pg->getError(), c10d::ErrorType::TIMEOUT);
+  // The first failure sticks, as the watchdog keeps ProcessGroupNCCL's.
   g.cuda->error = c10d::ErrorType::SUCCESS;
   g.cpu->error = c10d::ErrorType::REMOTE_ERROR;
-  EXPECT_EQ(g.pg->getError(), c10d::ErrorType::REMOTE_ERROR);
-  g.cpu->error = c10d::ErrorType::SUCCESS;
+  EXPECT_EQ(g.pg->getError(), c10d::ErrorType::TIMEOUT);
+
+  CudaGroup other;
+  other.cpu->error = c10d::ErrorType::REMOTE_ERROR;
+  EXPECT_EQ(other.pg->getError(), c10d::ErrorType::REMOTE_ERROR);
+
+  // An inner backend that has no answer (torch 2.11-2.13's Gloo) is SUCCESS.
+  CudaGroup older;
+  older.cpu->refusesGetError = older.cuda->refusesGetError = true;
+  EXPECT_EQ(older.pg->getError(), c10d::ErrorType::SUCCESS);
 
   Group failing(kPacking);
   failing.fake->failNext = true; // the inner all-reduce raises
