@@ -828,7 +828,7 @@ void ProcessGroupHSDP::agreeOnCuda(Call& call, std::optional<at::Device> device,
 WorkPtr ProcessGroupHSDP::allreduce_sparse(
     std::vector<at::Tensor>& tensors,
     const c10d::AllreduceOptions& opts) {
-  auto call = begin("all_reduce", OpType::ALLREDUCE, opts.asyncOp, opts.timeout);
+  auto call = begin("all_reduce_sparse", OpType::_ALLREDUCE_SPARSE, opts.asyncOp, opts.timeout);
   checkNotEmpty(call.ctx, tensors);
   auto& r = inner(call, tensors[0]);
   return forward(

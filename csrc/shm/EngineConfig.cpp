@@ -1,5 +1,7 @@
 // The engine's settings from hsdp's one configuration table: the only file
 // of the engine that knows the table (common/ knows nothing of the engine).
+// Built with common/Config.cpp wherever that is, not into hsdp_shm, which
+// stays free of the table.
 
 #include "common/Config.hpp"
 #include "shm/Engine.hpp"
