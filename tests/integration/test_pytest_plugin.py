@@ -417,6 +417,10 @@ def test_no_rank_outlives_an_interrupted_pytest(tmp_path, sig):
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=stderr,
+        # As at a terminal: a suite started in the background of a shell
+        # without job control inherits SIGINT ignored, and so would this
+        # pytest (Python then raises no KeyboardInterrupt).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 200
