@@ -294,7 +294,7 @@ class Pool:
             self._explain_hang(pending, failures, timeout_s, deadline_passed=not failures)
         for r in range(self.world):
             outcome.output[r] = self._read_log(r, offsets[r])
-            if _worker.FORKED_MARK in outcome.output[r] and r not in failures:
+            if _worker.forked_mark_of(outcome.output[r], task["id"]) and r not in failures:
                 failures[r] = (
                     "the test body forked and the child returned from it instead of exiting "
                     "(os._exit in the child); the child was ended"

@@ -24,6 +24,18 @@ from typing import Any
 
 RANK_SIDE = ("rank", "world_size", "group", "device", "mesh")
 FORKED_MARK = "pytest_hsdp: the test body forked and its child returned from it, pid"
+# How long a rank waits, after its test body, for the children the body forked
+# and did not wait for (a child that returns from the body leaves the mark in
+# the log, then exits: the test is reported once that is in).
+FORKED_CHILDREN_WAIT_S = 10.0
+
+
+def forked_mark_of(text: str, task_id: int) -> bool:
+    """Whether a rank's output says that task ``task_id``'s body forked and its child returned."""
+    return any(
+        line.startswith(FORKED_MARK) and line.endswith(f"task {task_id}")
+        for line in text.splitlines()
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -109,6 +121,43 @@ class _Rank:
         self.pid = os.getpid()
         self.meshes: dict[tuple, Any] = {}
         self.device = None
+        # Every process forked from this rank writes its pid here (at fork,
+        # in the child): the children of a test body, waited for after it.
+        self._forks_r, self._forks_w = os.pipe()
+        os.set_blocking(self._forks_r, False)
+        os.set_blocking(self._forks_w, False)  # a full pipe must not block a forking child
+        os.register_at_fork(after_in_child=self._note_child)
+
+    def _note_child(self) -> None:
+        try:
+            os.write(self._forks_w, os.getpid().to_bytes(4, "little"))
+        except OSError:
+            pass
+
+    def _forked(self) -> list[int]:
+        """The pids forked from this rank since the last call."""
+        data = b""
+        while True:
+            try:
+                chunk = os.read(self._forks_r, 4096)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            data += chunk
+        return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) - 3, 4)]
+
+    def _wait_for_children(self, pids: list[int]) -> None:
+        deadline = time.monotonic() + FORKED_CHILDREN_WAIT_S
+        for pid in pids:
+            while time.monotonic() < deadline:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break  # reaped by the body already, or not this rank's child
+                if done:
+                    break
+                time.sleep(0.01)
 
     def init_group(self, port: int) -> None:
         import torch
@@ -165,6 +214,7 @@ class _Rank:
         value = pickle.dumps(None)
         before = self._groups() if dist.is_initialized() else set()
         environ = dict(os.environ)
+        self._forked()  # forks before this test's body are not its own
         try:
             fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
             kwargs = pickle.loads(task["kwargs"])
@@ -187,8 +237,9 @@ class _Rank:
         if os.getpid() != self.pid:
             # The body forked and its child came back here: it must not act as the rank.
             # The parent finds this line in the rank's log and fails the test.
-            os.write(2, f"\n{FORKED_MARK} {os.getpid()}\n".encode())
+            os.write(2, f"\n{FORKED_MARK} {os.getpid()}, task {task['id']}\n".encode())
             os._exit(70)
+        self._wait_for_children(self._forked())
         _restore_environ(environ)
         group_ok = dist.is_initialized()
         if group_ok:

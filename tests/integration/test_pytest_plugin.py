@@ -42,6 +42,7 @@ def record_pid(tag, rank, pid=None):
 BASIC = """
 import os
 import pickle
+import time
 
 import pytest
 import torch
@@ -182,6 +183,12 @@ def test_forks_and_the_child_exits(rank):
     if pid == 0:
         os._exit(0)
     os.waitpid(pid, 0)
+
+
+@pytest.mark.world_size(2)
+def test_forks_and_the_child_returns_late(rank):
+    if os.fork() == 0:
+        time.sleep(0.5)  # after its parent rank is done with the body
 
 
 class TestInAClass:
@@ -359,6 +366,10 @@ def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
     state, text = outcome("test_calls_sys_exit")
     assert state == "failure" and "sys.exit(3)" in text and "--- rank 1 ---" in text, text
     state, text = outcome("test_forks_and_the_child_returns")
+    assert state == "failure" and "forked" in text, text
+    # A child that returns after its parent rank finished the body is still
+    # this test's (its rank waits for it), not the next test's.
+    state, text = outcome("test_forks_and_the_child_returns_late")
     assert state == "failure" and "forked" in text, text
 
     # Nothing outlives the session: ranks, their shared memory.
