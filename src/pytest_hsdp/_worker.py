@@ -121,12 +121,18 @@ class _Rank:
         self.pid = os.getpid()
         self.meshes: dict[tuple, Any] = {}
         self.device = None
-        # Every process forked from this rank writes its pid here (at fork,
-        # in the child): the children of a test body, waited for after it.
+        # Every process forked from this rank writes its pid here (at fork, in the child),
+        # and the rank counts its forks (in the parent): after a test body, the rank waits
+        # for as many pids as it forked (a child may not have run yet), then for the children.
         self._forks_r, self._forks_w = os.pipe()
         os.set_blocking(self._forks_r, False)
         os.set_blocking(self._forks_w, False)  # a full pipe must not block a forking child
-        os.register_at_fork(after_in_child=self._note_child)
+        self._forks = 0
+        os.register_at_fork(after_in_parent=self._note_fork, after_in_child=self._note_child)
+
+    def _note_fork(self) -> None:
+        if os.getpid() == self.pid:  # not a child's own forks: those are its to wait for
+            self._forks += 1
 
     def _note_child(self) -> None:
         try:
@@ -134,22 +140,27 @@ class _Rank:
         except OSError:
             pass
 
-    def _forked(self) -> list[int]:
-        """The pids forked from this rank since the last call."""
+    def _forked(self, deadline: float) -> list[int]:
+        """The pids this rank forked since the last call, read until every fork it counted
+        has written its pid or ``deadline`` (``time.monotonic()``) passes."""
         data = b""
         while True:
             try:
                 chunk = os.read(self._forks_r, 4096)
             except BlockingIOError:
-                break
+                if len(data) // 4 >= self._forks or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.01)
+                continue
             if not chunk:
                 break
             data += chunk
+        self._forks = 0
         return [int.from_bytes(data[i : i + 4], "little") for i in range(0, len(data) - 3, 4)]
 
-    def _wait_for_children(self, pids: list[int]) -> None:
+    def _wait_for_children(self) -> None:
         deadline = time.monotonic() + FORKED_CHILDREN_WAIT_S
-        for pid in pids:
+        for pid in self._forked(deadline):
             while time.monotonic() < deadline:
                 try:
                     done, _ = os.waitpid(pid, os.WNOHANG)
@@ -214,7 +225,7 @@ class _Rank:
         value = pickle.dumps(None)
         before = self._groups() if dist.is_initialized() else set()
         environ = dict(os.environ)
-        self._forked()  # forks before this test's body are not its own
+        self._forked(time.monotonic())  # forks before this test's body are not its own
         try:
             fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
             kwargs = pickle.loads(task["kwargs"])
@@ -239,7 +250,7 @@ class _Rank:
             # The parent finds this line in the rank's log and fails the test.
             os.write(2, f"\n{FORKED_MARK} {os.getpid()}, task {task['id']}\n".encode())
             os._exit(70)
-        self._wait_for_children(self._forked())
+        self._wait_for_children()
         _restore_environ(environ)
         group_ok = dist.is_initialized()
         if group_ok:
