@@ -1,7 +1,21 @@
 """Communication buffers: ``allocate_tensor`` hands out memory its peers map
 (shm/Pool.hpp) on CPU, and the inner backend's on the CUDA route (the
 NCCL-contract double here); collectives on them give gloo's bytes (rank
-bodies in buffer_cases.py)."""
+bodies in buffer_cases.py).
+
+Communication buffers (`allocate_tensor`) on 2-3 ranks: all-gather in place and out of place and
+reduce-scatter SUM/AVG on pool buffers, fp32 and bf16, 1-70,000 elements, bitwise equal to hsdp
+on ordinary buffers and to gloo (its SUM, exact at 2 ranks), every call on the pooled path
+(`buffer_stats`); a released buffer goes back to the pool and is handed out again; a pool tensor
+refuses to resize; pool buffers on some ranks only, and another group's buffer: the ordinary
+path, the same answer; a buffer used after its group was destroyed; past `HSDP_SHM_POOL_BYTES`:
+ordinary memory, counted; no pool (`HSDP_ENGINE=gloo`, `HSDP_SHM_POOL_BYTES=0`):
+`supports_tensor_alloc` false and `allocate_tensor` refused naming rank and op; a hierarchical
+group (pretended hosts) matches gloo; through the NCCL-contract double, the request reaches the
+inner backend; FSDP2 param groups on one host's hsdp groups take the pool by default (a step's
+collectives pooled), and keep FSDP2's buffers with `HSDP_FSDP_COMM_BUFFERS=fsdp`, with the shim
+off, on hierarchical groups, on a gloo mesh, under `replicate()`, and after the module's own
+call."""
 
 import buffer_cases
 import pytest

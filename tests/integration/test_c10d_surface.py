@@ -1,6 +1,16 @@
 """The c10d surface beyond hsdp's fast paths, against gloo (cases in
 c10d_surface_cases.py). CPU engines only: these are CPU-tensor calls (the
-NCCL-contract double stands for the CUDA route, which serves none of them)."""
+NCCL-contract double stands for the CUDA route, which serves none of them).
+
+On both CPU engines, world sizes 1-3, against gloo on the same ranks: sparse all-reduce (SUM as
+gloo, AVG and PREMUL_SUM) and DDP with sparse embedding gradients (the embedding bitwise equal
+to gloo's), several tensors per rank in all_reduce / broadcast / all_gather, uneven list
+reduce_scatter, bad arguments raising an instance of the class gloo raises (and naming rank and
+op), `monitored_barrier` (every rank arrives; a rank never arrives: every caller raises within
+the timeout and rank 0 names the missing rank, as gloo), `batch_isend_irecv` both ways with
+mixed sizes and dtypes, `all_to_all_single` with empty splits, object collectives of several
+MiB, `Work.exception()` and `then()` chains (also of a collective that cannot complete),
+`abort()` / `shutdown()` then a new group, sequence numbers equal to gloo's."""
 
 import c10d_surface_cases
 import pytest

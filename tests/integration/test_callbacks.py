@@ -1,6 +1,19 @@
 """Future callbacks that issue collectives and wait for them, on every route
 (cases in callback_cases.py): the shared-memory engine, the inner-gloo route,
-the NCCL-contract double, and a hierarchical group across pretended hosts."""
+the NCCL-contract double, and a hierarchical group across pretended hosts.
+
+On the shm engine, the gloo route and the NCCL-contract double (2 and 4 ranks) and a 2 x 2
+hierarchical group: a future callback waiting on an async collective it issued (by
+`Future.wait()` and `Work.wait()`), a blocking call from a callback with work queued, a callback
+waiting on a collective the main thread issued after its own, callbacks nested three deep,
+chains, `add_done_callback`; a callback that raises (the chained future fails, the group stays
+usable), one waiting on a collective the peer never issues (fails within the group timeout),
+calls on an aborted / shut down group; DDP with PowerSGD, batched PowerSGD, fp16/bf16 compress
+hooks (parameters equal to gloo's) and `ddp_zero_hook` (equal to SGD on gloo); futures complete
+with the caller's tensor; `Work.wait()` returns after a slow callback ran and with the
+waited-for tensor freed (a non-contiguous AVG: staged, post-step), and inside a callback of its
+own Work returns (also bounded, and `synchronize()`), as does a blocking call on the group; two
+Works whose callbacks wait for each other."""
 
 import callback_cases
 import pytest

@@ -1,6 +1,12 @@
 """From what size a group reads peers' ordinary buffers directly: measured
 by each group's ranks together when it is created (shm/Crossover.hpp),
-rank 0 deciding; a value the user sets is used as it is."""
+rank 0 deciding; a value the user sets is used as it is.
+
+The direct-read threshold of ordinary buffers: measured by 2- and 3-rank groups, the same on
+every rank and one of the sizes measured, a later group adopting it, all-gathers in place and
+out of place and broadcasts correct on both sides of it; set on rank 0 (`0`, 4 KiB, 3 MiB) it is
+every rank's and nothing is measured (a rank whose own setting says `auto` measuring alone would
+hang); `auto` on rank 0 and a value on rank 1: measured on every rank."""
 
 import pytest
 from harness import run_ranks

@@ -1,7 +1,11 @@
 """The README's main job: the FSDP2 examples under torchrun, hsdp against
 gloo on identical work (same seed, same data). fp32 losses must agree. The
 losses are read from the examples' ``--json`` lines, and their readable
-per-step line is checked to still be there."""
+per-step line is checked to still be there.
+
+The FSDP2 and HSDP examples on hsdp and gloo, same losses (read from their `--json` lines);
+every `--json` line is one JSON object per step with loss, step_ms, fwd_bwd_ms, tokens_per_s
+and, on hsdp, each group's counters; without `--json` the readable per-step line."""
 
 import functools
 import json

@@ -1,7 +1,12 @@
 """Faults on the shared-memory engine: a peer killed with SIGKILL in the
 middle of a collective, a stuck peer, ranks that call different collectives.
 Every surviving rank must raise torch.distributed.DistBackendError naming the
-rank and the op, well within the timeout, and nothing may stay in /dev/shm."""
+rank and the op, well within the timeout, and nothing may stay in /dev/shm.
+
+A peer killed with SIGKILL mid-collective (detected in well under the timeout), a stuck peer
+(engine deadline), mismatched calls (size, kind, dtype) failing on every rank, ranks disagreeing
+on the segment size falling back to gloo together, ranks with different protocol settings using
+rank 0's; no segment left in `/dev/shm` (checked after the whole suite too)."""
 
 import os
 import signal

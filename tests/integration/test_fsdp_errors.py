@@ -1,5 +1,10 @@
 """Bad input to the FSDP2 shim: what a user gets is a clear error or a
-warning that says what to do, never silently wrong gradients."""
+warning that says what to do, never silently wrong gradients.
+
+Mixed-dtype param groups (clear `TypeError`), a mesh mixing hsdp and gloo (warning, gradients
+equal to the all-hsdp mesh's), torch outside the supported range (warning), a backward that
+raises with buckets in flight then `reset_iter_state()` (no stale gradients: equal to FSDP2's
+native path under the same failure), buckets filled from a nested backward (all finished)."""
 
 import warnings
 

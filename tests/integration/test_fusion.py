@@ -1,6 +1,11 @@
 """Fused coalesced collectives and deferred division (cases in fusion_cases.py),
 on both CPU engines: the gloo route runs the device-agnostic code CUDA
-tensors take through NCCL."""
+tensors take through NCCL.
+
+On both engines: fused all-gather / reduce-scatter over 1-300 tensors of mixed sizes (0, 1, odd)
+and dtypes, one collective (per dtype for reductions), adjacent views, the piecewise direct-read
+all-gather; the deferred division chained over the two groups of a mesh; bad input (non-dividing
+sizes, sizes differing between ranks, bad divisors)."""
 
 import fusion_cases
 import pytest

@@ -2,7 +2,14 @@
 hosts pretended through HSDP_TEST_HOSTS: what the op cases (test_ops.py) do
 not pin down. Every algorithm path (sliced and whole all-reduce, piecewise and
 staged all-gather), bitwise-identical results on all ranks, the deferred
-division, and the errors. Real hosts (network namespaces): test_hosts.py."""
+division, and the errors. Real hosts (network namespaces): test_hosts.py.
+
+On 2 pretended hosts x 2 ranks: every algorithm path (all-reduce below / above the sliced
+threshold and not divisible, all-gather staged and piecewise, in place, reduce-scatter per host
+block, broadcast from every root, barriers) exact and bitwise identical on all ranks,
+`divide_by` as one step; `HSDP_ENGINE=shm` on a spanning group (error naming the hosts); hosts
+with different numbers of ranks (flat gloo, one log line); ranks that call different collectives
+(every rank fails, named by group rank)."""
 
 from harness import run_ranks
 

@@ -1,9 +1,12 @@
 """`python -m hsdp_backend.run`: torchrun that puts unchanged scripts on hsdp.
 
+No backend, `"gloo"`, `"cpu:gloo,cuda:nccl"` (both orders,
+positional or keyword) land on hsdp's shared-memory engine; other backends untouched; plain
+torchrun untouched; a shadowed `sitecustomize` still runs; torch not imported by the hook.
+
 Each launch starts torchrun's agent plus 2 ranks (about 8 s on 2 cores), so
 the launches are few; the mapping rules themselves are checked without torch
-in a plain interpreter that gets the launcher's environment.
-"""
+in a plain interpreter that gets the launcher's environment."""
 
 import os
 import subprocess

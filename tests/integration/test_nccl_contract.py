@@ -1,7 +1,22 @@
 """The CUDA route's promises beyond matching gloo (cases in
 nccl_contract_cases.py), through the NCCL-contract double. Every test id
 here and in the ops / fusion / FSDP suites that runs through the double
-contains ``nccl_contract``: ``pytest tests -k nccl_contract`` selects them."""
+contains ``nccl_contract``: ``pytest tests -k nccl_contract`` selects them.
+
+Through the NCCL-contract double: AVG reaches NCCL as AVG (integers too), `divide_by` and
+PREMUL_SUM as one PREMUL_SUM, a tensor factor as a tensor of the data's dtype; synchronous calls
+return no Work; async post-steps wait for every inner Work (several buckets and dtypes, staged
+arguments, futures); post-steps of a `_coalescing_manager(device=...)` block wait for its end
+Work; hsdp's staged copy for a synchronous call in a block lives until the block ran (the double
+fails a block whose synchronous calls' tensors were freed, as NCCL keeps only async calls'
+tensors); `allocate_tensor` before the communicator exists raises NCCL's error, and a barrier
+makes it; injected NCCL errors reach `wait()` and, unwaited, `is_completed()` / `exception()`
+(pass-through, chained, bucketed, polled, sync) and the group stays usable; a bounded wait that
+expires aborts the group with NCCL's message; groups created under a device-bound default group
+(`meta:0` standing for the GPU, torch's own `new_group`): hsdp under an NCCL default joins the
+split the non-members make, NCCL under an hsdp default is built anew, a split a parent rank
+never joins fails at the timeout. `test_ops.py`, `test_fusion.py`, `test_errors.py` and
+`test_fsdp.py` also run through the double (ids contain `nccl_contract`)."""
 
 import nccl_contract_cases
 import pytest

@@ -1,4 +1,17 @@
-"""Every c10d op on hsdp, on world sizes 1-4 (cases in ops_cases.py)."""
+"""Every c10d op on hsdp, on world sizes 1-4 (cases in ops_cases.py).
+
+On both CPU engines (shm and the gloo route): every c10d op on world sizes 1-4,
+fp32/bf16/fp16/int64/uint8, sizes 0/1/odd/large, against exact references and gloo; coalesced
+forms and their one-collective property; async Work; subgroups; a 2x2 mesh; messages past a slot
+and past the direct-read threshold; layouts that differ between ranks; collectives issued from
+completion callbacks; `Work.wait(timeout)`; `wait()` gives up the GIL while the op is pending
+(another thread of the waiting rank runs); a synchronous call returns no Work (shm, a strided
+tensor on the gloo route, the NCCL-contract double) but a complete one under c10d's in-flight
+registry, which waiting or `wait_tensor()` empties again.
+
+Across pretended hosts: every op case again on groups whose ranks `HSDP_TEST_HOSTS` places on
+hosts: 2 x 2 (host-ordered and interleaved ranks), 2 x 1 (hierarchical), 3 + 1 and an unreadable
+identity (flat gloo)."""
 
 import ops_cases
 import pytest

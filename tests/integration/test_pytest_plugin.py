@@ -2,10 +2,21 @@
 written here, run by a pytest of their own (a subprocess, as from a user's shell), each test's
 outcome read from its JUnit XML report and its failure text checked.
 
+Bodies on 1, 2 and 4 ranks (AVG, parametrize, parent-side fixtures and one
+`tmp_path` for all ranks, a 2 x 2 mesh, a test class, the marker's backend), one warm pool
+reused (the ranks' pids), a fresh one after a failure on one rank only and after ranks left out
+of step, the default group re-made after a test destroyed it; a test's own 2 x 2 mesh with
+DTensor ops twice on one pool (the second fails if DTensor's caches keep the first's groups), a
+test's environment changes undone; the failure text per rank with the rewritten assert; a world
+size of 0, an argument that does not pickle, `sys.exit`, a fork whose child returns; a rank that
+never returns (its stacks and hsdp's flight records in the report), one that exits with a code,
+one that segfaults, and a passing test after them; no rank outlives a pytest stopped by SIGINT
+or SIGKILL, no shared memory is left; a session without marked tests imports no torch; under
+pytest-xdist.
+
 Ranks write their process ids to a directory the tests share (passed by environment), which is
 how reuse of a warm pool, its replacement after a failure, and that no rank outlives its pytest
-are seen.
-"""
+are seen."""
 
 from __future__ import annotations
 

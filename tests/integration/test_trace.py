@@ -1,7 +1,13 @@
 """Hangs that explain themselves: the in-segment activity named in timeout
 and mismatch errors, the flight recorder's files (on failure, SIGUSR1 and
 dump_trace(), on the shared-memory and the gloo route), and
-`python -m hsdp_backend.trace` naming the rank and the op that diverged."""
+`python -m hsdp_backend.trace` naming the rank and the op that diverged.
+
+On the shared-memory engine, 2-3 ranks: a rank that skips a collective, a rank that calls a
+different one, a rank stuck in Python (dumped by SIGUSR1): the errors say where every rank is
+and `python -m hsdp_backend.trace` names the right rank and op; on the gloo route: the ring, the
+dump on gloo's timeout, `dump_trace()` and the analysis; the ring keeping its last N;
+`HSDP_TRACE_ENTRIES=0`; out-of-range settings rejected by name."""
 
 import json
 import os

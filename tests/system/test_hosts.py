@@ -1,5 +1,5 @@
 """hsdp across hosts, on simulated hosts (tools/simhosts.py: a network and
-mount namespace per host, torchrun with the c10d rendezvous on each):
+mount namespace per host, torchrun with the c10d rendezvous on each).
 
 * every op case on a group that spans 2 hosts x 2 ranks (hierarchical),
   2 x 1 (hierarchical, one rank per host) and 3 + 1 (flat gloo);
@@ -7,7 +7,8 @@ mount namespace per host, torchrun with the c10d rendezvous on each):
   parameters equal to gloo's after 10 steps;
 * a host whose link goes down mid-collective, a rank killed with SIGKILL on
   the other host: every surviving rank raises DistBackendError naming the op
-  within the group timeout, and no host keeps anything in /dev/shm;
+  within twice the group timeout (a phase's send and its receive may each
+  time out) plus 15 s, and no host keeps anything in /dev/shm;
 * clean exits: consecutive trainings that end with destroy_process_group,
   with a plain interpreter exit, with abort, and with the other host already
   gone; every torchrun exits 0 (HSDP_TEST_EXIT_RUNS runs of each; its

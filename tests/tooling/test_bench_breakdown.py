@@ -1,7 +1,11 @@
 """The per-call breakdown (benchmarks/breakdown.py): perf's samples sorted
 into the parts of a call by library and function, and a short real run whose
 parts add up to the samples perf took (or, where perf cannot sample, a run
-that says why and still times the call)."""
+that says why and still times the call).
+
+The per-call breakdown's rules: samples of each library and function go to their part (27
+cases), a perf report is summed per part; a short 2-rank run of `python -m benchmarks breakdown`
+whose parts add up to the samples perf took (or that says why there is no breakdown)."""
 
 import json
 import os

@@ -1,7 +1,11 @@
 """The device per-call suite (benchmarks/device_calls.py) on the CPU it can run on here: hsdp
 against gloo in the same ranks, every point checked against the plain backend's result, both
 metrics measured for both contenders. On a machine with GPUs the same code runs against nccl
-(scripts/gpu_check.sh); `--device cuda` without one is refused, saying why."""
+(scripts/gpu_check.sh); `--device cuda` without one is refused, saying why.
+
+`python -m benchmarks device_calls --device cpu` (hsdp against gloo, the suite's CPU form):
+every point checked against the plain backend's result, host and synchronized time for both
+contenders, their ratios; `--device cuda` without a GPU refused, saying why."""
 
 import json
 import os

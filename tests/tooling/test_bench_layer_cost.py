@@ -1,7 +1,11 @@
 """hsdp's own cost per call (benchmarks/layer_cost.py): hsdp over the zero-cost inner backend
 against that backend as a group's own, with gloo and memcpy beside them, every contender's
 result checked against the exact answer before it is timed, for both sets of inner
-capabilities (NCCL's, Gloo's)."""
+capabilities (NCCL's, Gloo's).
+
+`python -m benchmarks.layer_cost` (hsdp's own cost per call over the zero-cost inner backend,
+with NCCL's and with Gloo's capabilities): every contender's result checked against the exact
+answer, hsdp's own microseconds with their 10th-90th percentiles, gloo and memcpy beside them."""
 
 import json
 import os

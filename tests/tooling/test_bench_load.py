@@ -1,5 +1,8 @@
 """The benchmarks' loaded mode: ``--load N`` runs N CPU-bound processes
-beside the ranks for the whole run, records it, and leaves none behind."""
+beside the ranks for the whole run, records it, and leaves none behind.
+
+The benchmarks' loaded mode: `--load N` runs N CPU-bound processes beside the ranks for the
+whole run, records it in the JSON, and leaves none behind."""
 
 import json
 import os

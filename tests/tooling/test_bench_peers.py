@@ -1,7 +1,13 @@
 """The benchmark's ``peers`` suite in its smallest form: 2 ranks, one size,
 all_reduce only, with whatever peers this machine has. The peers are
 opt-in (scripts/setup_peers.sh), so on a clean machine every peer but gloo
-is missing: the suite must still run and say why, never drop a peer."""
+is missing: the suite must still run and say why, never drop a peer.
+
+`python -m benchmarks peers` in its smallest form (2 ranks, one size, all_reduce): with whatever
+peers the machine has, every peer that cannot run reported as missing with the reason, never
+dropped; the 1-rank floors measured (hsdp, hsdp without its flight recorder, torch's fake
+backend), each finite and positive (no order: `fake` hands back a Work that Python waits for,
+hsdp's synchronous call returns none)."""
 
 import json
 import math

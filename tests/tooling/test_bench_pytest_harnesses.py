@@ -1,6 +1,11 @@
 """pytest's multi-process harnesses side by side (benchmarks/pytest_harnesses.py) in its smallest
 form: every harness passes every generated test before it is timed, and a harness whose tests
-fail stops the benchmark instead of being timed."""
+fail stops the benchmark instead of being timed.
+
+`python -m benchmarks.pytest_harnesses` in its smallest form (3 cases at 2 ranks):
+`pytest_hsdp`, `MultiProcContinuousTest` and `MultiProcessTestCase` each pass every generated
+test before being timed and are compared with the last; a harness whose test fails stops the
+benchmark, naming the test's failure."""
 
 import json
 import os

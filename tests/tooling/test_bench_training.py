@@ -1,7 +1,12 @@
 """The benchmark's ``training`` suite in its quickest form: the tiny model, 2
 ranks (FSDP) against its baseline (two 1-rank copies at once), 4 steps per
 run, one run per backend. Run as docs/benchmarks.md says: ``python -m benchmarks``
-from the repository root (the installed hsdp_backend is imported)."""
+from the repository root (the installed hsdp_backend is imported).
+
+`python -m benchmarks training --quick` on 2 ranks, tiny model: the runs interleaved as planned
+(hsdp with `--comm-buffers group` among them, with the same final loss as hsdp), the JSON's
+derived numbers consistent, equal final losses on both backends, hsdp's counters of the last
+step, the PNG written."""
 
 import json
 import math

@@ -2,7 +2,18 @@
 (tests/cpp/backend_test.cpp): which c10d op a call asks of a route that does
 or does not scale and coalesce natively, and what the caller gets back. The
 tests' build (scripts/setup.sh: HSDP_BUILD_TESTING) links it from the
-extension's own objects into the package's build tree; it is never installed."""
+extension's own objects into the package's build tree; it is never installed.
+
+ProcessGroupHSDP against a fake inner backend (`tests/cpp/backend_test.cpp`, googletest, linked
+from the extension's own objects by the tests' build): on a route that neither scales nor
+coalesces natively (as Gloo) AVG runs as SUM then one division, coalesced reduce-scatter packs
+one collective per dtype, buckets pack; on one that does (as NCCL) AVG and a `divide_by`
+PREMUL_SUM factor pass through and the callers' tensors go as lists in one launch; a tensor that
+is not contiguous is staged and copied back; a reduce scales only at its root; errors name the
+rank and op before anything is issued; a call of several inner collectives counts once in the
+sequence; the flight recorder's device events on a counting fake device (PrivateUse1): one a
+ring slot, recorded per op on the current stream, replaced for another device, destroyed with
+the recorder."""
 
 import pathlib
 import subprocess

@@ -3,7 +3,51 @@ dtype, op and size against a scalar reference, failures, corrupted segments
 and a seeded mutator), the backend's OpQueue (nested completion steps) and
 its flight recorder (ops a device finishes later),
 built and run plain, under ThreadSanitizer and under ASan+UBSan by
-scripts/cpp_tests.sh. Any test failure or sanitizer report fails."""
+scripts/cpp_tests.sh. Any test failure or sanitizer report fails.
+
+The backend's `OpQueue` (`tests/cpp/op_queue_test.cpp`: tasks one at a time in issue order,
+completion steps that wait for tasks they submit, eight deep, and for a task submitted
+elsewhere, a plain stream on at most two workers, destruction from a completion step, 500 times
+over while the submitting thread still wakes the worker); the flight recorder's ops that a
+device finishes later (`tests/cpp/flight_recorder_test.cpp`: `started` until a dump finds the
+event done, a failure kept, a reused slot's event dropped, one mark a slot kept for the ops it
+holds later); the per-op counters (`tests/cpp/comm_stats_test.cpp`: ops alternating, one name at
+two addresses, a reset that forgets the last op); the shared-memory engine on its own
+(`csrc/shm`, a torch-free static library; `tests/cpp/engine_test.cpp`, googletest): W = 1-8
+ranks as threads over one segment, slots and direct reads; every dtype and reduction with
+none/AVG/PREMUL_SUM scales on 0, 1 and 7 elements, SUM on exactly a step's piece, one slot and
+several slots; one-shot and two-round all-reduce; all-gather (also in place), broadcast from
+every root, barrier, the piecewise all-gather; on pool buffers (`tests/cpp/pool_test.cpp`)
+all-gather in and out of place, reduce-scatter AVG, all-reduce AVG and broadcast from every root
+bitwise equal to the ordinary path with every rank pooled (every call counted as pooled) and
+with any subset pooled (none counted), the pool's reuse, bound and anonymous chunks, a peer's
+mapping of the same pages, a stale or out-of-chunk reference failing every rank, the pool's
+threshold independent of the ordinary buffers' (pool reads with `process_vm_readv` off, none
+with pool reads off); the direct-read crossover (`tests/cpp/crossover_test.cpp`): the rule on
+timing tables (direct everywhere, from a middle size, a win below a loss ignored, the slots
+winning at the largest size, a tie), every rank adopting rank 0's measurement though each rank's
+own timings say otherwise (the measurement run on every rank), rank 0's known value adopted
+without measuring while another rank's is ignored, a rank whose measurement throws failing every
+rank at once (not at the deadline), the sizes measured bounded by the slot and by 32 MiB of
+output, the measurement on a real group (both paths timed at every size up to the slot, the
+threshold restored, all-gathers correct on both sides of the agreed one); all bitwise against a
+scalar reference (bf16/fp16: the fp32 rank-order result rounded once, the bf16 rounding written
+independently of the kernel); ranks that call different collectives, a rank that never arrives
+(named at the deadline, with where every rank is), abort from another thread, a broken group
+refusing work. Corrupted segments (`tests/cpp/corruption_test.cpp`): a stray writer overwrites
+what one rank published (counters past the protocol's bound, signature step/kind/dtype/count,
+piece-table sizes and addresses, the source address, a pool reference's inode, chunk index and
+an offset off its dtype's element, the failure record, the header's magic) and every rank fails
+within its deadline saying so; a pid overwritten after the first step is not used; a seeded
+mutator (`HSDP_FUZZ_TRIALS` trials a build, `HSDP_FUZZ_SEED` replays: settings in
+docs/testing.md) draws world, op (pooled all-gather and reduce-scatter among them), route,
+victim, the word (a pool reference's fields among them) and the value written (0, ±1, far ahead,
+all ones, a bit flip, random) and checks that within 5 s every rank returns or fails with a
+CommError naming itself, and that once any rank failed the group refuses every rank's next call.
+Built and run three times by `bash scripts/cpp_tests.sh [plain|tsan|asan]`: plain, under
+ThreadSanitizer and under AddressSanitizer + UndefinedBehaviorSanitizer; any report fails (no
+suppressions). Also builds and runs the engine-only benchmark (`scripts/engine_bench.sh`) for
+three ops in processes: it reports a time and leaves no segment behind."""
 
 import pathlib
 import subprocess

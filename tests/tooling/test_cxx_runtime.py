@@ -3,7 +3,10 @@ links libstdc++ statically into modules would put a second C++ runtime
 beside the shared one torch loads (on one GPU image such an extension
 crashed at init_process_group, inside a stream inserting a size_t). The
 build's configure step probes the compiler and stops, naming it and what to
-set; a compiler that links the shared libstdc++ passes."""
+set; a compiler that links the shared libstdc++ passes.
+
+The configure step's C++ runtime probe: a compiler wrapper that adds `-static-libstdc++` stops
+the build naming it; the system g++ passes."""
 
 import subprocess
 from pathlib import Path

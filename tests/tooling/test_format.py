@@ -1,6 +1,9 @@
 """The tree is formatted: clang-format (.clang-format) for C++, ruff
 (pyproject.toml) for Python. A change that drifts fails here; fix it with
-``bash scripts/format.sh``."""
+``bash scripts/format.sh``.
+
+`bash scripts/format.sh --check`: the C++ (clang-format, `.clang-format`) and the Python (ruff)
+as the formatter writes them."""
 
 import pathlib
 import subprocess

@@ -2,7 +2,14 @@
 use: the test double of NCCL and the engine's kernel alone live in the tests'
 module, hsdp_testing, which only the tests' build makes (scripts/setup.sh:
 -C cmake.define.HSDP_BUILD_TESTING=ON), and hsdp takes the double through
-its creator's injection point (tests/hooks.py), never by name."""
+its creator's injection point (tests/hooks.py), never by name.
+
+What a user installs holds nothing only the tests or benchmarks use: the extension's names and
+exported symbols have no test double and no benchmark kernel, the users' settings no test
+setting (`HSDP_ENGINE=nccl_contract` refused); the extension calls none of its own functions
+through its PLT (no jump-slot relocation names a function of namespace `hsdp`: the build's
+`-fno-semantic-interposition` and `-Bsymbolic-functions`); configured as a plain `pip install .`
+the project installs no `hsdp_testing`, as the tests' build it does."""
 
 import subprocess
 

@@ -3,7 +3,20 @@ contract of the Works hsdp completes on its own threads, model-checked:
 csrc/shm/protocol.pml and wake.pml (next to Engine.hpp), csrc/backend/wait.pml
 (next to OpQueue and WorkHSDP) checked by spin through
 scripts/check_protocol.sh: safe and deadlock-free, no lost wake-up, no wait
-left waiting, and every broken rule caught (so the assertions bite)."""
+left waiting, and every broken rule caught (so the assertions bite).
+
+`scripts/check_protocol.sh`: spin checks `csrc/shm/protocol.pml` (3 ranks x 3 steps and 2 ranks
+x 6 steps, every sequence of step kinds; `HSDP_TEST_PROTOCOL_FULL=1`: 3 ranks x 4 steps; with
+`-DPOOL` also pooled calls (3 ranks x 1 call and 2 x 3; full: 3 x 2) with every subset of ranks
+pooled, and with `-DPOOL_REDUCE` pooled all-reduces, whose two rounds run on the ranks' own
+buffers): safe and deadlock-free; the overwrite rule removed: still safe (implied by the step
+order); the reduced wait, a direct step's final wait or the second slot removed, a rank skipping
+a step, a pooled call returning before its peers are done, a rank reading the slots of a step a
+peer posted without data, or a pooled all-reduce copying reduced parts before every rank's
+`reduced`: spin must find the violation or deadlock; and `csrc/shm/wake.pml`, the sleep/wake
+handshake (2 ranks x 3 steps, 3 x 2): no lost wake-up, and one found when the waiter does not
+check again after announcing itself or the publisher reads `sleepers` before its store (about 1
+min; full: about 4 min, 1 GB)."""
 
 import pathlib
 import shutil

@@ -3,7 +3,13 @@
 (tools/settings.py, not shipped) and the docs' tables agree: every setting has
 one name, one default (the object's) and one description, every ``HSDP_*``
 name the tree reads is in one of the two tables, and bad values are refused by
-name wherever they enter."""
+name wherever they enter.
+
+The tables of variables in `docs/configuration.md` and here are the ones `config.py` generates;
+the settings object (`_C.Config`) and the table cover the same settings, the table shows the
+object's defaults, every `HSDP_*` name in the tree is in the table; a bad value of every setting
+is refused naming the variable (environment) or the field (object), and a refused value is not
+kept."""
 
 import pathlib
 import re

@@ -1,6 +1,7 @@
-"""The README and docs/ resolve: every relative link and image names a file
-of the tree, the README's Python blocks compile, and every file, module and
-example flag its shell blocks name exists."""
+"""The README and docs/ resolve: relative links and images name files of the tree and their
+anchors headings of the page, the README's Python blocks compile, the files, modules and example
+flags its shell blocks name exist; the README stays a user's page (at most 250 lines, no tracker
+numbers); docs/testing.md's index of the test files is the one their docstrings give."""
 
 import importlib.util
 import pathlib
@@ -45,6 +46,17 @@ def test_the_readme_is_a_users_page():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines; details belong in docs/"
     assert not re.search(r"\bissue \d|\bsession\b", "\n".join(lines), re.I)
+
+
+def test_the_index_of_test_files_is_generated_from_their_docstrings():
+    from tools import test_index
+
+    text = (ROOT / "docs/testing.md").read_text()
+    section = text[text.index("### Unit (`tests/unit`)") :]
+    section = section[: section.index("\n\n", section.rindex("\n| test_")) + 1]
+    assert section == test_index.markdown(), (
+        "docs/testing.md's index is stale: paste `python -m tools.test_index`'s output"
+    )
 
 
 def _blocks(lang):

@@ -1,5 +1,10 @@
 """The tests' hooks (tests/hooks.py): what they hand hsdp's creator, and the
-settings they refuse."""
+settings they refuse.
+
+The tests' hooks into hsdp's creator (`tests/hooks.py`): nothing set leaves the creator alone,
+pretended hosts name each global rank (`?`: unreadable) and refuse a rank past the list, an
+empty host name or an unknown inner backend refused by name, the double as inner backend with
+`HSDP_ENGINE=gloo`."""
 
 import hooks
 import pytest

@@ -1,5 +1,8 @@
 """How torch finds hsdp: the autoload entry point at `import torch`, the
-torch.distributed.backends entry point, and that neither can break torch."""
+torch.distributed.backends entry point, and that neither can break torch.
+
+Entry points, lazy loading, `TORCH_DEVICE_BACKEND_AUTOLOAD=0`, a broken install not breaking
+`import torch`."""
 
 import os
 import subprocess

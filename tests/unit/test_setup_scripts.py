@@ -1,9 +1,15 @@
 """The set-up's steps. scripts/sync_python.py: the shortcut when only a package's Python files
 changed; scripts/compiler_cache.sh: every build's compiler cache.
 
+`scripts/sync_python.py`: the same files copied over the installed ones; a module added or removed, or an installed copy
+whose extension does not import, left to a rebuild (exit 1, nothing copied); a venv built from
+the current sources left alone whether its python is named relative to the root or by absolute
+path. `scripts/compiler_cache.sh`: builds compile through ccache with paths hashed relative to
+the clone and the build directory unhashed (what lets a second clone hit the first one's
+entries), and without it under `HSDP_NO_CCACHE=1`.
+
 A venv whose installed copy of the package is refreshed by copying must end up exactly as a
-rebuild would leave it, or the shortcut must refuse (exit 1) so that the caller rebuilds.
-"""
+rebuild would leave it, or the shortcut must refuse (exit 1) so that the caller rebuilds."""
 
 import os
 import subprocess

@@ -1,5 +1,7 @@
 """docs/testing.md is the one place that states the suite's size: the count
-it gives is the number of tests pytest collects, so it cannot drift."""
+it gives is the number of tests pytest collects, so it cannot drift.
+
+This page states the suite's size once, the number of tests pytest collects."""
 
 import re
 import subprocess

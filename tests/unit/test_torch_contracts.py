@@ -4,7 +4,11 @@ at group creation; torch 2.15's contracts (a split checks that the parent's
 communicator exists; torch's own flight-recorder hook stays off a backend
 that records itself) are honoured. Runs on every supported release
 (tests/conftest.py: EVERY_TORCH); the 2.15 contracts are skipped, saying
-so, on the releases that do not have them."""
+so, on the releases that do not have them.
+
+What differs between releases as a user meets it: a torch outside 2.11-2.15 or without
+distributed refused at configure (a fake torch) and at group creation; 2.15's split check,
+flight-recorder listing."""
 
 import os
 import subprocess
