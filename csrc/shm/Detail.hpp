@@ -1,9 +1,8 @@
 #pragma once
 
-// Small pieces the engine's units share (Engine.cpp, Wait.cpp,
-// AllReduce.cpp); not part of the engine's interface.
+// Small pieces the engine's units share (Engine.cpp, Wait.cpp and the
+// collectives' files); not part of the engine's interface.
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -11,8 +10,6 @@
 #include <string>
 
 namespace hsdp::shm::detail {
-
-using Clock = std::chrono::steady_clock;
 
 // Each collective kind a signature carries (Engine::Kind's values, in
 // order) and its name in messages; 0 is no kind.

@@ -49,7 +49,8 @@ Engine::Engine(Segment segment, int rank, EngineConfig config)
     : segment_(std::move(segment)),
       rank_(rank),
       size_(segment_.nranks()),
-      config_(config),
+      config_(std::move(config)),
+      clock_(config_.clock ? *config_.clock : Clock::steady()),
       sources_(size_) {
   static_assert(std::size(kKindNames) == static_cast<size_t>(Kind::AllGatherPieces) + 1);
   reinterpret_cast<std::atomic<int32_t>*>(&segment_.control(rank_).pid)
@@ -214,8 +215,8 @@ std::string Engine::brokenBy() const {
   // The failing rank publishes its number right after writing its reason
   // (markBroken), so a waiter woken in between would lose the reason: wait
   // for it, boundedly, since that rank may have died in between.
-  for (const auto until = Clock::now() + std::chrono::milliseconds(200);
-       by == UINT32_MAX && Clock::now() < until;) {
+  for (const auto until = clock_.now() + std::chrono::milliseconds(200);
+       by == UINT32_MAX && clock_.now() < until;) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
     by = h.brokenBy.load(std::memory_order_acquire);
   }
@@ -375,46 +376,6 @@ void Engine::readPeerPieces(
   }
 }
 
-void Engine::allGatherPieces(
-    const char* name,
-    const std::vector<Span>& inputs,
-    const std::vector<std::vector<Span>>& outputs) {
-  size_t total = 0;
-  for (const auto& in : inputs) {
-    total += in.bytes;
-  }
-  // Checked before begin(): a throw after it would leave this rank's op
-  // sequence one ahead of its peers'.
-  if (!gathersPieces(inputs.size(), total)) {
-    throw std::logic_error(prefix(name) + "allGatherPieces called where gathersPieces is false");
-  }
-  auto op = begin(name, Kind::AllGatherPieces, total, DType::U8, RedOp::Sum, -1);
-  op.sig.pieces = inputs.size();
-  uint64_t s = step_ + 1;
-  // My slot lists where my pieces are; peers read them from there.
-  const int slot = post(op, s, [&](char* dst) {
-    auto* table = reinterpret_cast<uint64_t*>(dst);
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      table[2 * i] = reinterpret_cast<uint64_t>(inputs[i].data);
-      table[2 * i + 1] = inputs[i].bytes;
-    }
-  });
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const Span& mine = outputs[rank_][i];
-    if (mine.data != inputs[i].data && inputs[i].bytes > 0) {
-      copyBytes(mine.data, inputs[i].data, inputs[i].bytes);
-    }
-  }
-  for (int k = 1; k < size_; ++k) {
-    const int q = (rank_ + k) % size_;
-    readPeerPieces(op, q, reinterpret_cast<const uint64_t*>(segment_.slot(q, slot)), outputs[q]);
-  }
-  publish(Counter::Done, s);
-  // Peers read my pieces in place: return only when they are done.
-  waitAll(op, Counter::Done, s);
-  step_ = s;
-}
-
 void Engine::directStep(
     OpState& op,
     const void* source,
@@ -565,50 +526,6 @@ bool Engine::pooledStep(
   return all;
 }
 
-void Engine::allGather(const char* name, const void* input, void* output, size_t n) {
-  auto op = begin(name, Kind::AllGather, n, DType::U8, RedOp::Sum, -1);
-  const auto* in = static_cast<const char*>(input);
-  auto* out = static_cast<char*>(output);
-  // FSDP2 gathers in place: the input is this rank's slice of the output.
-  const bool inPlace = in == out + static_cast<size_t>(rank_) * n;
-  if (const PoolRef mine = pooled(in, n, n)) {
-    if (!inPlace) {
-      copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
-    }
-    if (pooledStep(op, mine, in, n, [&](const std::vector<const char*>& inputs, uint64_t) {
-          for (int i = 1; i < size_; ++i) {
-            const int q = (rank_ + i) % size_;
-            copyBytes(out + static_cast<size_t>(q) * n, inputs[q], n);
-          }
-        })) {
-      return;
-    }
-  }
-  if (readsDirectly(n, directReadBytes_)) {
-    if (!inPlace) {
-      copyBytes(out + static_cast<size_t>(rank_) * n, in, n);
-    }
-    directStep(op, in, [&](int q, uint64_t address) {
-      readPeer(op, q, address, out + static_cast<size_t>(q) * n, n);
-    });
-    return;
-  }
-  pipelineBytes(
-      op,
-      n,
-      [&](char* dst, size_t off, size_t len) { copyBytes(dst, in + off, len); },
-      [&](int slot, size_t off, size_t len) {
-        if (!inPlace) {
-          copyBytes(out + static_cast<size_t>(rank_) * n + off, in + off, len);
-        }
-        // Start with the next rank so ranks do not all read rank 0 first.
-        for (int i = 1; i < size_; ++i) {
-          const int q = (rank_ + i) % size_;
-          copyBytes(out + static_cast<size_t>(q) * n + off, segment_.slot(q, slot), len);
-        }
-      });
-}
-
 void Engine::pipelineBytes(
     OpState& op,
     size_t n,
@@ -626,97 +543,6 @@ void Engine::pipelineBytes(
     publish(Counter::Done, s);
     step_ = s;
   }
-}
-
-void Engine::reduceScatter(
-    const char* name,
-    const void* input,
-    void* output,
-    size_t n,
-    DType dtype,
-    RedOp redop,
-    Scale scale) {
-  auto op = begin(name, Kind::ReduceScatter, n, dtype, redop, -1);
-  const size_t es = dtypeSize(dtype);
-  const auto* in = static_cast<const char*>(input);
-  auto* out = static_cast<char*>(output);
-  const size_t inputBytes = static_cast<size_t>(size_) * n * es;
-  // An output past the cache is written around it (see streamStoreBytes).
-  const Store store = storeFor(n * es, config_.streamStoreBytes);
-  if (const PoolRef mine = pooled(in, inputBytes, n * es)) {
-    // Every rank's chunk of mine is read straight from my input: one pass,
-    // in rank order as below, so the result is bitwise the same.
-    if (pooledStep(op, mine, in, inputBytes, [&](const std::vector<const char*>& inputs, uint64_t) {
-          std::vector<const void*>& srcs = sources_;
-          for (int r = 0; r < size_; ++r) {
-            srcs[r] = inputs[r] + rank_ * n * es;
-          }
-          reduce(out, srcs.data(), size_, n, dtype, redop, scale, store);
-        })) {
-      return;
-    }
-  }
-  // A step carries `piece` elements of every rank's chunk.
-  const size_t piece = std::max<size_t>(1, slotBytes() / (static_cast<size_t>(size_) * es));
-  const size_t steps = std::max<size_t>(1, ceilDiv(n, piece));
-  op.steps = static_cast<uint32_t>(steps);
-  std::vector<const void*>& srcs = sources_;
-  for (size_t k = 0; k < steps; ++k) {
-    const size_t off = k * piece;
-    const size_t len = std::min(piece, n - off);
-    uint64_t s = step_ + 1;
-    // Only peers read my slot, and they read their own chunks: my chunk
-    // stays in my input, which I reduce from directly.
-    const int slot = post(op, s, [&](char* dst) {
-      for (int q = 0; q < size_; ++q) {
-        if (q != rank_) {
-          copyBytes(dst + q * len * es, in + (q * n + off) * es, len * es);
-        }
-      }
-    });
-    for (int r = 0; r < size_; ++r) {
-      srcs[r] =
-          r == rank_ ? in + (rank_ * n + off) * es : segment_.slot(r, slot) + rank_ * len * es;
-    }
-    reduce(out + off * es, srcs.data(), size_, len, dtype, redop, scale, store);
-    publish(Counter::Done, s);
-    step_ = s;
-  }
-}
-
-void Engine::broadcast(const char* name, void* data, size_t n, int root) {
-  auto op = begin(name, Kind::Broadcast, n, DType::U8, RedOp::Sum, root);
-  auto* buf = static_cast<char*>(data);
-  if (const PoolRef mine = pooled(buf, n, n)) {
-    if (pooledStep(op, mine, buf, n, [&](const std::vector<const char*>& buffers, uint64_t) {
-          if (rank_ != root) {
-            copyBytes(buf, buffers[root], n);
-          }
-        })) {
-      return;
-    }
-  }
-  if (readsDirectly(n, directReadBytes_)) {
-    directStep(op, buf, [&](int q, uint64_t address) {
-      if (q == root) {
-        readPeer(op, q, address, buf, n);
-      }
-    });
-    return;
-  }
-  pipelineBytes(
-      op,
-      n,
-      [&](char* dst, size_t off, size_t len) {
-        if (rank_ == root) {
-          copyBytes(dst, buf + off, len);
-        }
-      },
-      [&](int slot, size_t off, size_t len) {
-        if (rank_ != root) {
-          copyBytes(buf + off, segment_.slot(root, slot), len);
-        }
-      });
 }
 
 void Engine::barrier(const char* name) {

@@ -50,6 +50,7 @@
 // Tested on its own, ranks as threads, plain and under ThreadSanitizer and
 // ASan+UBSan: tests/cpp/engine_test.cpp (bash scripts/cpp_tests.sh).
 
+#include "shm/Clock.hpp"
 #include "shm/Collectives.hpp"
 #include "shm/FunctionRef.hpp"
 #include "shm/Segment.hpp"
@@ -116,6 +117,8 @@ struct EngineConfig {
   // it with non-temporal stores (Store::Streaming). 0 disables. A rank's own
   // choice: it changes how its output is written, not the protocol.
   size_t streamStoreBytes = 0;
+  // What the engine's waits read time from (Clock.hpp); none: the steady clock.
+  std::shared_ptr<const Clock> clock;
   // Whether any op may read directly (then rendezvous probes for it).
   bool wantsDirectReads() const {
     return directReadBytes > 0 || directAllReduceBytes > 0 || pooledReadBytes > 0;
@@ -284,14 +287,14 @@ class Engine final : public Collectives {
     // (most small ops never need one, and a clock read in a VM is a
     // noticeable part of a small op):
     // the group's timeout, and any extension active then, count from there.
-    std::chrono::steady_clock::time_point deadlineFrom(std::chrono::steady_clock::time_point now);
+    Clock::time_point deadlineFrom(Clock::time_point now);
     // What deadlineFrom gave the op to wait.
     std::chrono::milliseconds timeout{0};
 
     Engine& engine;
     const char* name;
     Signature sig;
-    std::optional<std::chrono::steady_clock::time_point> deadline;
+    std::optional<Clock::time_point> deadline;
     uint32_t steps = 1;
     uint32_t stepIndex = 0;
     int exceptionsAtStart;
@@ -332,7 +335,22 @@ class Engine final : public Collectives {
   // Rank q's pid: as published in the segment until this rank's first step
   // completes, from this rank's own copy after that.
   int32_t peerPid(int q) const;
+  // Returns once every rank's `which` counter reached `target`; fails the op
+  // at its deadline, when the group breaks, or when a peer short of the
+  // target is gone (Wait.cpp).
   void waitAll(OpState& op, Counter which, uint64_t target);
+  // waitAll's phases after its spin: yields while that may hand the core to
+  // a peer (whether `ready()` came true), then sleeps on the futex until
+  // `ready()`, the deadline, a broken group or a lost peer.
+  bool yieldUntilReady(FunctionRef<bool()> ready);
+  void sleepUntilReady(
+      OpState& op,
+      Counter which,
+      uint64_t target,
+      FunctionRef<bool()> ready,
+      const int& laggard);
+  // Fails the op when a rank short of `target` has exited.
+  void failIfAPeerIsGone(const OpState& op, Counter which, uint64_t target);
   // Fails the op unless every rank's signature for `step` matches mine;
   // returns whether any rank posted a pool buffer (pooledStep).
   bool checkSignatures(const OpState& op, uint64_t step);
@@ -385,6 +403,7 @@ class Engine final : public Collectives {
   const int rank_;
   const int size_;
   const EngineConfig config_;
+  const Clock& clock_; // config_.clock's, else the steady clock
   std::shared_ptr<const std::atomic<int64_t>> timeoutExtensionMs_;
   // This rank's own failure (Failure), the first one: failure() reads it.
   std::atomic<int> failedHere_{static_cast<int>(Failure::None)};

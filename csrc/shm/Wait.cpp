@@ -1,6 +1,6 @@
 // The engine's one wait (Engine::waitAll) and what it stands on: spin,
-// yield, a process-shared futex, the deadline and the liveness of peers.
-// Every wait of every collective goes through waitAll.
+// yield, a process-shared futex, the deadline on the engine's clock and the
+// liveness of peers. Every wait of every collective goes through waitAll.
 
 #include "shm/Detail.hpp"
 #include "shm/Engine.hpp"
@@ -37,7 +37,40 @@ void futexWakeAll(std::atomic<uint32_t>* word) {
   syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
+// Spins until `ready()` or `until`; whether it became ready. A peer a few
+// microseconds behind is cheaper to wait for than a futex round trip. The
+// counters are checked after every pause: polling a line the peer has not
+// written is a hit in this core's cache, and checking only every few dozen
+// pauses made a rank notice its peer's post late by most of a small
+// all-reduce's handshake (docs/results/cpu-performance-2026-11.md, "The
+// engine's constants"). A template, not a FunctionRef: this loop is the
+// hot one, and `ready` inlines into it.
+template <typename Ready>
+bool spinUntil(const Clock& clock, Clock::time_point until, Ready& ready) {
+  for (uint32_t i = 1;; ++i) {
+    _mm_pause();
+    if (ready()) {
+      return true;
+    }
+    if (i % 64 == 0 && clock.now() >= until) {
+      return false;
+    }
+  }
+}
+
+class SteadyClock final : public Clock {
+ public:
+  time_point now() const override {
+    return std::chrono::steady_clock::now();
+  }
+};
+
 } // namespace
+
+const Clock& Clock::steady() {
+  static const SteadyClock clock;
+  return clock;
+}
 
 bool detail::processGone(int32_t pid) {
   if (pid <= 0) {
@@ -99,7 +132,11 @@ uint64_t Engine::loadCounter(const OpState& op, Counter which, int q) {
   return v;
 }
 
+// A wait in three phases, each cheaper than the next when the peer is
+// close: spin, yield, sleep on the futex. Only the last has a deadline to
+// meet (the others end by their own budgets, well within it).
 void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
+  // The first rank found short of the target: the one a timeout names.
   int laggard = 0;
   auto ready = [&]() {
     for (int i = 0; i < size_; ++i) {
@@ -109,16 +146,6 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       laggard = (laggard + 1) % size_;
     }
     return true;
-  };
-  Header& h = segment_.header();
-  // A failure of this rank's own op has already thrown; anything else that
-  // broke the group (a peer's failure, or this rank's abort from another
-  // thread) ends this wait too.
-  auto checkBroken = [&]() {
-    const uint32_t by = h.brokenBy.load(std::memory_order_acquire);
-    if (by != 0) {
-      throw CommError(prefix(op.name) + "this collective cannot complete: " + brokenBy());
-    }
   };
   if (ready()) {
     return;
@@ -135,51 +162,65 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       op.at(Activity::Working);
     }
   } working{op};
-  // Spin first: a peer a few microseconds behind is cheaper to wait for
-  // than a futex round trip. The counters are checked after every pause:
-  // polling a line the peer has not written is a hit in this core's cache,
-  // and checking only every few dozen pauses made a rank notice its peer's
-  // post late by most of a small all-reduce's handshake (docs/results/cpu-performance-2026-11.md,
-  // "The engine's constants"). No spin at all when ranks share cores (spin 0): the peer may need
-  // this one.
-  const auto waitStart = Clock::now();
-  const auto spinUntil = waitStart + config_.spin;
-  op.deadlineFrom(waitStart);
-  for (uint32_t i = 1; config_.spin.count() > 0; ++i) {
-    _mm_pause();
-    if (ready()) {
-      return;
-    }
-    if (i % 64 == 0 && Clock::now() >= spinUntil) {
-      break;
-    }
+  const auto start = clock_.now();
+  op.deadlineFrom(start);
+  if (config_.spin.count() > 0 && spinUntil(clock_, start + config_.spin, ready)) {
+    return;
   }
+  if (yieldUntilReady(ready)) {
+    return;
+  }
+  sleepUntilReady(op, which, target, ready, laggard);
+}
+
+bool Engine::yieldUntilReady(FunctionRef<bool()> ready) {
   if (yieldPause_ > 0) {
     --yieldPause_;
-  } else if (config_.yield.count() > 0) {
-    // When ranks share cores (more ranks than cores, or other processes on
-    // them), the rank this one waits for may be waiting for this core: a
-    // yield hands it over at once, where a futex sleep costs a wake-up, an
-    // order of magnitude more on a small call (docs/results/cpu-performance-2026-11.md, "The
-    // engine's constants"). But a process outside the group that wants the core keeps it for a
-    // whole time slice (milliseconds) after a yield; a yield that took that long says such a
-    // process is here, and yielding pauses for a while.
-    for (const auto until = Clock::now() + config_.yield;;) {
-      const auto before = Clock::now();
-      sched_yield();
-      const auto after = Clock::now();
-      if (ready()) {
-        return;
-      }
-      if (after - before > kForeignSlice) {
-        yieldPause_ = kYieldPauseWaits;
-        break;
-      }
-      if (after >= until || h.brokenBy.load(std::memory_order_acquire) != 0) {
-        break; // the sleeping loop below reports a broken group
-      }
+    return false;
+  }
+  if (config_.yield.count() == 0) {
+    return false;
+  }
+  // When ranks share cores (more ranks than cores, or other processes on
+  // them), the rank this one waits for may be waiting for this core: a
+  // yield hands it over at once, where a futex sleep costs a wake-up, an
+  // order of magnitude more on a small call (docs/results/cpu-performance-2026-11.md, "The
+  // engine's constants"). But a process outside the group that wants the core keeps it for a
+  // whole time slice (milliseconds) after a yield; a yield that took that long says such a
+  // process is here, and yielding pauses for a while.
+  const Header& h = segment_.header();
+  for (const auto until = clock_.now() + config_.yield;;) {
+    const auto before = clock_.now();
+    sched_yield();
+    const auto after = clock_.now();
+    if (ready()) {
+      return true;
+    }
+    if (after - before > kForeignSlice) {
+      yieldPause_ = kYieldPauseWaits;
+      return false;
+    }
+    if (after >= until || h.brokenBy.load(std::memory_order_acquire) != 0) {
+      return false; // the sleep reports a broken group
     }
   }
+}
+
+void Engine::sleepUntilReady(
+    OpState& op,
+    Counter which,
+    uint64_t target,
+    FunctionRef<bool()> ready,
+    const int& laggard) {
+  Header& h = segment_.header();
+  // A failure of this rank's own op has already thrown; anything else that
+  // broke the group (a peer's failure, or this rank's abort from another
+  // thread) ends this wait too.
+  auto checkBroken = [&]() {
+    if (h.brokenBy.load(std::memory_order_acquire) != 0) {
+      throw CommError(prefix(op.name) + "this collective cannot complete: " + brokenBy());
+    }
+  };
   // Announces this rank as a sleeper for as long as it exists, so that an
   // exception thrown while announced does not leave the count raised.
   struct Sleeping {
@@ -191,6 +232,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
   };
+  // A sleep lasts at most a slice: then the peers' liveness is checked.
   constexpr auto kSlice = std::chrono::milliseconds(50);
   while (true) {
     {
@@ -205,7 +247,7 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
         return;
       }
       checkBroken(); // markBroken wakes only announced sleepers too
-      const auto now = Clock::now();
+      const auto now = clock_.now();
       const auto deadline = op.deadlineFrom(now);
       if (now >= deadline) {
         // "Timed out", as gloo words it: code that matches gloo's timeout
@@ -224,16 +266,20 @@ void Engine::waitAll(OpState& op, Counter which, uint64_t target) {
       return;
     }
     checkBroken();
-    for (int q = 0; q < size_; ++q) {
-      if (loadCounter(op, which, q) < target) {
-        const int32_t pid = peerPid(q);
-        // Read the counter again once the peer is known gone: it may have
-        // reached the target and exited in between (it finished its part of
-        // the program's last collective and left), and a gone process can
-        // no longer move it. Only a peer gone short of the target is lost.
-        if (processGone(pid) && loadCounter(op, which, q) < target) {
-          fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
-        }
+    failIfAPeerIsGone(op, which, target);
+  }
+}
+
+void Engine::failIfAPeerIsGone(const OpState& op, Counter which, uint64_t target) {
+  for (int q = 0; q < size_; ++q) {
+    if (loadCounter(op, which, q) < target) {
+      const int32_t pid = peerPid(q);
+      // Read the counter again once the peer is known gone: it may have
+      // reached the target and exited in between (it finished its part of
+      // the program's last collective and left), and a gone process can
+      // no longer move it. Only a peer gone short of the target is lost.
+      if (processGone(pid) && loadCounter(op, which, q) < target) {
+        fail(op, peerExited(rankName(q), pid) + ". " + whereEveryRankIs());
       }
     }
   }

@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -457,6 +458,53 @@ TEST(EngineFailures, ARankThatNeverArrivesIsNamedAtTheDeadline) {
     EXPECT_TRUE(contains(errors[r], "Timed out after 300 ms")) << errors[r];
   }
   EXPECT_LT(took, std::chrono::seconds(10));
+}
+
+// A clock the test moves: the steady clock plus an offset.
+class MovableClock final : public Clock {
+ public:
+  time_point now() const override {
+    return std::chrono::steady_clock::now() + std::chrono::nanoseconds(offset_.load());
+  }
+  void advance(std::chrono::nanoseconds by) {
+    offset_ += by.count();
+  }
+
+ private:
+  std::atomic<int64_t> offset_{0};
+};
+
+// Every deadline is read from the engine's clock (EngineConfig::clock): a
+// clock moved past the deadline ends the wait at once, though the group's
+// timeout is an hour of real time.
+TEST(EngineClock, ADeadlineIsReadFromTheEnginesClock) {
+  auto clock = std::make_shared<MovableClock>();
+  EngineConfig config = testConfig(std::chrono::hours(1));
+  config.clock = clock;
+  Group g(2, config, false);
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<bool> done{false};
+  std::thread mover([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    clock->advance(std::chrono::hours(2));
+    // A wait that did not read this clock would last the hour: end it.
+    for (int i = 0; i < 200 && !done; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (!done) {
+      g.engine(1).abort("the wait did not read the engine's clock");
+    }
+  });
+  const auto errors = g.run([](Engine& e) {
+    if (e.rank() == 0) {
+      e.barrier("barrier"); // rank 1 never arrives
+    }
+  });
+  done = true;
+  mover.join();
+  EXPECT_TRUE(contains(errors[0], "Timed out after 3600000 ms waiting for rank 1")) << errors[0];
+  EXPECT_EQ(errors[1], "");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
 }
 
 // What getError() reports (ProcessGroupNCCL's meaning): the rank whose wait
