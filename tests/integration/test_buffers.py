@@ -1,4 +1,7 @@
-"""Communication buffers: ``allocate_tensor`` hands out memory its peers map
+"""Communication buffers (`allocate_tensor`): pool memory on CPU, the inner backend's on the CUDA
+route; gloo's bytes on both.
+
+Communication buffers: ``allocate_tensor`` hands out memory its peers map
 (shm/Pool.hpp) on CPU, and the inner backend's on the CUDA route (the
 NCCL-contract double here); collectives on them give gloo's bytes (rank
 bodies in buffer_cases.py).

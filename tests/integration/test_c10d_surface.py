@@ -1,4 +1,7 @@
-"""The c10d surface beyond hsdp's fast paths, against gloo (cases in
+"""The c10d surface beyond hsdp's fast paths (sparse, lists, p2p, object collectives, monitored
+barrier), against gloo.
+
+The c10d surface beyond hsdp's fast paths, against gloo (cases in
 c10d_surface_cases.py). CPU engines only: these are CPU-tensor calls (the
 NCCL-contract double stands for the CUDA route, which serves none of them).
 

@@ -1,6 +1,4 @@
-"""Future callbacks that issue collectives and wait for them, on every route
-(cases in callback_cases.py): the shared-memory engine, the inner-gloo route,
-the NCCL-contract double, and a hierarchical group across pretended hosts.
+"""Future callbacks that issue collectives and wait for them, on every route.
 
 On the shm engine, the gloo route and the NCCL-contract double (2 and 4 ranks) and a 2 x 2
 hierarchical group: a future callback waiting on an async collective it issued (by

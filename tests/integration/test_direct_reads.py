@@ -1,4 +1,7 @@
-"""From what size a group reads peers' ordinary buffers directly: measured
+"""The size from which a group reads peers' ordinary buffers directly: measured together, rank 0
+deciding, or set by the user.
+
+From what size a group reads peers' ordinary buffers directly: measured
 by each group's ranks together when it is created (shm/Crossover.hpp),
 rank 0 deciding; a value the user sets is used as it is.
 

@@ -1,4 +1,6 @@
-"""The README's main job: the FSDP2 examples under torchrun, hsdp against
+"""The README's main job: the FSDP2 examples under torchrun, hsdp against gloo, the same losses.
+
+The README's main job: the FSDP2 examples under torchrun, hsdp against
 gloo on identical work (same seed, same data). fp32 losses must agree. The
 losses are read from the examples' ``--json`` lines, and their readable
 per-step line is checked to still be there.

@@ -1,4 +1,7 @@
-"""Faults on the shared-memory engine: a peer killed with SIGKILL in the
+"""Faults on the shared-memory engine: killed, stuck and mismatched peers fail every rank clearly,
+within the timeout, leaving no shm.
+
+Faults on the shared-memory engine: a peer killed with SIGKILL in the
 middle of a collective, a stuck peer, ranks that call different collectives.
 Every surviving rank must raise torch.distributed.DistBackendError naming the
 rank and the op, well within the timeout, and nothing may stay in /dev/shm.

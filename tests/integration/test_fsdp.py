@@ -1,4 +1,7 @@
-"""FSDP2 parity on hsdp: every scenario of fsdp_parity.py trained on hsdp (with
+"""FSDP2 parity: every scenario of fsdp_parity.py on hsdp, on gloo and in a single process, with
+the promised collectives.
+
+FSDP2 parity on hsdp: every scenario of fsdp_parity.py trained on hsdp (with
 the shim), on gloo, and in a single process; losses and parameters must agree,
 and hsdp's comm_stats must show the promised shape.
 

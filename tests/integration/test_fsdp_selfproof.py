@@ -1,4 +1,7 @@
-"""The FSDP2 shim's proof at install (hsdp_backend/fsdp/_proof.py): it passes
+"""The FSDP2 shim's proof at install: passes on this torch, refuses a shim whose gradient tail
+differs, leaves nothing behind.
+
+The FSDP2 shim's proof at install (hsdp_backend/fsdp/_proof.py): it passes
 on this torch having compared real gradients, on every engine and whether or
 not a default group exists yet; a shim whose gradient tail differs from
 FSDP2's is refused with one warning that names the difference; and neither

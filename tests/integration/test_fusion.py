@@ -1,4 +1,6 @@
-"""Fused coalesced collectives and deferred division (cases in fusion_cases.py),
+"""Fused coalesced all-gather and reduce-scatter and the deferred division, on both CPU engines.
+
+Fused coalesced collectives and deferred division (cases in fusion_cases.py),
 on both CPU engines: the gloo route runs the device-agnostic code CUDA
 tensors take through NCCL.
 

@@ -1,4 +1,7 @@
-"""Hierarchical collectives (shared memory within hosts, gloo between them) on
+"""Hierarchical collectives (shared memory within hosts, gloo between them) on pretended hosts:
+every algorithm path, bitwise.
+
+Hierarchical collectives (shared memory within hosts, gloo between them) on
 hosts pretended through HSDP_TEST_HOSTS: what the op cases (test_ops.py) do
 not pin down. Every algorithm path (sliced and whole all-reduce, piecewise and
 staged all-gather), bitwise-identical results on all ranks, the deferred

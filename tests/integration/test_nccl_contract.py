@@ -1,4 +1,7 @@
-"""The CUDA route's promises beyond matching gloo (cases in
+"""The CUDA route's promises beyond matching gloo, through the NCCL-contract double (`-k
+nccl_contract`).
+
+The CUDA route's promises beyond matching gloo (cases in
 nccl_contract_cases.py), through the NCCL-contract double. Every test id
 here and in the ops / fusion / FSDP suites that runs through the double
 contains ``nccl_contract``: ``pytest tests -k nccl_contract`` selects them.

@@ -1,4 +1,7 @@
-"""pytest_hsdp, the pytest plugin for users' multi-process tests, as a user runs it: test files
+"""pytest_hsdp, the plugin for users' multi-process tests, as a user runs it: warm pools, failures
+explained, nothing left behind.
+
+pytest_hsdp, the pytest plugin for users' multi-process tests, as a user runs it: test files
 written here, run by a pytest of their own (a subprocess, as from a user's shell), each test's
 outcome read from its JUnit XML report and its failure text checked.
 

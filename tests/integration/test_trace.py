@@ -1,4 +1,7 @@
-"""Hangs that explain themselves: the in-segment activity named in timeout
+"""Hangs that explain themselves: errors that say where every rank is, the flight recorder, `python
+-m hsdp_backend.trace`.
+
+Hangs that explain themselves: the in-segment activity named in timeout
 and mismatch errors, the flight recorder's files (on failure, SIGUSR1 and
 dump_trace(), on the shared-memory and the gloo route), and
 `python -m hsdp_backend.trace` naming the rank and the op that diverged.

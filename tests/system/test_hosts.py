@@ -1,4 +1,7 @@
-"""hsdp across hosts, on simulated hosts (tools/simhosts.py: a network and
+"""hsdp across simulated hosts (network and mount namespaces, torchrun per host): ops, FSDP2,
+faults, clean exits.
+
+hsdp across hosts, on simulated hosts (tools/simhosts.py: a network and
 mount namespace per host, torchrun with the c10d rendezvous on each).
 
 * every op case on a group that spans 2 hosts x 2 ranks (hierarchical),
@@ -15,8 +18,7 @@ mount namespace per host, torchrun with the c10d rendezvous on each).
   default and long form: tools/settings.py).
 
 They need root and iproute2: elsewhere they skip with the reason, except
-under CI (CI set), where that is a failure.
-"""
+under CI (CI set), where that is a failure."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The shared-memory engine under load: 8 ranks on 2 cores, several groups
+"""The shared-memory engine under load: 8 and 16 ranks, concurrent groups, soaks with killed ranks,
+the numerics contract.
+
+The shared-memory engine under load: 8 ranks on 2 cores, several groups
 at once, a soak of mixed collectives with random sizes, dtypes, async/sync
 and random sleeps, the same soak in rounds with ranks killed and recreated,
 and the numerics contract (fp32 accumulation in rank order, one rounding:

@@ -1,4 +1,7 @@
-"""The package on every other supported torch (the main venv has 2.14):
+"""The package on every other supported torch release (2.11, 2.12, 2.13, 2.15), each in a cached
+venv of its own.
+
+The package on every other supported torch (the main venv has 2.14):
 scripts/setup_compat.sh builds it against that release in a venv of its own
 (cached outside the clone: docs/versions.md), then what meets torch's
 differences (conftest.py: EVERY_TORCH) runs there with that venv's pytest,

@@ -1,4 +1,7 @@
-"""The per-call breakdown (benchmarks/breakdown.py): perf's samples sorted
+"""The per-call breakdown (benchmarks/breakdown.py): perf samples sorted into a call's parts, and a
+short real run.
+
+The per-call breakdown (benchmarks/breakdown.py): perf's samples sorted
 into the parts of a call by library and function, and a short real run whose
 parts add up to the samples perf took (or, where perf cannot sample, a run
 that says why and still times the call).

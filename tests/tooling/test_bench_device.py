@@ -1,4 +1,7 @@
-"""The device per-call suite (benchmarks/device_calls.py) on the CPU it can run on here: hsdp
+"""The device per-call suite (benchmarks/device_calls.py) in its CPU form: hsdp against gloo, every
+point checked.
+
+The device per-call suite (benchmarks/device_calls.py) on the CPU it can run on here: hsdp
 against gloo in the same ranks, every point checked against the plain backend's result, both
 metrics measured for both contenders. On a machine with GPUs the same code runs against nccl
 (scripts/gpu_check.sh); `--device cuda` without one is refused, saying why.

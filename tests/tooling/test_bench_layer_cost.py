@@ -1,4 +1,7 @@
-"""hsdp's own cost per call (benchmarks/layer_cost.py): hsdp over the zero-cost inner backend
+"""hsdp's own cost per call over the zero-cost inner backend (benchmarks/layer_cost.py), checked,
+with gloo and memcpy beside it.
+
+hsdp's own cost per call (benchmarks/layer_cost.py): hsdp over the zero-cost inner backend
 against that backend as a group's own, with gloo and memcpy beside them, every contender's
 result checked against the exact answer before it is timed, for both sets of inner
 capabilities (NCCL's, Gloo's).

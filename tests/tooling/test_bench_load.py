@@ -1,8 +1,8 @@
-"""The benchmarks' loaded mode: ``--load N`` runs N CPU-bound processes
-beside the ranks for the whole run, records it, and leaves none behind.
+"""The benchmarks' loaded mode (`--load N`): the load runs for the whole run, is recorded and
+leaves nothing behind.
 
-The benchmarks' loaded mode: `--load N` runs N CPU-bound processes beside the ranks for the
-whole run, records it in the JSON, and leaves none behind."""
+The benchmarks' loaded mode: ``--load N`` runs N CPU-bound processes
+beside the ranks for the whole run, records it, and leaves none behind."""
 
 import json
 import os

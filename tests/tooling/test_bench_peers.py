@@ -1,4 +1,7 @@
-"""The benchmark's ``peers`` suite in its smallest form: 2 ranks, one size,
+"""The benchmark's peers suite in its smallest form: every peer runs or is reported missing with
+its reason.
+
+The benchmark's ``peers`` suite in its smallest form: 2 ranks, one size,
 all_reduce only, with whatever peers this machine has. The peers are
 opt-in (scripts/setup_peers.sh), so on a clean machine every peer but gloo
 is missing: the suite must still run and say why, never drop a peer.

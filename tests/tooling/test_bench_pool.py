@@ -1,10 +1,10 @@
-"""The collectives suite's third contender, hsdp on pool buffers
+"""The collectives suite's pool-buffer contender: all-gather and reduce-scatter only, checked, with
+its gain.
+
+The collectives suite's third contender, hsdp on pool buffers
 (allocate_tensor): measured for all-gather and reduce-scatter only, checked
 once against the exact answer, every timed call on the pooled path (the
-suite raises otherwise), and its gain over hsdp on ordinary buffers reported.
-
-`python -m benchmarks collectives` measures hsdp on pool buffers for all-gather and
-reduce-scatter only, with its gain over ordinary buffers."""
+suite raises otherwise), and its gain over hsdp on ordinary buffers reported."""
 
 import json
 import os

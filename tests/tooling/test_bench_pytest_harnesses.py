@@ -1,4 +1,7 @@
-"""pytest's multi-process harnesses side by side (benchmarks/pytest_harnesses.py) in its smallest
+"""pytest's multi-process harnesses side by side (benchmarks/pytest_harnesses.py): each passes
+every test before it is timed.
+
+pytest's multi-process harnesses side by side (benchmarks/pytest_harnesses.py) in its smallest
 form: every harness passes every generated test before it is timed, and a harness whose tests
 fail stops the benchmark instead of being timed.
 

@@ -1,4 +1,7 @@
-"""The benchmark's ``training`` suite in its quickest form: the tiny model, 2
+"""The benchmark's training suite in its quickest form: planned interleaving, consistent JSON,
+equal losses.
+
+The benchmark's ``training`` suite in its quickest form: the tiny model, 2
 ranks (FSDP) against its baseline (two 1-rank copies at once), 4 steps per
 run, one run per backend. Run as docs/benchmarks.md says: ``python -m benchmarks``
 from the repository root (the installed hsdp_backend is imported).

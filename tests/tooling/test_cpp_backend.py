@@ -1,4 +1,7 @@
 """ProcessGroupHSDP's planning and routing against a fake inner backend
+(tests/cpp/backend_test.cpp, googletest).
+
+ProcessGroupHSDP's planning and routing against a fake inner backend
 (tests/cpp/backend_test.cpp): which c10d op a call asks of a route that does
 or does not scale and coalesce natively, and what the caller gets back. The
 tests' build (scripts/setup.sh: HSDP_BUILD_TESTING) links it from the

@@ -1,4 +1,7 @@
-"""The shared-memory engine's C++ tests (tests/cpp: ranks as threads, every
+"""The C++ tests of the engine, the op queue, the flight recorder and the pool, plain and under
+TSan and ASan+UBSan.
+
+The shared-memory engine's C++ tests (tests/cpp: ranks as threads, every
 dtype, op and size against a scalar reference, failures, corrupted segments
 and a seeded mutator), the backend's OpQueue (nested completion steps) and
 its flight recorder (ops a device finishes later),

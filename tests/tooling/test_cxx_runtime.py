@@ -1,4 +1,6 @@
-"""One C++ runtime per process (cmake/CxxRuntime.cmake): a compiler that
+"""One C++ runtime per process: the build refuses a compiler that links libstdc++ statically.
+
+One C++ runtime per process (cmake/CxxRuntime.cmake): a compiler that
 links libstdc++ statically into modules would put a second C++ runtime
 beside the shared one torch loads (on one GPU image such an extension
 crashed at init_process_group, inside a stream inserting a size_t). The

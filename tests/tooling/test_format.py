@@ -1,9 +1,8 @@
-"""The tree is formatted: clang-format (.clang-format) for C++, ruff
-(pyproject.toml) for Python. A change that drifts fails here; fix it with
-``bash scripts/format.sh``.
+"""The tree is formatted: clang-format for C++, ruff for Python.
 
-`bash scripts/format.sh --check`: the C++ (clang-format, `.clang-format`) and the Python (ruff)
-as the formatter writes them."""
+The tree is formatted: clang-format (.clang-format) for C++, ruff
+(pyproject.toml) for Python. A change that drifts fails here; fix it with
+``bash scripts/format.sh``."""
 
 import pathlib
 import subprocess

@@ -1,4 +1,7 @@
-"""What a user installs holds nothing that only the tests or the benchmarks
+"""What a user installs holds nothing only the tests or benchmarks use, and calls none of its own
+functions through its PLT.
+
+What a user installs holds nothing that only the tests or the benchmarks
 use: the test double of NCCL and the engine's kernel alone live in the tests'
 module, hsdp_testing, which only the tests' build makes (scripts/setup.sh:
 -C cmake.define.HSDP_BUILD_TESTING=ON), and hsdp takes the double through

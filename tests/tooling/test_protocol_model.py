@@ -1,4 +1,7 @@
-"""The engine's step protocol and its sleep/wake handshake, and the wait
+"""The spin models: the engine's step protocol, its sleep/wake handshake and the wait contract,
+with the broken variants caught.
+
+The engine's step protocol and its sleep/wake handshake, and the wait
 contract of the Works hsdp completes on its own threads, model-checked:
 csrc/shm/protocol.pml and wake.pml (next to Engine.hpp), csrc/backend/wait.pml
 (next to OpQueue and WorkHSDP) checked by spin through

@@ -1,4 +1,7 @@
-"""docs/backend-surface.md lists every virtual of c10d's Backend: a release that adds one
+"""docs/backend-surface.md lists every virtual of the installed torch's c10d Backend, and its hsdp
+column is what ProcessGroupHSDP overrides.
+
+docs/backend-surface.md lists every virtual of c10d's Backend: a release that adds one
 fails here until the table says what hsdp, Gloo and NCCL do with it, and the table's hsdp
 column is what csrc/backend/ProcessGroupHSDP.hpp overrides."""
 

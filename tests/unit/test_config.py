@@ -1,4 +1,7 @@
-"""The configuration table (src/hsdp_backend/config.py), the settings object
+"""One name, one default and one description per setting: the settings table, the settings object
+and the docs' tables agree; bad values are refused by name.
+
+The configuration table (src/hsdp_backend/config.py), the settings object
 (hsdp_backend._C.Config, csrc/common/Config.hpp), the tests' own table
 (tools/settings.py, not shipped) and the docs' tables agree: every setting has
 one name, one default (the object's) and one description, every ``HSDP_*``

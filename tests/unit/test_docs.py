@@ -1,7 +1,11 @@
-"""The README and docs/ resolve: relative links and images name files of the tree and their
+"""The README and docs/ resolve (links, anchors, code blocks), the README stays a user's page, and
+docs/testing.md's index is generated.
+
+The README and docs/ resolve: relative links and images name files of the tree and their
 anchors headings of the page, the README's Python blocks compile, the files, modules and example
 flags its shell blocks name exist; the README stays a user's page (at most 250 lines, no tracker
-numbers); docs/testing.md's index of the test files is the one their docstrings give."""
+numbers); docs/testing.md's index of the test files is the one their docstrings give; the prose
+of README, CHANGELOG and docs/ stays at most 130 kB."""
 
 import importlib.util
 import pathlib
@@ -56,6 +60,20 @@ def test_the_index_of_test_files_is_generated_from_their_docstrings():
     section = section[: section.index("\n\n", section.rindex("\n| test_")) + 1]
     assert section == test_index.markdown(), (
         "docs/testing.md's index is stale: paste `python -m tools.test_index`'s output"
+    )
+
+
+# The prose a reader is asked to read: the README, the changelog and docs/ (docs/results/ holds
+# dated run records, read when one is linked).
+PROSE_BYTES_AT_MOST = 130_000
+
+
+def test_the_prose_stays_under_its_cap():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+    sizes = {p.name: len(p.read_bytes()) for p in pages}
+    assert sum(sizes.values()) <= PROSE_BYTES_AT_MOST, (
+        f"{sum(sizes.values())} bytes of prose, more than {PROSE_BYTES_AT_MOST}: "
+        f"condense before adding (largest: {sorted(sizes.items(), key=lambda kv: -kv[1])[:3]})"
     )
 
 

@@ -1,7 +1,4 @@
-"""The FSDP2 shim's bucket planner and in-flight tracker
-(hsdp_backend/fsdp/_buckets.py) on plain tensors, without FSDP2: what a
-bucket holds, when it is all-reduced, how a repeated backward sizes its
-buckets, the division applied once, and how many buckets stay in flight.
+"""The FSDP2 shim's bucket planner and in-flight tracker on plain tensors, without FSDP2.
 
 The FSDP2 shim's bucket planner on plain tensors (no FSDP2): when a bucket closes, a repeated
 backward sizing its buckets exactly, a bucket that must grow, the division once, at most two

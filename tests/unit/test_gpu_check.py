@@ -1,10 +1,9 @@
-"""scripts/gpu_check.sh on a machine without a GPU: one line saying so, exit
+"""scripts/gpu_check.sh on a machine without a GPU: one line saying so, exit 0.
+
+scripts/gpu_check.sh on a machine without a GPU: one line saying so, exit
 0 (on a machine with GPUs it is the one command that checks the CUDA route;
 it cannot run here). The GPU is hidden by an nvidia-smi that lists none, so
-this holds on any machine.
-
-`scripts/gpu_check.sh` on a machine whose driver lists no GPU: one line saying so, exit 0, no
-report."""
+this holds on any machine."""
 
 import os
 import pathlib

@@ -1,8 +1,7 @@
-"""How torch finds hsdp: the autoload entry point at `import torch`, the
-torch.distributed.backends entry point, and that neither can break torch.
+"""How torch finds hsdp (the autoload and backends entry points), and that neither can break torch.
 
-Entry points, lazy loading, `TORCH_DEVICE_BACKEND_AUTOLOAD=0`, a broken install not breaking
-`import torch`."""
+How torch finds hsdp: the autoload entry point at `import torch`, the
+torch.distributed.backends entry point, and that neither can break torch."""
 
 import os
 import subprocess

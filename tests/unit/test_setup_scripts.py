@@ -1,4 +1,7 @@
-"""The set-up's steps. scripts/sync_python.py: the shortcut when only a package's Python files
+"""The set-up's shortcuts: scripts/sync_python.py (Python-only changes) and
+scripts/compiler_cache.sh (ccache).
+
+The set-up's steps. scripts/sync_python.py: the shortcut when only a package's Python files
 changed; scripts/compiler_cache.sh: every build's compiler cache.
 
 `scripts/sync_python.py`: the same files copied over the installed ones; a module added or removed, or an installed copy

@@ -1,7 +1,7 @@
-"""docs/testing.md is the one place that states the suite's size: the count
-it gives is the number of tests pytest collects, so it cannot drift.
+"""docs/testing.md states the suite's size once, as the number of tests pytest collects.
 
-This page states the suite's size once, the number of tests pytest collects."""
+docs/testing.md is the one place that states the suite's size: the count
+it gives is the number of tests pytest collects, so it cannot drift."""
 
 import re
 import subprocess

@@ -1,4 +1,7 @@
-"""What differs between the torch releases hsdp supports (2.11 to 2.15), as
+"""What differs between torch 2.11 and 2.15 as a user meets it: releases outside the range refused,
+2.15's contracts honoured.
+
+What differs between the torch releases hsdp supports (2.11 to 2.15), as
 a user meets it: a torch outside the range is refused clearly at build and
 at group creation; torch 2.15's contracts (a split checks that the parent's
 communicator exists; torch's own flight-recorder hook stays off a backend
