@@ -145,7 +145,7 @@ void bindSettings(py::module& m) {
 void bindGroups(py::module& m) {
   m.def(
       "create_backend",
-      [](c10d::Store& store,
+      [](const c10::intrusive_ptr<c10d::Store>& store,
          int rank,
          int size,
          std::chrono::milliseconds timeout,
@@ -153,7 +153,8 @@ void bindGroups(py::module& m) {
          c10d::Backend* cudaBackend,
          const hsdp::Config& config,
          std::optional<std::string> hostIdentity,
-         std::optional<hsdp::InnerCaps> cpuCaps) -> c10::intrusive_ptr<c10d::Backend> {
+         std::optional<hsdp::InnerCaps> cpuCaps,
+         bool awaitReconfigure) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         config.validate();
         // Gloo's, unless another inner CPU backend was injected with its own.
@@ -176,7 +177,8 @@ void bindGroups(py::module& m) {
             std::move(cpu),
             std::move(cuda),
             config,
-            std::move(hostIdentity));
+            std::move(hostIdentity),
+            awaitReconfigure);
       },
       py::arg("store"),
       py::arg("rank"),
@@ -186,7 +188,9 @@ void bindGroups(py::module& m) {
       py::arg("cuda_backend"),
       py::arg("config"),
       py::arg("host_identity") = py::none(),
-      py::arg("cpu_caps") = py::none());
+      py::arg("cpu_caps") = py::none(),
+      // init_process_group(enable_reconfigure=True): no members until reconfigure.
+      py::arg("await_reconfigure") = false);
 
   // The inner backend a group's route for `device_type` runs on (Gloo, NCCL,
   // or one injected in Gloo's place), as c10d's own Backend object.

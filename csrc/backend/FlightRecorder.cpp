@@ -108,6 +108,12 @@ void FlightRecorder::setGroup(const std::string& group) {
   group_ = group.empty() ? "unnamed" : group;
 }
 
+void FlightRecorder::setMembership(int rank, int size) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rank_ = rank;
+  size_ = size;
+}
+
 void FlightRecorder::setSnapshot(std::function<std::string()> snapshot) {
   std::lock_guard<std::mutex> lock(mutex_);
   snapshot_ = std::move(snapshot);

@@ -56,6 +56,8 @@ class FlightRecorder {
   }
   // The group's name in file names (c10d's group uid, the same on every rank).
   void setGroup(const std::string& group);
+  // This rank's place in the group after a reconfigure gave it new members.
+  void setMembership(int rank, int size);
   // `snapshot()` adds a line to every dump (where every rank is, from the
   // shared-memory segment); cleared with detach() before the source goes.
   void setSnapshot(std::function<std::string()> snapshot);
@@ -116,8 +118,8 @@ class FlightRecorder {
   void settle(Entry& e, int64_t now);
   std::string pathLocked() const; // under mutex_
 
-  const int rank_;
-  const int size_;
+  int rank_; // under mutex_: a reconfigure changes them (setMembership)
+  int size_;
   const TraceOptions options_;
   mutable std::mutex mutex_;
   std::vector<Entry> ring_;

@@ -5,6 +5,12 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
+#include <optional>
+#include <string_view>
+#include <unordered_set>
+#include <variant>
+
 #include "backend/Checks.hpp"
 #include "backend/WorkHSDP.hpp"
 #include "backend/routes/SplitInner.hpp"
@@ -46,40 +52,62 @@ TraceOptions traceOptionsOf(const Config& config) {
 } // namespace
 
 ProcessGroupHSDP::ProcessGroupHSDP(
-    c10d::Store& store,
+    c10::intrusive_ptr<c10d::Store> store,
     int rank,
     int size,
     std::chrono::milliseconds timeout,
     std::unique_ptr<InnerRoute> cpuRoute,
     std::unique_ptr<InnerRoute> cudaRoute,
     const Config& config,
-    std::optional<std::string> hostIdentity)
+    std::optional<std::string> hostIdentity,
+    bool awaitReconfigure)
     : Backend(rank, size),
       options_(c10::make_intrusive<Options>("hsdp", timeout)),
       config_(config),
       hostIdentity_(std::move(hostIdentity)),
       cpu_(std::move(cpuRoute)),
       cuda_(std::move(cudaRoute)),
-      trace_(std::make_shared<FlightRecorder>(rank, size, traceOptionsOf(config))) {
+      trace_(std::make_shared<FlightRecorder>(rank, size, traceOptionsOf(config))),
+      store_(std::move(store)),
+      awaitingMembers_(awaitReconfigure) {
   TORCH_CHECK(cpu_, "ProcessGroupHSDP needs an inner CPU backend");
+  TORCH_CHECK(store_, "ProcessGroupHSDP needs the group's store");
+  if (awaitReconfigure) {
+    shmWhyNot_ = "the group awaits its members (created with enable_reconfigure=True)";
+    init();
+    return;
+  }
+  attachShm(*store_);
+  init();
+}
+
+void ProcessGroupHSDP::attachShm(c10d::Store& store) {
+  const auto timeout = options_->timeout;
   shm_ = connectShm(
       store,
-      rank,
-      size,
-      shmOptionsOf(config, size, timeout, hostIdentity_),
+      rank_,
+      size_,
+      shmOptionsOf(config_, size_, timeout, hostIdentity_),
       cpu_->backend(),
       timeout,
       stats_,
       staging_,
       &shmWhyNot_);
-  init();
   if (shm_) {
     shm_->usePool(
-        static_cast<size_t>(config.poolBytes), static_cast<size_t>(config.poolChunkBytes));
+        static_cast<size_t>(config_.poolBytes), static_cast<size_t>(config_.poolChunkBytes));
     shm_->recordInto(trace_);
     shm_->setTimeoutExtension(timeoutExtension_->activeMs());
     // Last: a constructor that throws leaves no snapshot of a destroyed engine.
     trace_->setSnapshot([engine = shm_.get()] { return engine->whereEveryRankIs(); });
+  }
+}
+
+void ProcessGroupHSDP::detachShm(const char* why) {
+  trace_->setSnapshot(nullptr); // before the engine its snapshot reads is gone
+  if (shm_) {
+    shm_->leave(why);
+    shm_.reset();
   }
 }
 
@@ -308,7 +336,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
   }
   const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
   return remember(c10::make_intrusive<ProcessGroupHSDP>(
-      *store,
+      store,
       rank,
       static_cast<int>(ranks.size()),
       timeout,
@@ -343,11 +371,151 @@ uint64_t ProcessGroupHSDP::getSequenceNumberForGroup() {
   return sequence_.load(std::memory_order_relaxed);
 }
 
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+namespace {
+
+constexpr std::string_view kHandleTag = "hsdp:1:";
+
+// The inner backend's handle inside an hsdp handle of group `uid`, or
+// nullopt when `handle` is not one (another backend's, or another group's).
+std::optional<std::string> innerHandleOf(const std::string& handle, const std::string& uid) {
+  if (handle.rfind(kHandleTag, 0) != 0) {
+    return std::nullopt;
+  }
+  const size_t colon = handle.find(':', kHandleTag.size());
+  if (colon == std::string::npos) {
+    return std::nullopt;
+  }
+  const std::string length = handle.substr(kHandleTag.size(), colon - kHandleTag.size());
+  if (length.empty() || length.find_first_not_of("0123456789") != std::string::npos ||
+      length.size() > 6 || std::stoul(length) != uid.size() ||
+      handle.compare(colon + 1, uid.size(), uid) != 0) {
+    return std::nullopt;
+  }
+  return handle.substr(colon + 1 + uid.size());
+}
+
+} // namespace
+
+bool ProcessGroupHSDP::supportsReconfigure() const {
+  return !cuda_ && cpu_->backend().supportsReconfigure();
+}
+
+c10d::ReconfigureHandle ProcessGroupHSDP::get_reconfigure_handle() const {
+  const std::string& uid = getGroupUid();
+  return std::string(kHandleTag) + std::to_string(uid.size()) + ":" + uid +
+      cpu_->backend().get_reconfigure_handle();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::ReconfigureOptions& opts) {
+  const auto c = ctx("reconfigure");
+  if (const char* ended = ended_.load(std::memory_order_acquire)) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c.prefix() + "the process group was " + ended + "; create a new process group");
+  }
+  HSDP_CHECK(
+      !cuda_,
+      c,
+      "this group serves CUDA, and the ProcessGroupNCCL it wraps cannot be reconfigured; "
+      "reconfigure a group created without a GPU");
+  HSDP_CHECK(
+      cpu_->backend().supportsReconfigure(),
+      c,
+      "its inner ",
+      cpu_->name(),
+      " backend cannot be reconfigured");
+  HSDP_CHECK_VALUE(
+      std::find(reconfigureUuids_.begin(), reconfigureUuids_.end(), opts.uuid) ==
+          reconfigureUuids_.end(),
+      c,
+      "uuid ",
+      opts.uuid,
+      " was used before on this group; pass a fresh one for every reconfiguration");
+  const std::string uid = getGroupUid();
+  const std::string mine = get_reconfigure_handle();
+  bool member = false;
+  size_t count = 0;
+  auto inner = [&](const std::string& handle) {
+    auto stripped = innerHandleOf(handle, uid);
+    HSDP_CHECK_VALUE(
+        stripped,
+        c,
+        "handle ",
+        count,
+        " is not a handle of this group (",
+        uid,
+        "): expected what dist._get_reconfigure_handle(group) returns on each member, got '",
+        handle.substr(0, 80),
+        "'");
+    member |= handle == mine;
+    ++count;
+    return std::move(*stripped);
+  };
+  c10d::ReconfigureOptions innerOpts;
+  innerOpts.uuid = opts.uuid;
+  innerOpts.timeout = opts.timeout;
+  innerOpts.hints = opts.hints;
+  if (const auto* ordered = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
+    std::vector<c10d::ReconfigureHandle> handles;
+    for (const auto& h : *ordered) {
+      handles.push_back(inner(h));
+    }
+    innerOpts.handles = std::move(handles);
+  } else {
+    std::unordered_set<c10d::ReconfigureHandle> handles;
+    for (const auto& h : std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) {
+      handles.insert(inner(h));
+    }
+    innerOpts.handles = std::move(handles);
+  }
+  HSDP_CHECK_VALUE(
+      member,
+      c,
+      "this rank's own handle is not among the ",
+      count,
+      " handles: only a member reconfigures a group, and each member passes every member's "
+      "handle, its own included");
+  // The old membership ends here, on this rank: its segment is unmapped, and
+  // a peer still writing to it (a lost rank's late write) reaches no member.
+  detachShm("reconfigured its process group");
+  awaitingMembers_.store(true, std::memory_order_release);
+  try {
+    cpu_->backend().reconfigure(innerOpts)->wait();
+    rank_ = cpu_->backend().getRank();
+    size_ = cpu_->backend().getSize();
+    cpu_->setRank(rank_);
+    trace_->setMembership(rank_, size_);
+    // Keys of this membership only: an earlier one's never answer.
+    auto epoch = c10::make_intrusive<c10d::PrefixStore>(
+        "hsdp/reconfigure/" + std::to_string(opts.uuid) + "/", store_);
+    attachShm(*epoch);
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c.prefix() + "the group could not take its " + std::to_string(count) + " members (uuid " +
+            std::to_string(opts.uuid) + "): " + e.what() +
+            "; it has none until a reconfigure succeeds");
+  }
+  reconfigureUuids_.push_back(opts.uuid);
+  awaitingMembers_.store(false, std::memory_order_release);
+  return WorkHSDP::completed(rank_, c10d::OpType::UNKNOWN, {});
+}
+#endif
+
 void ProcessGroupHSDP::checkUsable(const OpContext& c) const {
   if (const char* ended = ended_.load(std::memory_order_acquire)) {
     C10_THROW_ERROR(
         DistBackendError,
         c.prefix() + "the process group was " + ended + "; create a new process group");
+  }
+  if (awaitingMembers_.load(std::memory_order_acquire)) {
+    C10_THROW_ERROR(
+        DistBackendError,
+        c.prefix() +
+            "the process group has no members yet: it was created with enable_reconfigure=True, "
+            "or its last reconfigure failed; call torch.distributed._reconfigure(uuid, handles) "
+            "first");
   }
 }
 

@@ -52,15 +52,19 @@ namespace hsdp {
 
 class ProcessGroupHSDP final : public c10d::Backend {
  public:
+  // `awaitReconfigure` (init_process_group(enable_reconfigure=True)): the
+  // group has no members until reconfigure() gives it some, and refuses
+  // every call until then; its inner Gloo was made the same way.
   ProcessGroupHSDP(
-      c10d::Store& store,
+      c10::intrusive_ptr<c10d::Store> store,
       int rank,
       int size,
       std::chrono::milliseconds timeout,
       std::unique_ptr<InnerRoute> cpuRoute,
       std::unique_ptr<InnerRoute> cudaRoute,
       const Config& config,
-      std::optional<std::string> hostIdentity = std::nullopt);
+      std::optional<std::string> hostIdentity = std::nullopt,
+      bool awaitReconfigure = false);
   ~ProcessGroupHSDP() override;
 
   ProcessGroupHSDP(const ProcessGroupHSDP&) = delete;
@@ -143,6 +147,21 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // (another failure of an op of the group on this rank, on any route), or
   // what an inner backend says (NCCL's own; Gloo always says SUCCESS).
   c10d::ErrorType getError() override;
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+  // Fault tolerance (torch.distributed._reconfigure): the survivors of a lost
+  // rank, or a new set of peers, become the group's members. Served on CPU
+  // where the inner backend reconfigures (Gloo): the inner Gloo is
+  // reconfigured with the members' handles, then the shared-memory engine
+  // is built anew for the new members (a new segment: nothing of the old
+  // membership is mapped after it, and a lost rank's late writes land in
+  // the old segment, which no member reads). A group that serves CUDA is
+  // refused: the ProcessGroupNCCL it wraps has no reconfigure.
+  bool supportsReconfigure() const override;
+  // "hsdp:1:<length of the group's uid>:<group uid><the inner Gloo's handle>".
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  // Synchronous; the Work it returns is complete.
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
+#endif
 #if HSDP_TORCH_HAS_SUSPEND
   // The inner NCCL's: a group without CUDA holds no device memory to
   // release, and refuses naming that.
@@ -396,8 +415,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
       at::Tensor& input,
       const c10d::ReduceScatterOptions& opts,
       double divideBy);
-  // Fails a call made after abort() or shutdown().
+  // Fails a call made after abort() or shutdown(), or while the group awaits
+  // its members (reconfigure).
   void checkUsable(const OpContext& c) const;
+  // Builds the shared-memory route for the current members, through `store`.
+  void attachShm(c10d::Store& store);
+  // Ends the shared-memory route of the current members, if any.
+  void detachShm(const char* why);
 
   c10::intrusive_ptr<Options> options_;
   const Config config_;                           // what a split child is built with
@@ -441,6 +465,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::shared_ptr<TimeoutExtension> timeoutExtension_ = std::make_shared<TimeoutExtension>();
   std::string shmWhyNot_;
   std::unique_ptr<ShmRoute> shm_; // null: no shared memory for this group
+  // The group's store: a reconfigure's rendezvous runs on it.
+  c10::intrusive_ptr<c10d::Store> store_;
+  // Set while the group has no members: created to await a reconfigure, or
+  // after one failed. checkUsable refuses every call then.
+  std::atomic<bool> awaitingMembers_{false};
+  // The uuids of this group's reconfigurations, each used once (c10d's rule).
+  std::vector<int64_t> reconfigureUuids_;
   // getError's first answer other than SUCCESS, kept as the watchdog keeps
   // ProcessGroupNCCL's first failure.
   std::atomic<int> firstError_{static_cast<int>(c10d::ErrorType::SUCCESS)};

@@ -155,7 +155,13 @@ def _create_backend(opts, backend_options):
         opts.group_size,
         opts.timeout,
     )
-    cpu = dist.ProcessGroupGloo(dist.PrefixStore("hsdp/gloo/", store), rank, size, timeout)
+    # init_process_group(enable_reconfigure=True), torch 2.14+: the group gets its members
+    # from dist._reconfigure, and so does its inner Gloo.
+    reconfigurable = bool(getattr(opts, "enable_reconfigure", False))
+    gloo_options = {"enable_reconfigure": True} if reconfigurable else {}
+    cpu = dist.ProcessGroupGloo(
+        dist.PrefixStore("hsdp/gloo/", store), rank, size, timeout, **gloo_options
+    )
     # As torch does for its own Gloo groups: splitting (what builds the
     # inter-host groups) maps the new group's ranks through this list.
     cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
@@ -167,6 +173,12 @@ def _create_backend(opts, backend_options):
     parent = _split_parent(opts)
     cuda = None
     if torch.cuda.is_available() and dist.is_nccl_available():
+        if reconfigurable:
+            raise RuntimeError(
+                f"[rank {rank}/{size}] init_process_group: enable_reconfigure=True is served "
+                "on CPU only, and this process sees a GPU: the ProcessGroupNCCL hsdp wraps for "
+                "CUDA tensors cannot be reconfigured (CUDA_VISIBLE_DEVICES= hides the GPU)"
+            )
         cuda = dist.ProcessGroupNCCL(
             dist.PrefixStore("hsdp/nccl/", store),
             rank,
@@ -176,9 +188,11 @@ def _create_backend(opts, backend_options):
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
     host = hooks.host_identity(opts) if hooks.host_identity is not None else None
-    backend = _C.create_backend(store, rank, size, timeout, cpu, cuda, settings, host, cpu_caps)
+    backend = _C.create_backend(
+        store, rank, size, timeout, cpu, cuda, settings, host, cpu_caps, reconfigurable
+    )
     engine, why_not, _ = _C.cpu_engine(backend)
-    if engine == "gloo" and settings.engine == "auto":
+    if engine == "gloo" and settings.engine == "auto" and not reconfigurable:
         # One line: the group was meant for shared memory and did not get it.
         logging.getLogger("hsdp_backend").warning(
             "hsdp: [rank %d/%d] group %s runs its CPU collectives on gloo: %s",

@@ -287,7 +287,7 @@ struct Group {
     Config config;
     config.engine = Config::Engine::Gloo; // no shared memory: the inner route serves
     pg = c10::make_intrusive<ProcessGroupHSDP>(
-        *store,
+        store,
         kRank,
         kSize,
         std::chrono::milliseconds(10000),
@@ -332,7 +332,7 @@ TEST(Backend, TimeEstimationIsTheInnerCudaBackendsWhereItHasIt) {
   config.engine = Config::Engine::Gloo;
   auto cuda = c10::make_intrusive<EstimatingInner>();
   auto pg = c10::make_intrusive<ProcessGroupHSDP>(
-      *store,
+      store,
       kRank,
       kSize,
       std::chrono::milliseconds(10000),
@@ -482,7 +482,7 @@ struct CudaGroup {
     auto route = std::make_unique<InnerRoute>(cuda, kNative, kRank);
     cudaRoute = route.get();
     pg = c10::make_intrusive<ProcessGroupHSDP>(
-        *store,
+        store,
         kRank,
         kSize,
         std::chrono::milliseconds(10000),

@@ -90,6 +90,10 @@ class InnerRoute final : public Route {
   InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps, int rank);
   InnerRoute(const InnerRoute&) = delete;
   InnerRoute& operator=(const InnerRoute&) = delete;
+  // This rank's new place after the inner backend was reconfigured (no call in flight).
+  void setRank(int rank) {
+    rank_ = rank;
+  }
 
   const char* name() const override {
     return caps_.name.c_str();

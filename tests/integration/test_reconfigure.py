@@ -1,0 +1,196 @@
+"""Surviving a lost rank (torch 2.14+'s reconfigure): the survivors become the group's members
+and go on, on hsdp as on gloo.
+
+Groups created with `init_process_group(..., enable_reconfigure=True)` get their members from
+`dist._reconfigure(uuid, handles)`, the handles exchanged through the default group's store.
+Four ranks take all four as members and all-reduce; then rank 3 is lost (it exits between
+collectives, or is SIGKILLed during one: the survivors' all-reduce fails first), the three
+survivors reconfigure with their own handles and all-reduce again; in a third scenario rank 3
+sits out the second membership and rejoins in a third. Every rank's sums, its rank and size, are
+gloo's in the same scenario; on hsdp each membership is served by a shared-memory engine of its
+own (one segment mapped after a reconfigure: the old membership's is gone), and nothing is left in
+/dev/shm. Before its first reconfigure a group refuses every call, naming what to do. Bad input
+(a used uuid, another group's or backend's handle, a list without this rank's handle) is refused
+by name, and the group goes on serving."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from conftest import hsdp_segments
+from harness import run_ranks
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
+)
+
+WORLD = 4
+LOST = WORLD - 1
+
+
+def _handles(store, tag: str, rank: int, members) -> list[str]:
+    """The members' handles in rank order, exchanged under `tag` (this rank's among them)."""
+    store.set(f"{tag}/{rank}", dist._get_reconfigure_handle())
+    return [store.get(f"{tag}/{r}").decode() for r in members]
+
+
+def _sums(rank: int) -> dict:
+    """One small and one multi-step all-reduce: what every member contributes, summed."""
+    import torch
+
+    small = torch.tensor([float(rank + 1)])
+    dist.all_reduce(small)
+    big = torch.arange(300_000, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(big)
+    return {"small": small.item(), "big": big.sum().item(), "rank_size": dist.get_world_size()}
+
+
+def _mapped_segments() -> int:
+    with open("/proc/self/maps") as maps:
+        return len({line.split()[-2] for line in maps if "/dev/shm/hsdp-" in line})
+
+
+def lose_a_rank_body(rank, world, kind, how):
+    import datetime
+
+    import torch
+
+    import hsdp_backend
+
+    dist.init_process_group(
+        kind, init_method="env://", enable_reconfigure=True, timeout=datetime.timedelta(seconds=20)
+    )
+    store = dist.distributed_c10d._get_default_store()
+    out = {"supports": dist._supports_reconfigure()}
+    if kind == "hsdp":
+        try:
+            dist.all_reduce(torch.ones(1))
+            out["before"] = "served"
+        except dist.DistBackendError as exc:
+            out["before"] = str(exc)
+    dist._reconfigure(1, _handles(store, "first", rank, range(world))).wait()
+    out["first"] = _sums(rank)
+    if kind == "hsdp":
+        out["first_engine"] = hsdp_backend.cpu_engine()
+    if how == "between" and rank == LOST:
+        os._exit(3)  # lost between collectives, without a word
+    if how == "during":
+        big = torch.ones(4 << 20)  # 16 MiB: many steps on either backend
+        if rank == LOST:
+            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+            dist.all_reduce(big, async_op=True)
+            time.sleep(60)
+        try:
+            for _ in range(1000):
+                dist.all_reduce(big)
+            out["failed"] = None
+        except (dist.DistBackendError, RuntimeError) as exc:
+            out["failed"] = type(exc).__name__
+    if how != "rejoin" or rank != LOST:
+        dist._reconfigure(2, _handles(store, "second", rank, range(LOST))).wait()
+        out["second"] = _sums(rank)
+        out["rank"] = dist.get_rank()
+        if kind == "hsdp":
+            out["second_engine"] = hsdp_backend.cpu_engine()
+            out["mapped"] = _mapped_segments()
+    if how == "rejoin":
+        if rank == 0:
+            store.set("second_done", "1")
+        store.wait(["second_done"])
+        dist._reconfigure(3, _handles(store, "third", rank, range(world))).wait()
+        out["third"] = _sums(rank)
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("how", ["between", "during", "rejoin"])
+def test_survivors_reconfigure_and_go_on_as_on_gloo(how):
+    before = hsdp_segments()
+    may_die = (LOST,) if how != "rejoin" else ()
+    results = {
+        kind: run_ranks(
+            lose_a_rank_body, WORLD, backend=None, may_die=may_die, fresh=True, kind=kind, how=how
+        )
+        for kind in ("hsdp", "gloo")
+    }
+    hsdp, gloo = results["hsdp"], results["gloo"]
+    for r in range(WORLD):
+        if hsdp[r] is None:  # the lost rank
+            assert r == LOST and how != "rejoin" and gloo[r] is None
+            continue
+        mine, theirs = hsdp[r], gloo[r]
+        assert mine["supports"] and theirs["supports"]
+        assert "has no members yet" in mine["before"] and "_reconfigure" in mine["before"]
+        assert f"[rank {r}/{WORLD}] all_reduce" in mine["before"], mine["before"]
+        for membership in ("first", "second", "third"):
+            assert mine.get(membership) == theirs.get(membership), (r, membership, mine, theirs)
+        assert mine["first"]["small"] == 10.0 and mine["first_engine"] == "shm"
+        if "second" in mine:
+            assert mine["second"]["small"] == 6.0 and mine["second"]["rank_size"] == LOST
+            assert mine["rank"] == r == theirs["rank"]
+            assert mine["second_engine"] == "shm"
+            assert mine["mapped"] == 1, "the old membership's segment is still mapped"
+        if how == "during":
+            assert mine["failed"] is not None and theirs["failed"] is not None, (mine, theirs)
+        if how == "rejoin":
+            assert mine["third"]["small"] == 10.0
+    assert hsdp_segments() == before
+
+
+def bad_input_body(rank, world):
+    import datetime
+
+    import torch
+
+    dist.init_process_group(
+        "hsdp",
+        init_method="env://",
+        enable_reconfigure=True,
+        timeout=datetime.timedelta(seconds=20),
+    )
+    store = dist.distributed_c10d._get_default_store()
+    handles = _handles(store, "first", rank, range(world))
+    dist._reconfigure(7, handles).wait()
+    errors = {}
+
+    def refused(name, **kwargs):
+        try:
+            dist._reconfigure(**kwargs).wait()
+            errors[name] = None
+        except (ValueError, RuntimeError) as exc:
+            errors[name] = str(exc)
+        # The group still serves its members.
+        t = torch.tensor([1.0])
+        dist.all_reduce(t)
+        errors[name + " then all_reduce"] = t.item()
+
+    refused("uuid used", uuid=7, handles=handles)
+    others = [h for r, h in enumerate(handles) if r != rank]
+    refused("own handle missing", uuid=8, handles=others)
+    gloo_handle = handles[0][handles[0].index("gloo:") :]
+    refused("gloo's handle", uuid=9, handles=[gloo_handle, *handles[1:]])
+    sub = dist.new_group(list(range(world)), backend="gloo")
+    gloo_sub = dist._get_reconfigure_handle(sub)
+    refused("another backend's group", uuid=10, handles=[*handles[:-1], gloo_sub])
+    other_group = handles[0].replace(":1:0gloo", ":1:9gloo", 1)
+    refused("another group", uuid=11, handles=[other_group, *handles[1:]])
+    dist.destroy_process_group()
+    return errors
+
+
+def test_bad_input_is_refused_by_name_and_the_group_goes_on():
+    before = hsdp_segments()
+    results = run_ranks(bad_input_body, 2, backend=None, fresh=True)
+    for r, errors in enumerate(results):
+        prefix = f"[rank {r}/2] reconfigure: "
+        assert prefix + "uuid 7 was used before on this group" in errors["uuid used"], errors
+        assert "this rank's own handle is not among the 1 handles" in errors["own handle missing"]
+        for name in ("gloo's handle", "another backend's group", "another group"):
+            assert errors[name] and "is not a handle of this group (0)" in errors[name], errors
+        assert prefix in errors["own handle missing"] and prefix in errors["another group"]
+        for name in [n for n in errors if n.endswith("then all_reduce")]:
+            assert errors[name] == 2.0, (name, errors)
+    assert hsdp_segments() == before
