@@ -73,6 +73,8 @@ EVERY_TORCH = (
     # hsdp's Work as a Python subclass of the Work this release's c10d binds
     "tests/integration/test_ops.py::test_op[work_gives_up_the_gil_while_its_op_is_pending-shm-2]",
     "tests/tooling/test_cpp_backend.py",
+    # reconfigure: torch 2.14's Backend surface (skips, saying so, before it)
+    "tests/integration/test_reconfigure.py",
 )
 
 
