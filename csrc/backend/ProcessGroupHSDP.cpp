@@ -223,6 +223,46 @@ bool ProcessGroupHSDP::supportsSplitting() const {
   return cpu_->backend().supportsSplitting() && (!cuda_ || cuda_->backend().supportsSplitting());
 }
 
+bool ProcessGroupHSDP::supportsShrinking() const {
+  return !cuda_ && cpu_->backend().supportsSplitting();
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
+    const std::vector<int64_t>& ranksToExclude,
+    int shrinkFlags,
+    const c10::intrusive_ptr<Options>& optsOverride) {
+  const auto c = ctx("shrink_group");
+  checkUsable(c);
+  HSDP_CHECK(
+      !cuda_,
+      c,
+      "this group serves CUDA, and hsdp does not shrink its inner ProcessGroupNCCL; shrink a "
+      "group created without a GPU");
+  std::vector<int> stay;
+  for (int r = 0; r < size_; ++r) {
+    if (std::find(ranksToExclude.begin(), ranksToExclude.end(), r) == ranksToExclude.end()) {
+      stay.push_back(r);
+    }
+  }
+  for (int64_t r : ranksToExclude) {
+    HSDP_CHECK_VALUE(r >= 0 && r < size_, c, "rank ", r, " to exclude is not in 0..", size_ - 1);
+  }
+  HSDP_CHECK_VALUE(
+      std::find(stay.begin(), stay.end(), rank_) != stay.end(),
+      c,
+      "this rank is among the ranks to exclude: only the ranks that stay shrink a group");
+  constexpr int kShrinkAbort = 0x01; // torch.distributed.SHRINK_ABORT
+  if ((shrinkFlags & kShrinkAbort) && shm_) {
+    shm_->abort("shrank its process group with SHRINK_ABORT");
+  }
+  // Keys of this shrink only: its number and who stays, alike on every rank that stays.
+  std::string prefix = "hsdp/shrink/" + std::to_string(++shrinks_) + "/";
+  for (int r : stay) {
+    prefix += std::to_string(r) + ",";
+  }
+  return split(c10::make_intrusive<c10d::PrefixStore>(prefix + "/", store_), stay, optsOverride);
+}
+
 #if HSDP_TORCH_HAS_IS_INITIALIZED
 bool ProcessGroupHSDP::isInitialized() {
   return compat::isInitialized(cpu_->backend()) &&

@@ -90,6 +90,17 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
   // context) and the child gets its own shared-memory rendezvous.
   bool supportsSplitting() const override;
+  // shrink_group: the ranks that stay get a group of their own, split from
+  // this one without the excluded ranks (Gloo's split needs only the new
+  // group's members), with a shared-memory engine of its own. SHRINK_ABORT
+  // first aborts this group's shared-memory engine: every wait of its ops
+  // ends with an error naming the shrink. Served on CPU; a group that serves
+  // CUDA refuses (not run on a GPU: NCCL's shrink is not forwarded).
+  bool supportsShrinking() const override;
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude,
+      int shrinkFlags = 0,
+      const c10::intrusive_ptr<Options>& optsOverride = nullptr) override;
 #if HSDP_TORCH_HAS_IS_INITIALIZED
   // Whether every inner backend has its communicator (NCCL's appears at its
   // first collective or an eager connect): split() callers check it.
@@ -470,6 +481,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Set while the group has no members: created to await a reconfigure, or
   // after one failed. checkUsable refuses every call then.
   std::atomic<bool> awaitingMembers_{false};
+  // How many shrinks this rank made of this group: the ranks that stay count
+  // alike, and each shrink's rendezvous keys carry the count.
+  int shrinks_ = 0;
   // The uuids of this group's reconfigurations, each used once (c10d's rule).
   std::vector<int64_t> reconfigureUuids_;
   // getError's first answer other than SUCCESS, kept as the watchdog keeps

@@ -1,5 +1,5 @@
-"""Surviving a lost rank (torch 2.14+'s reconfigure): the survivors become the group's members
-and go on, on hsdp as on gloo.
+"""Surviving a lost rank (torch 2.14+'s reconfigure, and shrink_group): the survivors become the
+group's members and go on, on hsdp as on gloo.
 
 Groups created with `init_process_group(..., enable_reconfigure=True)` get their members from
 `dist._reconfigure(uuid, handles)`, the handles exchanged through the default group's store.
@@ -11,7 +11,12 @@ gloo's in the same scenario; on hsdp each membership is served by a shared-memor
 own (one segment mapped after a reconfigure: the old membership's is gone), and nothing is left in
 /dev/shm. Before its first reconfigure a group refuses every call, naming what to do. Bad input
 (a used uuid, another group's or backend's handle, a list without this rank's handle) is refused
-by name, and the group goes on serving."""
+by name, and the group goes on serving.
+
+`dist.shrink_group([3])` (which gloo does not serve) gives the three ranks that stay a group of
+their own whose sums are exact, after rank 3 exited, or while it is alive but stuck: there
+SHRINK_ABORT ends the survivors' pending all-reduce with an error naming the shrink, well within
+the group timeout. Excluding this rank, or a rank outside the group, is refused by name."""
 
 import os
 import signal
@@ -19,6 +24,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import hsdp_segments
 from harness import run_ranks
@@ -193,4 +199,69 @@ def test_bad_input_is_refused_by_name_and_the_group_goes_on():
         assert prefix in errors["own handle missing"] and prefix in errors["another group"]
         for name in [n for n in errors if n.endswith("then all_reduce")]:
             assert errors[name] == 2.0, (name, errors)
+    assert hsdp_segments() == before
+
+
+def shrink_body(rank, world, how):
+    import datetime
+
+    import torch
+
+    import hsdp_backend
+
+    dist.init_process_group("hsdp", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    store = dist.distributed_c10d._get_default_store()
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    out = {"supports": backend.supports_shrinking, "first": _sums(rank), "refused": []}
+    for excluded in ([rank], [world + 3]):
+        try:
+            backend.shrink(excluded)
+        except (ValueError, RuntimeError) as exc:
+            out["refused"].append(str(exc))
+    pending = None
+    if rank == LOST:
+        if how == "stuck":
+            store.wait(["shrunk"])  # alive, in no collective, until the others shrank
+        os._exit(3)
+    flags = dist.distributed_c10d.SHRINK_DEFAULT
+    if how == "stuck":
+        pending = dist.all_reduce(torch.ones(1), async_op=True)  # rank 3 never joins it
+        flags = dist.distributed_c10d.SHRINK_ABORT
+    start = time.monotonic()
+    dist.shrink_group([LOST], shrink_flags=flags)
+    if pending is not None:
+        try:
+            pending.wait()
+            out["pending"] = "completed"
+        except Exception as exc:  # noqa: BLE001 - its text is the check
+            out["pending"] = str(exc)
+        out["pending_s"] = time.monotonic() - start
+    out["second"] = _sums(rank)
+    out["rank"] = dist.get_rank()
+    out["engine"] = hsdp_backend.cpu_engine()
+    if how == "stuck" and rank == 0:
+        store.set("shrunk", "1")
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("how", ["exit", "stuck"])
+def test_the_ranks_that_stay_shrink_the_group_and_go_on(how):
+    before = hsdp_segments()
+    results = run_ranks(shrink_body, WORLD, backend=None, may_die=(LOST,), how=how)
+    assert results[LOST] is None
+    for r, out in enumerate(results[:LOST]):
+        assert out["supports"]
+        assert (
+            f"[rank {r}/{WORLD}] shrink_group: this rank is among the ranks to exclude"
+            in (out["refused"][0])
+        ), out["refused"]
+        assert f"rank {WORLD + 3} to exclude is not in 0..{WORLD - 1}" in out["refused"][1]
+        assert out["first"]["small"] == 10.0
+        big = (torch.arange(300_000, dtype=torch.float32) * 6).sum().item()  # 1 + 2 + 3
+        assert out["second"] == {"small": 6.0, "big": big, "rank_size": 3}
+        assert out["rank"] == r and out["engine"] == "shm"
+        if how == "stuck":
+            assert "SHRINK_ABORT" in out["pending"], out["pending"]
+            assert out["pending_s"] < 20, out  # not the group's 60 s timeout
     assert hsdp_segments() == before
