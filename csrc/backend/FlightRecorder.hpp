@@ -90,6 +90,13 @@ class FlightRecorder {
     std::lock_guard<std::mutex> lock(mutex_);
     return failureDumped_;
   }
+  // A new membership (reconfigure) starts without the old one's failures:
+  // its first failure dumps again. The ring keeps what happened.
+  void forgetFailures() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    failureDumped_ = false;
+    lastFailed_ = 0;
+  }
   AbortHooks& abortHooks() {
     return abortHooks_;
   }

@@ -77,30 +77,30 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     init();
     return;
   }
-  attachShm(*store_);
+  attachShm(*store_, options_->timeout);
   init();
 }
 
-void ProcessGroupHSDP::attachShm(c10d::Store& store) {
-  const auto timeout = options_->timeout;
-  shm_ = connectShm(
+void ProcessGroupHSDP::attachShm(c10d::Store& store, std::chrono::milliseconds rendezvousTimeout) {
+  auto shm = connectShm(
       store,
       rank_,
       size_,
-      shmOptionsOf(config_, size_, timeout, hostIdentity_),
+      shmOptionsOf(config_, size_, options_->timeout, hostIdentity_),
       cpu_->backend(),
-      timeout,
+      rendezvousTimeout,
       stats_,
       staging_,
       &shmWhyNot_);
-  if (shm_) {
-    shm_->usePool(
+  if (shm) {
+    shm->usePool(
         static_cast<size_t>(config_.poolBytes), static_cast<size_t>(config_.poolChunkBytes));
-    shm_->recordInto(trace_);
-    shm_->setTimeoutExtension(timeoutExtension_->activeMs());
+    shm->recordInto(trace_);
+    shm->setTimeoutExtension(timeoutExtension_->activeMs());
     // Last: a constructor that throws leaves no snapshot of a destroyed engine.
-    trace_->setSnapshot([engine = shm_.get()] { return engine->whereEveryRankIs(); });
+    trace_->setSnapshot([engine = shm.get()] { return engine->whereEveryRankIs(); });
   }
+  shm_ = std::move(shm); // only a route that is whole serves
 }
 
 void ProcessGroupHSDP::detachShm(const char* why) {
@@ -435,6 +435,31 @@ std::optional<std::string> innerHandleOf(const std::string& handle, const std::s
   return handle.substr(colon + 1 + uid.size());
 }
 
+// Whether `handle` has the shape of ProcessGroupGloo's handle,
+// "<name>:<rank>:<uuid>:<stable rank>:<store address>" (its
+// get_reconfigure_handle, torch 2.14's ProcessGroupGlooReconfigure.cpp):
+// Gloo parses the numbers with std::stoi, whose failure is no c10::Error.
+bool looksLikeGlooHandle(const std::string& handle, const std::string& name) {
+  if (handle.rfind(name + ":", 0) != 0) {
+    return false;
+  }
+  size_t at = name.size() + 1;
+  for (int field = 0; field < 3; ++field) {
+    const size_t colon = handle.find(':', at);
+    if (colon == std::string::npos) {
+      return false;
+    }
+    const std::string number = handle.substr(at, colon - at);
+    const size_t digits = number.rfind('-', 0) == 0 ? 1 : 0;
+    if (number.size() == digits || number.size() > 20 ||
+        number.find_first_not_of("0123456789", digits) != std::string::npos) {
+      return false;
+    }
+    at = colon + 1;
+  }
+  return true;
+}
+
 } // namespace
 
 bool ProcessGroupHSDP::supportsReconfigure() const {
@@ -474,8 +499,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
       " was used before on this group; pass a fresh one for every reconfiguration");
   const std::string uid = getGroupUid();
   const std::string mine = get_reconfigure_handle();
+  const std::string innerName = cpu_->backend().getBackendName();
   bool member = false;
   size_t count = 0;
+  std::unordered_set<std::string> seen;
+  // Everything is checked before the membership changes: a refused call
+  // leaves the group serving its members.
   auto inner = [&](const std::string& handle) {
     auto stripped = innerHandleOf(handle, uid);
     HSDP_CHECK_VALUE(
@@ -488,6 +517,24 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
         "): expected what dist._get_reconfigure_handle(group) returns on each member, got '",
         handle.substr(0, 80),
         "'");
+    HSDP_CHECK_VALUE(
+        looksLikeGlooHandle(*stripped, innerName),
+        c,
+        "handle ",
+        count,
+        " carries no handle of the inner ",
+        innerName,
+        " backend ('",
+        innerName,
+        ":<rank>:<uuid>:<rank>:<store>' after the group's uid), got '",
+        handle.substr(0, 80),
+        "'");
+    HSDP_CHECK_VALUE(
+        seen.insert(handle).second,
+        c,
+        "handle ",
+        count,
+        " is given twice: each member's handle appears once");
     member |= handle == mine;
     ++count;
     return std::move(*stripped);
@@ -503,6 +550,8 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
     }
     innerOpts.handles = std::move(handles);
   } else {
+    // A set: Gloo orders its handles, and the group's uid in front of each
+    // is the same, so the order (the new ranks) is the inner Gloo's.
     std::unordered_set<c10d::ReconfigureHandle> handles;
     for (const auto& h : std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles)) {
       handles.insert(inner(h));
@@ -516,8 +565,13 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
       count,
       " handles: only a member reconfigures a group, and each member passes every member's "
       "handle, its own included");
+  // From here the uuid is spent, whatever happens: the inner Gloo claims it
+  // in the store before it connects.
+  reconfigureUuids_.push_back(opts.uuid);
   // The old membership ends here, on this rank: its segment is unmapped, and
   // a peer still writing to it (a lost rank's late write) reaches no member.
+  // leave() first ends this rank's pending shared-memory waits, then drains
+  // the queue.
   detachShm("reconfigured its process group");
   awaitingMembers_.store(true, std::memory_order_release);
   try {
@@ -529,15 +583,21 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
     // Keys of this membership only: an earlier one's never answer.
     auto epoch = c10::make_intrusive<c10d::PrefixStore>(
         "hsdp/reconfigure/" + std::to_string(opts.uuid) + "/", store_);
-    attachShm(*epoch);
+    attachShm(*epoch, opts.timeout.value_or(options_->timeout));
   } catch (const std::exception& e) {
+    const auto* error = dynamic_cast<const c10::Error*>(&e);
     C10_THROW_ERROR(
         DistBackendError,
         c.prefix() + "the group could not take its " + std::to_string(count) + " members (uuid " +
-            std::to_string(opts.uuid) + "): " + e.what() +
+            std::to_string(opts.uuid) +
+            "): " + (error ? error->what_without_backtrace() : e.what()) +
             "; it has none until a reconfigure succeeds");
   }
-  reconfigureUuids_.push_back(opts.uuid);
+  // A new membership starts as a new group does (Gloo resets its sequence
+  // number): no failure of the old one is reported as the new one's.
+  sequence_.store(0, std::memory_order_relaxed);
+  firstError_.store(static_cast<int>(c10d::ErrorType::SUCCESS));
+  trace_->forgetFailures();
   awaitingMembers_.store(false, std::memory_order_release);
   return WorkHSDP::completed(rank_, c10d::OpType::UNKNOWN, {});
 }

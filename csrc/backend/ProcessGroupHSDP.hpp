@@ -93,9 +93,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // shrink_group: the ranks that stay get a group of their own, split from
   // this one without the excluded ranks (Gloo's split needs only the new
   // group's members), with a shared-memory engine of its own. SHRINK_ABORT
-  // first aborts this group's shared-memory engine: every wait of its ops
-  // ends with an error naming the shrink. Served on CPU; a group that serves
-  // CUDA refuses (not run on a GPU: NCCL's shrink is not forwarded).
+  // first aborts this group's shared-memory engine: every wait in shared
+  // memory ends with an error naming the shrink. An op pending in the inner
+  // Gloo (across hosts) ends at its timeout: Gloo has no abort. Served on
+  // CPU; a group that serves CUDA refuses (NCCL's shrink is not forwarded).
   bool supportsShrinking() const override;
   c10::intrusive_ptr<c10d::Backend> shrink(
       const std::vector<int64_t>& ranksToExclude,
@@ -170,7 +171,13 @@ class ProcessGroupHSDP final : public c10d::Backend {
   bool supportsReconfigure() const override;
   // "hsdp:1:<length of the group's uid>:<group uid><the inner Gloo's handle>".
   c10d::ReconfigureHandle get_reconfigure_handle() const override;
-  // Synchronous; the Work it returns is complete.
+  // Synchronous; the Work it returns is complete. The handles are checked
+  // first (this group's, the inner Gloo's shape, each once, this rank's
+  // among them): a refused call leaves the group serving its members. The
+  // new membership starts as a new group: sequence number 0, getError()
+  // SUCCESS. Called, as on gloo, while no other thread issues ops on the
+  // group (ProcessGroupGloo::reconfigure swaps its contexts unlocked); ops
+  // still pending on this rank are ended first.
   c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
 #endif
 #if HSDP_TORCH_HAS_SUSPEND
@@ -429,8 +436,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Fails a call made after abort() or shutdown(), or while the group awaits
   // its members (reconfigure).
   void checkUsable(const OpContext& c) const;
-  // Builds the shared-memory route for the current members, through `store`.
-  void attachShm(c10d::Store& store);
+  // Builds the shared-memory route for the current members, through `store`,
+  // whose rendezvous waits at most `rendezvousTimeout`.
+  void attachShm(c10d::Store& store, std::chrono::milliseconds rendezvousTimeout);
   // Ends the shared-memory route of the current members, if any.
   void detachShm(const char* why);
 

@@ -158,7 +158,7 @@ std::string Engine::whereEveryRankIs() const {
 Engine::OpState
 Engine::begin(const char* op, Kind kind, size_t count, DType dtype, RedOp redop, int root) {
   if (const std::string broken = brokenBy(); !broken.empty()) {
-    throw CommError(
+    failBroken(
         prefix(op) + "the group is unusable after " + broken + "; create a new process group");
   }
   if (segment_.header().magic != kMagic) {
@@ -194,14 +194,16 @@ void Engine::publish(Counter which, uint64_t step) {
   wake();
 }
 
-void Engine::markBroken(const std::string& reason) {
+void Engine::markBroken(const std::string& reason, bool leaving) {
   Header& h = segment_.header();
   uint32_t expected = 0;
   // The first failing rank records why, so every other rank can say it.
   // UINT32_MAX marks "being written" until the rank number is published.
   if (h.brokenBy.compare_exchange_strong(expected, UINT32_MAX, std::memory_order_acq_rel)) {
     std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", reason.c_str());
-    h.brokenBy.store(static_cast<uint32_t>(rank_) + 1, std::memory_order_release);
+    h.brokenBy.store(
+        (static_cast<uint32_t>(rank_) + 1) | (leaving ? kBrokenByLeaving : 0),
+        std::memory_order_release);
   }
   wake();
 }
@@ -223,6 +225,8 @@ std::string Engine::brokenBy() const {
   if (by == UINT32_MAX) {
     return "a rank failed (it did not finish writing its reason)";
   }
+  const bool left = (by & kBrokenByLeaving) != 0;
+  by &= ~kBrokenByLeaving;
   if (by > static_cast<uint32_t>(size_)) {
     return "the segment's failure record names rank " + std::to_string(by - 1) + " of a group of " +
         std::to_string(size_) + kCorrupted;
@@ -231,13 +235,23 @@ std::string Engine::brokenBy() const {
   std::memcpy(reason, h.brokenReason, sizeof reason);
   reason[sizeof reason - 1] = '\0';
   makePrintable(reason);
-  return rankName(static_cast<int>(by - 1)) + " failed (" + reason + ")";
+  return rankName(static_cast<int>(by - 1)) + (left ? " left (" : " failed (") + reason + ")";
 }
 
 void Engine::abort(const std::string& why) {
-  // The caller's choice (an abort, a shutdown), not a failure of this rank:
-  // its peers find the group broken by it (failure(): Remote).
+  // The caller's choice, not a failure of this rank: its peers find the
+  // group broken by it (failure(): Remote).
   markBroken(prefix("abort") + why);
+}
+
+void Engine::leave(const std::string& why) {
+  markBroken(prefix("leave") + why, /*leaving=*/true);
+}
+
+void Engine::failBroken(const std::string& what) {
+  int none = static_cast<int>(Failure::None);
+  failedHere_.compare_exchange_strong(none, static_cast<int>(Failure::Remote));
+  throw CommError(what);
 }
 
 void Engine::fail(const OpState& op, const std::string& what, Failure kind) {
@@ -251,8 +265,9 @@ Engine::Failure Engine::failure() const {
   if (const auto here = static_cast<Failure>(failedHere_.load()); here != Failure::None) {
     return here;
   }
-  return segment_.header().brokenBy.load(std::memory_order_acquire) != 0 ? Failure::Remote
-                                                                         : Failure::None;
+  const uint32_t by = segment_.header().brokenBy.load(std::memory_order_acquire);
+  return by != 0 && (by == UINT32_MAX || (by & kBrokenByLeaving) == 0) ? Failure::Remote
+                                                                       : Failure::None;
 }
 
 bool Engine::checkSignatures(const OpState& op, uint64_t step) {

@@ -240,14 +240,18 @@ class Engine final : public Collectives {
 
   // Marks the group broken (if it is not already) and wakes every waiter:
   // peers blocked on this rank fail at once, naming `why`, instead of at
-  // their deadline. For abort, and for a rank that leaves the group.
+  // their deadline.
   void abort(const std::string& why);
+  // The same for a rank that leaves the group (shutdown, destruction): a
+  // peer's pending or later op fails as after an abort, but a peer with
+  // none reports no failure (as a peer's ncclCommDestroy breaks no comm).
+  void leave(const std::string& why);
 
   // How the group failed, as this rank sees it: not at all; by one of this
   // rank's waits reaching its deadline; by another failure of this rank's
-  // (a dead or mismatched peer it found); or broken by another rank only
-  // (its failure, or its abort or shutdown). This rank's own abort() is not
-  // a failure of its own.
+  // (a dead or mismatched peer it found); or broken by another rank (its
+  // failure or abort; its leaving only where an op of this rank's failed on
+  // it). This rank's own abort() is not a failure of its own.
   enum class Failure { None, Timeout, Local, Remote };
   Failure failure() const;
 
@@ -356,7 +360,9 @@ class Engine final : public Collectives {
   bool checkSignatures(const OpState& op, uint64_t step);
   [[noreturn]] void fail(const OpState& op, const std::string& what, Failure kind = Failure::Local);
   // Records the first failure of the group (later ones keep the first).
-  void markBroken(const std::string& reason);
+  void markBroken(const std::string& reason, bool leaving = false);
+  // Fails an op of this rank that the group's being broken ends (Remote).
+  [[noreturn]] void failBroken(const std::string& what);
   // "rank r failed: reason" once the group is broken, else empty.
   std::string brokenBy() const;
   std::string prefix(const char* op) const;

@@ -90,6 +90,10 @@ struct alignas(kCacheLine) RankControl {
   alignas(kCacheLine) Activity activity;
 };
 
+// In Header::brokenBy: the rank that ended the group left it (ranks are far
+// below 2^31, and UINT32_MAX means "the reason is being written").
+constexpr uint32_t kBrokenByLeaving = 1u << 31;
+
 struct alignas(4096) Header {
   uint64_t magic;
   uint32_t version;
@@ -100,7 +104,9 @@ struct alignas(4096) Header {
   // (Engine::wake); waiters sleep on it.
   alignas(kCacheLine) std::atomic<uint32_t> wakeSeq;
   std::atomic<uint32_t> sleepers;
-  // 0 while healthy; 1 + rank of the first rank that failed.
+  // 0 while healthy; 1 + rank of the first rank that failed, with
+  // kBrokenByLeaving set where that rank left the group (its shutdown or
+  // destruction, not a failure). Any value but 0 ends every wait.
   alignas(kCacheLine) std::atomic<uint32_t> brokenBy;
   char brokenReason[2048]; // room for "where every rank is" of a large group
 };

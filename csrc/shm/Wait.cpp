@@ -218,7 +218,7 @@ void Engine::sleepUntilReady(
   // thread) ends this wait too.
   auto checkBroken = [&]() {
     if (h.brokenBy.load(std::memory_order_acquire) != 0) {
-      throw CommError(prefix(op.name) + "this collective cannot complete: " + brokenBy());
+      failBroken(prefix(op.name) + "this collective cannot complete: " + brokenBy());
     }
   };
   // Announces this rank as a sleeper for as long as it exists, so that an

@@ -621,5 +621,30 @@ TEST(EngineFailures, AbortFromAnotherThreadWakesEveryWaiter) {
   }
 }
 
+// A rank that leaves (shutdown, destruction) is not a failure of its peers:
+// one with no op pending reports none, and one whose later op the leaving
+// ends reports it (Remote), naming the rank that left. An abort is a
+// failure of every peer's.
+TEST(EngineFailures, ARankThatLeavesFailsOnlyThePeersOpsItEnds) {
+  Group left(3, testConfig(), false);
+  left.engine(2).leave("left the process group");
+  for (int r : {0, 1}) {
+    EXPECT_EQ(left.engine(r).failure(), Engine::Failure::None) << r;
+  }
+  const auto errors = left.run([](Engine& e) {
+    if (e.rank() == 0) {
+      e.barrier("barrier");
+    }
+  });
+  EXPECT_TRUE(contains(errors[0], "rank 2 left ([rank 2/3] leave: left the process group)"))
+      << errors[0];
+  EXPECT_EQ(left.engine(0).failure(), Engine::Failure::Remote);
+  EXPECT_EQ(left.engine(1).failure(), Engine::Failure::None);
+
+  Group aborted(2, testConfig(), false);
+  aborted.engine(1).abort("aborted by the test");
+  EXPECT_EQ(aborted.engine(0).failure(), Engine::Failure::Remote);
+}
+
 } // namespace
 } // namespace hsdp::shm

@@ -2,16 +2,19 @@
 group's members and go on, on hsdp as on gloo.
 
 Groups created with `init_process_group(..., enable_reconfigure=True)` get their members from
-`dist._reconfigure(uuid, handles)`, the handles exchanged through the default group's store.
-Four ranks take all four as members and all-reduce; then rank 3 is lost (it exits between
-collectives, or is SIGKILLed during one: the survivors' all-reduce fails first), the three
-survivors reconfigure with their own handles and all-reduce again; in a third scenario rank 3
-sits out the second membership and rejoins in a third. Every rank's sums, its rank and size, are
-gloo's in the same scenario; on hsdp each membership is served by a shared-memory engine of its
-own (one segment mapped after a reconfigure: the old membership's is gone), and nothing is left in
-/dev/shm. Before its first reconfigure a group refuses every call, naming what to do. Bad input
-(a used uuid, another group's or backend's handle, a list without this rank's handle) is refused
-by name, and the group goes on serving.
+`dist._reconfigure(uuid, handles)`, the handles exchanged through a store the test hosts. Four
+ranks take all four as members and all-reduce; then a rank is lost (rank 1 exits between
+collectives, or rank 0 is SIGKILLed during one: the survivors' all-reduce fails first), the three
+survivors reconfigure with their own handles (a set in one scenario, the backend ordering them)
+and all-reduce again; in a third scenario rank 1 sits out the second membership and rejoins in a
+third. Every rank's sums, its new rank, size and sequence number are gloo's in the same scenario,
+and getError() says SUCCESS after the reconfigure as on gloo; on hsdp each membership is served
+by a shared-memory engine of its own (one segment mapped after a reconfigure: the old
+membership's is gone), and nothing is left in /dev/shm. Before its first reconfigure a group
+refuses every call, naming what to do. Bad input (a used uuid, another group's or backend's
+handle, a handle given twice, one not of Gloo's shape, none, a list without this rank's handle)
+is refused by name, and the group goes on serving; a reconfigure that fails in the inner Gloo (a
+member that does not come) leaves the group without members, saying so, until a retry serves it.
 
 `dist.shrink_group([3])` (which gloo does not serve) gives the three ranks that stay a group of
 their own whose sums are exact, after rank 3 exited, or while it is alive but stuck: there
@@ -34,13 +37,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 WORLD = 4
-LOST = WORLD - 1
+LOST = WORLD - 1  # shrink_group's tests lose the last rank
 
 
-def _handles(store, tag: str, rank: int, members) -> list[str]:
-    """The members' handles in rank order, exchanged under `tag` (this rank's among them)."""
+def _handles(store, tag: str, rank: int, members, as_set: bool = False):
+    """The members' handles in rank order, exchanged under `tag` (this rank's among them); a set
+    where `as_set` (the backend orders them)."""
     store.set(f"{tag}/{rank}", dist._get_reconfigure_handle())
-    return [store.get(f"{tag}/{r}").decode() for r in members]
+    handles = [store.get(f"{tag}/{r}").decode() for r in members]
+    return set(handles) if as_set else handles
 
 
 def _sums(rank: int) -> dict:
@@ -54,22 +59,31 @@ def _sums(rank: int) -> dict:
     return {"small": small.item(), "big": big.sum().item(), "rank_size": dist.get_world_size()}
 
 
+def _error() -> str:
+    return dist.group.WORLD._get_backend(torch.device("cpu")).get_error().name
+
+
 def _mapped_segments() -> int:
     with open("/proc/self/maps") as maps:
         return len({line.split()[-2] for line in maps if "/dev/shm/hsdp-" in line})
 
 
-def lose_a_rank_body(rank, world, kind, how):
+def lose_a_rank_body(rank, world, kind, how, lost, port):
     import datetime
 
     import torch
 
     import hsdp_backend
 
-    dist.init_process_group(
-        kind, init_method="env://", enable_reconfigure=True, timeout=datetime.timedelta(seconds=20)
+    # The store is the test's, not rank 0's: rank 0 may be the one lost.
+    timeout = datetime.timedelta(seconds=20)
+    # Longer than the group's: a survivor may take its timeout to find the loss.
+    store = dist.TCPStore(
+        "127.0.0.1", port, world, is_master=False, timeout=datetime.timedelta(seconds=60)
     )
-    store = dist.distributed_c10d._get_default_store()
+    dist.init_process_group(
+        kind, store=store, rank=rank, world_size=world, enable_reconfigure=True, timeout=timeout
+    )
     out = {"supports": dist._supports_reconfigure()}
     if kind == "hsdp":
         try:
@@ -81,11 +95,11 @@ def lose_a_rank_body(rank, world, kind, how):
     out["first"] = _sums(rank)
     if kind == "hsdp":
         out["first_engine"] = hsdp_backend.cpu_engine()
-    if how == "between" and rank == LOST:
+    if how == "between" and rank == lost:
         os._exit(3)  # lost between collectives, without a word
     if how == "during":
         big = torch.ones(4 << 20)  # 16 MiB: many steps on either backend
-        if rank == LOST:
+        if rank == lost:
             threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
             dist.all_reduce(big, async_op=True)
             time.sleep(60)
@@ -95,54 +109,75 @@ def lose_a_rank_body(rank, world, kind, how):
             out["failed"] = None
         except (dist.DistBackendError, RuntimeError) as exc:
             out["failed"] = type(exc).__name__
-    if how != "rejoin" or rank != LOST:
-        dist._reconfigure(2, _handles(store, "second", rank, range(LOST))).wait()
+        out["error_after_failure"] = _error()
+    survivors = [r for r in range(world) if r != lost]
+    if how != "rejoin" or rank != lost:
+        # A set for one scenario: the backend orders the handles (gloo: sorted).
+        handles = _handles(store, "second", rank, survivors, as_set=how == "between")
+        dist._reconfigure(2, handles).wait()
         out["second"] = _sums(rank)
         out["rank"] = dist.get_rank()
+        out["sequence"] = dist.group.WORLD._get_sequence_number_for_group()
+        out["error_after_reconfigure"] = _error()
         if kind == "hsdp":
             out["second_engine"] = hsdp_backend.cpu_engine()
             out["mapped"] = _mapped_segments()
     if how == "rejoin":
-        if rank == 0:
+        if rank == survivors[0]:
             store.set("second_done", "1")
         store.wait(["second_done"])
         dist._reconfigure(3, _handles(store, "third", rank, range(world))).wait()
         out["third"] = _sums(rank)
+        out["third_rank"] = dist.get_rank()
     dist.destroy_process_group()
     return out
 
 
-@pytest.mark.parametrize("how", ["between", "during", "rejoin"])
-def test_survivors_reconfigure_and_go_on_as_on_gloo(how):
+@pytest.mark.parametrize(("how", "lost"), [("between", 1), ("during", 0), ("rejoin", 1)])
+def test_survivors_reconfigure_and_go_on_as_on_gloo(how, lost):
     before = hsdp_segments()
-    may_die = (LOST,) if how != "rejoin" else ()
-    results = {
-        kind: run_ranks(
-            lose_a_rank_body, WORLD, backend=None, may_die=may_die, fresh=True, kind=kind, how=how
+    may_die = (lost,) if how != "rejoin" else ()
+    results = {}
+    for kind in ("hsdp", "gloo"):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        results[kind] = run_ranks(
+            lose_a_rank_body,
+            WORLD,
+            backend=None,
+            may_die=may_die,
+            fresh=True,
+            kind=kind,
+            how=how,
+            lost=lost,
+            port=store.port,
         )
-        for kind in ("hsdp", "gloo")
-    }
+        del store
     hsdp, gloo = results["hsdp"], results["gloo"]
+    survivors = [r for r in range(WORLD) if r != lost]
     for r in range(WORLD):
         if hsdp[r] is None:  # the lost rank
-            assert r == LOST and how != "rejoin" and gloo[r] is None
+            assert r == lost and how != "rejoin" and gloo[r] is None
             continue
         mine, theirs = hsdp[r], gloo[r]
         assert mine["supports"] and theirs["supports"]
         assert "has no members yet" in mine["before"] and "_reconfigure" in mine["before"]
         assert f"[rank {r}/{WORLD}] all_reduce" in mine["before"], mine["before"]
-        for membership in ("first", "second", "third"):
-            assert mine.get(membership) == theirs.get(membership), (r, membership, mine, theirs)
+        for key in ("first", "second", "third", "rank", "sequence", "third_rank"):
+            assert mine.get(key) == theirs.get(key), (r, key, mine, theirs)
         assert mine["first"]["small"] == 10.0 and mine["first_engine"] == "shm"
         if "second" in mine:
-            assert mine["second"]["small"] == 6.0 and mine["second"]["rank_size"] == LOST
-            assert mine["rank"] == r == theirs["rank"]
+            assert mine["second"]["small"] == sum(s + 1 for s in survivors)
+            assert mine["second"]["rank_size"] == WORLD - 1
+            assert mine["rank"] == survivors.index(r), "the survivors are renumbered in order"
             assert mine["second_engine"] == "shm"
             assert mine["mapped"] == 1, "the old membership's segment is still mapped"
+            # The new membership reports none of the old one's failures (gloo: always SUCCESS).
+            assert mine["error_after_reconfigure"] == "SUCCESS" == theirs["error_after_reconfigure"]
         if how == "during":
             assert mine["failed"] is not None and theirs["failed"] is not None, (mine, theirs)
+            assert mine["error_after_failure"] != "SUCCESS", mine
         if how == "rejoin":
-            assert mine["third"]["small"] == 10.0
+            assert mine["third"]["small"] == 10.0 and mine["third_rank"] == r
     assert hsdp_segments() == before
 
 
@@ -183,6 +218,31 @@ def bad_input_body(rank, world):
     refused("another backend's group", uuid=10, handles=[*handles[:-1], gloo_sub])
     other_group = handles[0].replace(":1:0gloo", ":1:9gloo", 1)
     refused("another group", uuid=11, handles=[other_group, *handles[1:]])
+    refused("twice", uuid=12, handles=[*handles, handles[rank]])
+    not_gloo = handles[0][: handles[0].index("gloo:")] + "gloo:x:1:0:nowhere"
+    refused("not gloo's shape", uuid=13, handles=[not_gloo, *handles[1:]])
+    refused("none", uuid=14, handles=[])
+    # A reconfigure that fails in the inner Gloo (rank 1 does not come): rank 0's group has no
+    # members, says so, and a retry with a fresh uuid, rank 1 now coming, serves both again.
+    handles = _handles(store, "now", rank, range(world))  # a reconfigure changes the handles
+    if rank == 0:
+        try:
+            dist._reconfigure(15, handles, timeout=datetime.timedelta(seconds=2)).wait()
+            errors["failed"] = None
+        except (ValueError, RuntimeError) as exc:
+            errors["failed"] = str(exc)
+        try:
+            dist.all_reduce(torch.ones(1))
+            errors["after failed"] = None
+        except dist.DistBackendError as exc:
+            errors["after failed"] = str(exc)
+        store.set("retry", "1")
+    store.wait(["retry"])
+    dist._reconfigure(16, _handles(store, "retry", rank, range(world))).wait()
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    errors["retried"] = t.item()
+    errors["error after retried"] = _error()
     dist.destroy_process_group()
     return errors
 
@@ -197,8 +257,19 @@ def test_bad_input_is_refused_by_name_and_the_group_goes_on():
         for name in ("gloo's handle", "another backend's group", "another group"):
             assert errors[name] and "is not a handle of this group (0)" in errors[name], errors
         assert prefix in errors["own handle missing"] and prefix in errors["another group"]
+        assert prefix + "handle 2 is given twice" in errors["twice"], errors["twice"]
+        assert "handle 0 carries no handle of the inner gloo backend" in errors["not gloo's shape"]
+        assert "own handle is not among the 0 handles" in errors["none"], errors["none"]
+        assert errors["retried"] == 3.0 and errors["error after retried"] == "SUCCESS", errors
         for name in [n for n in errors if n.endswith("then all_reduce")]:
             assert errors[name] == 2.0, (name, errors)
+    failed = results[0]
+    assert (
+        "[rank 0/2] reconfigure: the group could not take its 2 members (uuid 15)"
+        in (failed["failed"])
+    ), failed["failed"]
+    assert "wait timeout after 2000ms" in failed["failed"] and "frame #" not in failed["failed"]
+    assert "has no members yet" in failed["after failed"], failed["after failed"]
     assert hsdp_segments() == before
 
 

@@ -152,7 +152,7 @@ Completion ShmRoute::issue(const Call& call, Plan&& plan) {
 }
 
 void ShmRoute::leave(const std::string& why) {
-  local_->abort(why);
+  local_->leave(why);
   queue_.reset(); // joins the worker once the queue is drained
 }
 
