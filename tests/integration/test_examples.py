@@ -1,13 +1,10 @@
 """The README's main job: the FSDP2 examples under torchrun, hsdp against gloo, the same losses.
 
-The README's main job: the FSDP2 examples under torchrun, hsdp against
-gloo on identical work (same seed, same data). fp32 losses must agree. The
-losses are read from the examples' ``--json`` lines, and their readable
-per-step line is checked to still be there.
-
-The FSDP2 and HSDP examples on hsdp and gloo, same losses (read from their `--json` lines);
-every `--json` line is one JSON object per step with loss, step_ms, fwd_bwd_ms, tokens_per_s
-and, on hsdp, each group's counters; without `--json` the readable per-step line."""
+The FSDP2 and HSDP examples on hsdp and gloo, on identical work (same seed, same data), give the
+same fp32 losses (read from their `--json` lines); so does the fault-tolerant one (torch 2.14+),
+a replica lost at step 3 and the other going on at world size 2. Every `--json` line is one JSON
+object per step with loss, step_ms, fwd_bwd_ms, tokens_per_s and, on hsdp, each group's
+counters; without `--json` the readable per-step line."""
 
 import functools
 import json
@@ -17,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+import torch.distributed as dist
 from harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -78,6 +76,28 @@ def test_example_matches_gloo(script, nproc):
     assert hsdp[-1] < hsdp[0], f"loss did not decrease: {hsdp}"
     for a, b in zip(hsdp, gloo):
         assert a == pytest.approx(b, rel=1e-5), (hsdp, gloo)
+
+
+@pytest.mark.skipif(
+    not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
+)
+def test_a_lost_replica_is_dropped_and_training_goes_on_as_on_gloo():
+    """train_hsdp_ft.py: replica 0 (ranks 0 and 1, torchrun's rank 0 among them) leaves at step 3;
+    the other replica reconfigures the group, rebuilds its mesh and model from its own shards and
+    takes step 3 again, renumbered 0 and 1, with gloo's losses."""
+    runs = {}
+    for backend in ("hsdp", "gloo"):
+        out = run_example(
+            "train_hsdp_ft.py", 4, backend, "--steps", "5", "--lose-replica-at", "3",
+            "--lose-replica", "0",
+        )  # fmt: skip
+        runs[backend] = [json.loads(line) for line in out.splitlines()]
+    hsdp, gloo = runs["hsdp"], runs["gloo"]
+    assert [(s["step"], s["world"]) for s in hsdp] == [(1, 4), (2, 4), (3, 2), (4, 2), (5, 2)]
+    assert [(s["step"], s["world"]) for s in gloo] == [(s["step"], s["world"]) for s in hsdp]
+    for a, b in zip(hsdp, gloo):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (hsdp, gloo)
+    assert hsdp[-1]["loss"] < hsdp[2]["loss"], f"the survivors' loss did not decrease: {hsdp}"
 
 
 def test_json_lines_carry_the_metrics_and_counters():
