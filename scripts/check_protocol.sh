@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Model-checks the engine's step protocol (csrc/shm/protocol.pml), its
-# sleep/wake handshake (csrc/shm/wake.pml) and the wait contract of the Works
+# sleep/wake handshake (csrc/shm/wake.pml), a membership change
+# (csrc/shm/epoch.pml) and the wait contract of the Works
 # hsdp completes on its own threads (csrc/backend/wait.pml) with spin: the
 # protocol must be safe and deadlock-free, the overwrite rule must be implied
 # by the order of steps (NO_REUSE_WAIT safe), no wake-up may be lost, no wait
@@ -70,6 +71,12 @@ check safe -DW=2 -DK=3
 check safe -DW=3 -DK=2
 check violation -DW=2 -DK=3 -DNO_RECHECK
 check violation -DW=2 -DK=3 -DSLEEPERS_FIRST
+# A membership change: the lost rank's writes never reach the new segment,
+# every survivor gets there, and each broken rule caught.
+MODEL=epoch MODEL_FILE=$(dirname "$model")/epoch.pml
+check safe
+check violation -DSHARED_COUNTER
+check violation -DNO_LEAVE
 # The wait contract: every scenario served, and each broken rule caught.
 MODEL=wait MODEL_FILE=$(dirname "$model")/../backend/wait.pml
 check safe

@@ -580,7 +580,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
     size_ = cpu_->backend().getSize();
     cpu_->setRank(rank_);
     trace_->setMembership(rank_, size_);
-    // Keys of this membership only: an earlier one's never answer.
+    // Keys of this membership only: an earlier one's never answer, and the
+    // rendezvous' incarnation counter starts at 0 for a new size
+    // (csrc/shm/epoch.pml: SHARED_COUNTER).
     auto epoch = c10::make_intrusive<c10d::PrefixStore>(
         "hsdp/reconfigure/" + std::to_string(opts.uuid) + "/", store_);
     attachShm(*epoch, opts.timeout.value_or(options_->timeout));

@@ -1,5 +1,5 @@
-"""The spin models: the engine's step protocol, its sleep/wake handshake and the wait contract,
-with the broken variants caught.
+"""The spin models: the engine's step protocol, its sleep/wake handshake, a membership change and
+the wait contract, with the broken variants caught.
 
 The engine's step protocol and its sleep/wake handshake, and the wait
 contract of the Works hsdp completes on its own threads, model-checked:
@@ -18,8 +18,11 @@ a step, a pooled call returning before its peers are done, a rank reading the sl
 peer posted without data, or a pooled all-reduce copying reduced parts before every rank's
 `reduced`: spin must find the violation or deadlock; and `csrc/shm/wake.pml`, the sleep/wake
 handshake (2 ranks x 3 steps, 3 x 2): no lost wake-up, and one found when the waiter does not
-check again after announcing itself or the publisher reads `sleepers` before its store (about 1
-min; full: about 4 min, 1 GB)."""
+check again after announcing itself or the publisher reads `sleepers` before its store; and
+`csrc/shm/epoch.pml`, a reconfigure: a lost rank that keeps writing the old segment never reaches
+the survivors' new one, and every survivor gets there; a deadlock found when the new membership's
+rendezvous runs on the old store keys or the queue is drained before the old segment is marked
+broken (about 1 min; full: about 4 min, 1 GB)."""
 
 import pathlib
 import shutil
@@ -55,6 +58,11 @@ def test_step_protocol_model_checks():
     assert sum("violation found" in line for line in lines) == 7, out
     assert sum("-DPOOL" in line for line in lines) == 6, out
     assert sum("-DPOOL_REDUCE" in line for line in lines) == 2, out
+    epoch = [line for line in out.splitlines() if line.startswith("[epoch]")]
+    # Safe; the old store's counter and no leave() before the drain caught (deadlocks).
+    assert len(epoch) == 3, out
+    assert sum("safe, no deadlock" in line for line in epoch) == 1, out
+    assert sum("invalid end state" in line for line in epoch) == 2, out
     wait = [line for line in out.splitlines() if line.startswith("[wait]")]
     # Every scenario served; 5 broken rules caught (2 by assertion, 3 by a
     # wait left waiting).
