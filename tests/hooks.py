@@ -88,7 +88,9 @@ def nccl_contract_inner(opts, gloo):
         color = distributed_c10d._process_group_color(list(opts.global_ranks_in_group))
         hsdp_testing.join_split(parent, color, opts.group_size)
     release = settings.read("HSDP_TEST_NCCL_RELEASE")
-    double = hsdp_testing.NcclContractBackend(gloo, opts.group_rank, opts.group_size, release)
+    double = hsdp_testing.NcclContractBackend(
+        gloo, opts.group_rank, opts.group_size, release, store=opts.store
+    )
     caps = _C.InnerCaps(
         NCCL_CONTRACT,
         native_scale=True,

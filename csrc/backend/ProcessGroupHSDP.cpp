@@ -224,7 +224,11 @@ bool ProcessGroupHSDP::supportsSplitting() const {
 }
 
 bool ProcessGroupHSDP::supportsShrinking() const {
-  return !cuda_ && cpu_->backend().supportsSplitting();
+  // NCCL shrinks its communicator among the ranks that stay; a split of it
+  // would need the excluded ranks too. Gloo's split needs only the members.
+  const auto& cpu = cpu_->backend();
+  return (cpu.supportsShrinking() || cpu.supportsSplitting()) &&
+      (!cuda_ || cuda_->backend().supportsShrinking());
 }
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
@@ -234,24 +238,47 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
   const auto c = ctx("shrink_group");
   checkUsable(c);
   HSDP_CHECK(
-      !cuda_,
+      supportsShrinking(),
       c,
-      "this group serves CUDA, and hsdp does not shrink its inner ProcessGroupNCCL; shrink a "
-      "group created without a GPU");
+      "its inner ",
+      cuda_ && !cuda_->backend().supportsShrinking() ? cuda_->name() : cpu_->name(),
+      " backend cannot shrink (NCCL needs 2.27 or later)");
   std::vector<int> stay;
   for (int r = 0; r < size_; ++r) {
     if (std::find(ranksToExclude.begin(), ranksToExclude.end(), r) == ranksToExclude.end()) {
       stay.push_back(r);
     }
   }
-  for (int64_t r : ranksToExclude) {
+  for (size_t i = 0; i < ranksToExclude.size(); ++i) {
+    const int64_t r = ranksToExclude[i];
     HSDP_CHECK_VALUE(r >= 0 && r < size_, c, "rank ", r, " to exclude is not in 0..", size_ - 1);
+    // NCCL's shrink counts a rank given twice twice in its child's size.
+    HSDP_CHECK_VALUE(
+        std::find(ranksToExclude.begin(), ranksToExclude.begin() + i, r) ==
+            ranksToExclude.begin() + i,
+        c,
+        "rank ",
+        r,
+        " to exclude is given twice");
   }
+  HSDP_CHECK_VALUE(!stay.empty(), c, "every rank would be excluded");
   HSDP_CHECK_VALUE(
       std::find(stay.begin(), stay.end(), rank_) != stay.end(),
       c,
       "this rank is among the ranks to exclude: only the ranks that stay shrink a group");
-  constexpr int kShrinkAbort = 0x01; // torch.distributed.SHRINK_ABORT
+  for (InnerRoute* route : {cuda_.get(), cpu_.get()}) {
+    // ncclCommShrink shrinks a communicator that exists; NCCL makes it at the
+    // first collective (or an eager connect: connected() counts both), and
+    // the excluded ranks cannot take part in one now.
+    HSDP_CHECK(
+        !route || !route->backend().supportsShrinking() || route->connected(),
+        c,
+        "the group's inner ",
+        route ? route->name() : "",
+        " backend has no communicator yet (it makes one at its first collective): run a "
+        "collective on the group before a rank is lost, or create it with device_id=");
+  }
+  constexpr int kShrinkAbort = 0x01; // torch.distributed.SHRINK_ABORT, NCCL_SHRINK_ABORT
   if ((shrinkFlags & kShrinkAbort) && shm_) {
     shm_->abort("shrank its process group with SHRINK_ABORT");
   }
@@ -260,7 +287,23 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
   for (int r : stay) {
     prefix += std::to_string(r) + ",";
   }
-  return split(c10::make_intrusive<c10d::PrefixStore>(prefix + "/", store_), stay, optsOverride);
+  const auto timeout = optsOverride ? optsOverride->timeout : options_->timeout;
+  const StorePtr store = c10::make_intrusive<c10d::PrefixStore>(prefix + "/", store_);
+  return childOf(store, stay, timeout, [&](InnerRoute& route, const StorePtr& prefixed) {
+    auto& inner = route.backend();
+    if (inner.supportsShrinking()) {
+      // NCCL's own (ncclCommShrink), SHRINK_ABORT included: it ends what is
+      // pending on its communicator.
+      return inner.shrink(ranksToExclude, shrinkFlags, nullptr);
+    }
+    return splitWithOwnOptions(
+        inner,
+        prefixed,
+        stay,
+        timeout,
+        optsOverride ? &optsOverride->group_name : nullptr,
+        optsOverride ? &optsOverride->group_desc : nullptr);
+  });
 }
 
 #if HSDP_TORCH_HAS_IS_INITIALIZED
@@ -345,37 +388,45 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
 #else
   auto remember = [](c10::intrusive_ptr<c10d::Backend> child) { return child; };
 #endif
-  // Inner backends get their own prefixes, as at creation. Every rank of
-  // this group comes here (NCCL's split is collective over the parent); a
-  // rank outside `ranks` gets no child.
-  auto splitInner = [&](InnerRoute* route, const char* prefix) -> std::unique_ptr<InnerRoute> {
-    if (!route) {
-      return nullptr;
-    }
-    auto& inner = route->backend();
-    // A copy: split implementations fill in what they are given (NCCL sets
-    // split_from and the child's ranks), and these are the parent's own.
-    auto child = splitWithOwnOptions(
-        inner,
-        c10::make_intrusive<c10d::PrefixStore>(prefix, store),
+  // Every rank of this group comes here (NCCL's split is collective over
+  // the parent); a rank outside `ranks` gets no child.
+  return remember(childOf(store, ranks, timeout, [&](InnerRoute& route, const StorePtr& prefixed) {
+    return splitWithOwnOptions(
+        route.backend(),
+        prefixed,
         ranks,
         timeout,
         opts ? &opts->group_name : nullptr,
         opts ? &opts->group_desc : nullptr);
+  }));
+}
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::childOf(
+    const c10::intrusive_ptr<c10d::Store>& store,
+    const std::vector<int>& ranks,
+    std::chrono::milliseconds timeout,
+    shm::FunctionRef<c10::intrusive_ptr<c10d::Backend>(InnerRoute&, const StorePtr&)> innerChild) {
+  // Inner backends get their own prefixes, as at creation.
+  auto childRoute = [&](InnerRoute* route, const char* prefix) -> std::unique_ptr<InnerRoute> {
+    if (!route) {
+      return nullptr;
+    }
+    const StorePtr prefixed = c10::make_intrusive<c10d::PrefixStore>(prefix, store);
+    auto child = innerChild(*route, prefixed);
     if (!child) {
       return nullptr;
     }
-    auto split = std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
-    split->markConnected(); // ProcessGroupNCCL::split makes the child's communicator at once
-    return split;
+    auto made = std::make_unique<InnerRoute>(child, route->caps(), child->getRank());
+    made->markConnected(); // NCCL's split and shrink make the child's communicator at once
+    return made;
   };
-  auto cuda = splitInner(cuda_.get(), "hsdp/nccl/");
-  auto cpu = splitInner(cpu_.get(), "hsdp/gloo/");
+  auto cuda = childRoute(cuda_.get(), "hsdp/nccl/");
+  auto cpu = childRoute(cpu_.get(), "hsdp/gloo/");
   if (!cpu) {
-    return remember(nullptr);
+    return nullptr;
   }
   const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-  return remember(c10::make_intrusive<ProcessGroupHSDP>(
+  return c10::make_intrusive<ProcessGroupHSDP>(
       store,
       rank,
       static_cast<int>(ranks.size()),
@@ -383,7 +434,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::split(
       std::move(cpu),
       std::move(cuda),
       config_,
-      hostIdentity_));
+      hostIdentity_);
 }
 
 #if HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT

@@ -44,6 +44,7 @@
 #include "common/Errors.hpp"
 #include "fusion/ReducePlan.hpp"
 #include "fusion/StagingPool.hpp"
+#include "shm/FunctionRef.hpp"
 
 #include <atomic>
 #include <mutex>
@@ -90,13 +91,14 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // a device): each inner backend is split (NCCL's ncclCommSplit, a new Gloo
   // context) and the child gets its own shared-memory rendezvous.
   bool supportsSplitting() const override;
-  // shrink_group: the ranks that stay get a group of their own, split from
-  // this one without the excluded ranks (Gloo's split needs only the new
-  // group's members), with a shared-memory engine of its own. SHRINK_ABORT
-  // first aborts this group's shared-memory engine: every wait in shared
-  // memory ends with an error naming the shrink. An op pending in the inner
-  // Gloo (across hosts) ends at its timeout: Gloo has no abort. Served on
-  // CPU; a group that serves CUDA refuses (NCCL's shrink is not forwarded).
+  // shrink_group: the ranks that stay get a group of their own, with a
+  // shared-memory engine of its own. Each inner backend shrinks its own way:
+  // NCCL with its shrink (ncclCommShrink among the ranks that stay), Gloo,
+  // which has none, by a split without the excluded ranks (it needs only the
+  // new group's members). SHRINK_ABORT first aborts this group's engine:
+  // every wait in shared memory ends with an error naming the shrink; NCCL
+  // ends its own pending ops; one pending in the inner Gloo (across hosts)
+  // ends at its timeout, as Gloo has no abort. Not run on a GPU.
   bool supportsShrinking() const override;
   c10::intrusive_ptr<c10d::Backend> shrink(
       const std::vector<int64_t>& ranksToExclude,
@@ -436,6 +438,14 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Fails a call made after abort() or shutdown(), or while the group awaits
   // its members (reconfigure).
   void checkUsable(const OpContext& c) const;
+  using StorePtr = c10::intrusive_ptr<c10d::Store>;
+  // A child group of `ranks` (split, shrink): `innerChild` makes each inner
+  // backend's child from the route and a store prefixed for it.
+  c10::intrusive_ptr<c10d::Backend> childOf(
+      const StorePtr& store,
+      const std::vector<int>& ranks,
+      std::chrono::milliseconds timeout,
+      shm::FunctionRef<c10::intrusive_ptr<c10d::Backend>(InnerRoute&, const StorePtr&)> innerChild);
   // Builds the shared-memory route for the current members, through `store`,
   // whose rendezvous waits at most `rendezvousTimeout`.
   void attachShm(c10d::Store& store, std::chrono::milliseconds rendezvousTimeout);

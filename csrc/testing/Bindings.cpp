@@ -47,14 +47,19 @@ PYBIND11_MODULE(hsdp_testing, m) {
   py::class_<NcclContractBackend, c10d::Backend, c10::intrusive_ptr<NcclContractBackend>> double_(
       m, "NcclContractBackend");
   double_.def(
-      py::init([](c10d::Backend* gloo, int rank, int size, std::optional<int> release) {
+      py::init([](c10d::Backend* gloo,
+                  int rank,
+                  int size,
+                  std::optional<int> release,
+                  c10::intrusive_ptr<c10d::Store> store) {
         return c10::make_intrusive<NcclContractBackend>(
-            retain(gloo), rank, size, release.value_or(TORCH_VERSION_MINOR));
+            retain(gloo), rank, size, release.value_or(TORCH_VERSION_MINOR), std::move(store));
       }),
       py::arg("gloo"),
       py::arg("rank"),
       py::arg("size"),
-      py::arg("release") = py::none());
+      py::arg("release") = py::none(),
+      py::arg("store") = nullptr);
   double_.def_property_readonly("bf16_factor_as_float", &NcclContractBackend::bf16FactorAsFloat);
   // Set, not def'd: c10d's Backend may already carry hsdp's Python no-op of
   // that name (hsdp_backend/_registration.py), which .def would refuse to
@@ -106,6 +111,9 @@ PYBIND11_MODULE(hsdp_testing, m) {
   m.def(
       "reductions", [](c10d::Backend* backend) { return asDouble(backend).receivedReductions(); });
   m.def("allocations", [](c10d::Backend* backend) { return asDouble(backend).allocations(); });
+  m.def("shrunk_with_flags", [](c10d::Backend* backend) {
+    return asDouble(backend).shrunkWithFlags();
+  });
 
   // The engine's own SUM kernel on private memory, out = rows[0] + rows[1] +
   // ... in one pass, storing as a reduce-scatter whose streamStoreBytes is

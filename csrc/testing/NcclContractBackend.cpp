@@ -5,7 +5,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/ivalue.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <thread>
@@ -257,10 +259,49 @@ NcclContractBackend::NcclContractBackend(
     c10::intrusive_ptr<c10d::Backend> gloo,
     int rank,
     int size,
-    int release)
-    : Backend(rank, size), gloo_(std::move(gloo)), release_(release) {
+    int release,
+    c10::intrusive_ptr<c10d::Store> store)
+    : Backend(rank, size), gloo_(std::move(gloo)), release_(release), store_(std::move(store)) {
   TORCH_CHECK_VALUE(
       release >= 11 && release <= 15, "nccl_contract models torch 2.11 to 2.15, not 2.", release);
+}
+
+c10::intrusive_ptr<c10d::Backend> NcclContractBackend::shrink(
+    const std::vector<int64_t>& ranksToExclude,
+    int shrinkFlags,
+    const c10::intrusive_ptr<Options>& /*optsOverride: only NCCL's config*/) {
+  // ProcessGroupNCCL::shrink's own checks, in its order and words.
+  TORCH_CHECK_VALUE(!ranksToExclude.empty(), "ranks_to_exclude cannot be empty");
+  TORCH_CHECK_VALUE(
+      ranksToExclude.size() < static_cast<size_t>(size_),
+      "Cannot exclude all ranks (",
+      ranksToExclude.size(),
+      " >= ",
+      size_,
+      ")");
+  for (int64_t r : ranksToExclude) {
+    TORCH_CHECK_VALUE(r >= 0 && r < size_, "Invalid rank ", r, " for group size ", size_);
+  }
+  TORCH_CHECK(
+      connected_.load(), "Primary NCCL communicator for device 0 (key: 0) is not initialized");
+  TORCH_CHECK(store_, "nccl_contract: made without a store, it cannot shrink");
+  std::vector<int> stay;
+  for (int r = 0; r < size_; ++r) {
+    if (std::find(ranksToExclude.begin(), ranksToExclude.end(), r) == ranksToExclude.end()) {
+      stay.push_back(r);
+    }
+  }
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "nccl_contract/shrink/" + std::to_string(++shrinks_) + "/", store_);
+  auto child = gloo_->split(store, stay, nullptr);
+  TORCH_CHECK(child, "nccl_contract: an excluded rank called ncclCommShrink");
+  // new_size = size_ - ranks_to_exclude.size(): a rank given twice counts twice.
+  const int size = size_ - static_cast<int>(ranksToExclude.size());
+  auto double_ =
+      c10::make_intrusive<NcclContractBackend>(child, child->getRank(), size, release_, store);
+  double_->connected_ = true; // initializeDeviceStateForComm: the shrunk comm, at once
+  double_->shrunkWithFlags_ = shrinkFlags;
+  return double_;
 }
 
 void NcclContractBackend::failNext(const std::string& message) {

@@ -33,6 +33,15 @@
 //   * a split (a group created with ``split_from``, and a non-member's
 //     perform_nocolor_split) is collective over every rank of the parent:
 //     a rank that does not join blocks its peers until the timeout;
+//   * a shrink (shrink_group) is legacy ProcessGroupNCCL::shrink over
+//     ncclCommShrink (libtorch_cuda.so's code of 2.11, 2.12 and 2.14.1, the
+//     same messages in 2.15's; built with NCCL_HAS_COMM_SHRINK, NCCL 2.27+;
+//     2.13 has only a CPU wheel here): among the ranks that stay, on the
+//     communicator that must already exist (none before the first
+//     collective or an eager connect: it refuses), renumbered in order; it
+//     refuses an empty list, every rank, a rank out of range, and checks
+//     nothing else: a rank given twice is counted twice in the child's size
+//     (size - list length), and the flags (SHRINK_ABORT) go to NCCL as given;
 //   * it has no communicator until its first collective or an eager connect
 //     (isInitialized() false: ProcessGroupNCCL::isInitialized, an empty
 //     devNCCLCommMap_; Backend::isInitialized from torch 2.15); a split's
@@ -70,11 +79,14 @@ class NcclContractBackend final : public c10d::Backend {
 
   // `release`: the torch minor release whose ProcessGroupNCCL it models
   // (default: the one it is built against).
+  // `store`: where its shrinks' Gloo groups meet (ncclCommShrink needs
+  // none; the Gloo standing for it does); none: it cannot shrink.
   NcclContractBackend(
       c10::intrusive_ptr<c10d::Backend> gloo,
       int rank,
       int size,
-      int release = TORCH_VERSION_MINOR);
+      int release = TORCH_VERSION_MINOR,
+      c10::intrusive_ptr<c10d::Store> store = nullptr);
 
   // Whether the modelled release hands NCCL a bf16 PREMUL_SUM factor as a
   // float (unpackPreMulSum<float, ncclBfloat16>: torch 2.11 to 2.13).
@@ -103,10 +115,21 @@ class NcclContractBackend final : public c10d::Backend {
     if (!child) {
       return nullptr;
     }
-    auto double_ =
-        c10::make_intrusive<NcclContractBackend>(child, child->getRank(), child->getSize());
+    auto double_ = c10::make_intrusive<NcclContractBackend>(
+        child, child->getRank(), child->getSize(), release_, store);
     double_->connected_ = true;
     return double_;
+  }
+  bool supportsShrinking() const override {
+    return true;
+  }
+  c10::intrusive_ptr<c10d::Backend> shrink(
+      const std::vector<int64_t>& ranksToExclude,
+      int shrinkFlags,
+      const c10::intrusive_ptr<Options>& optsOverride) override;
+  // The flags of the shrink that made this communicator (-1: not a shrink's).
+  int shrunkWithFlags() const {
+    return shrunkWithFlags_;
   }
   // ProcessGroupNCCL::isInitialized (an override of Backend's from torch 2.15).
 #if HSDP_TORCH_HAS_IS_INITIALIZED
@@ -270,6 +293,9 @@ class NcclContractBackend final : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Backend> gloo_;
   const int release_;
+  const c10::intrusive_ptr<c10d::Store> store_;
+  int shrinks_ = 0;
+  int shrunkWithFlags_ = -1;
   std::mutex mutex_;
   std::atomic<bool> connected_{false}; // a communicator exists (isInitialized)
   bool coalescing_ = false;

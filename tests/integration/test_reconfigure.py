@@ -19,7 +19,9 @@ member that does not come) leaves the group without members, saying so, until a 
 `dist.shrink_group([3])` (which gloo does not serve) gives the three ranks that stay a group of
 their own whose sums are exact, after rank 3 exited, or while it is alive but stuck: there
 SHRINK_ABORT ends the survivors' pending all-reduce with an error naming the shrink, well within
-the group timeout. Excluding this rank, or a rank outside the group, is refused by name."""
+the group timeout. Excluding this rank, or a rank outside the group, is refused by name. Through
+the NCCL-contract double, a shrink reaches NCCL as its own shrink, SHRINK_ABORT passed on; a rank
+given twice, or a group whose NCCL has no communicator yet, is refused first."""
 
 import os
 import signal
@@ -336,3 +338,70 @@ def test_the_ranks_that_stay_shrink_the_group_and_go_on(how):
             assert "SHRINK_ABORT" in out["pending"], out["pending"]
             assert out["pending_s"] < 20, out  # not the group's 60 s timeout
     assert hsdp_segments() == before
+
+
+def shrink_through_nccl_body(rank, world, lost):
+    import datetime
+
+    import hsdp_testing
+    import torch
+    from hooks import double_of
+
+    dist.init_process_group("hsdp", init_method="env://", timeout=datetime.timedelta(seconds=60))
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    out = {"supports": backend.supports_shrinking, "refused": {}}
+
+    def refused(name, excluded):
+        try:
+            backend.shrink(excluded)
+            out["refused"][name] = None
+        except (ValueError, RuntimeError) as exc:
+            out["refused"][name] = str(exc)
+
+    refused("no communicator", [lost])  # NCCL makes it at the first collective
+    out["first"] = _sums(rank)
+    refused("twice", [lost, lost])
+    if rank == lost:
+        os._exit(3)
+    dist.shrink_group([lost], shrink_flags=dist.distributed_c10d.SHRINK_ABORT)
+    out["second"] = _sums(rank)
+    out["rank"] = dist.get_rank()
+    out["shrunk_with"] = hsdp_testing.shrunk_with_flags(
+        double_of(dist.group.WORLD._get_backend(torch.device("cpu")))
+    )
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_shrink_reaches_nccl_as_ncclcommshrink():
+    """Through the NCCL-contract double (the route NCCL takes, on CPU): hsdp shrinks the inner
+    NCCL with its own shrink, SHRINK_ABORT passed on, among the ranks that stay, renumbered as
+    NCCL renumbers them; it refuses what NCCL's shrink would do wrong or refuse later: a rank
+    given twice (NCCL counts it twice in the child's size) and a group whose NCCL has no
+    communicator yet."""
+    from hooks import NCCL_CONTRACT, engine_env
+
+    lost = 1
+    results = run_ranks(
+        shrink_through_nccl_body,
+        WORLD,
+        backend=None,
+        may_die=(lost,),
+        env=engine_env(NCCL_CONTRACT),
+        lost=lost,
+    )
+    survivors = [r for r in range(WORLD) if r != lost]
+    big = (torch.arange(300_000, dtype=torch.float32) * sum(s + 1 for s in survivors)).sum().item()
+    for r in survivors:
+        out = results[r]
+        assert out["supports"], out
+        prefix = f"[rank {r}/{WORLD}] shrink_group: "
+        assert (
+            prefix + "the group's inner nccl_contract backend has no communicator yet"
+            in (out["refused"]["no communicator"])
+        ), out
+        assert prefix + f"rank {lost} to exclude is given twice" in out["refused"]["twice"], out
+        assert out["first"]["small"] == 10.0
+        assert out["second"] == {"small": 8.0, "big": big, "rank_size": 3}, out
+        assert out["rank"] == survivors.index(r)
+        assert out["shrunk_with"] == dist.distributed_c10d.SHRINK_ABORT, "not NCCL's shrink"
