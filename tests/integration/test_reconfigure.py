@@ -7,7 +7,8 @@ ranks take all four as members and all-reduce; then a rank is lost (rank 1 exits
 collectives, or rank 0 is SIGKILLed during one: the survivors' all-reduce fails first), the three
 survivors reconfigure with their own handles (a set in one scenario, the backend ordering them)
 and all-reduce again; in a third scenario rank 1 sits out the second membership and rejoins in a
-third. Every rank's sums, its new rank, size and sequence number are gloo's in the same scenario,
+third, also across two pretended hosts (hierarchical, then flat Gloo for the uneven survivors,
+then hierarchical again). Every rank's sums, its new rank, size and sequence number are gloo's in the same scenario,
 and getError() says SUCCESS after the reconfigure as on gloo; on hsdp each membership is served
 by a shared-memory engine of its own (one segment mapped after a reconfigure: the old
 membership's is gone), and nothing is left in /dev/shm. Before its first reconfigure a group
@@ -131,14 +132,26 @@ def lose_a_rank_body(rank, world, kind, how, lost, port):
         dist._reconfigure(3, _handles(store, "third", rank, range(world))).wait()
         out["third"] = _sums(rank)
         out["third_rank"] = dist.get_rank()
+        if kind == "hsdp":
+            out["third_engine"] = hsdp_backend.cpu_engine()
     dist.destroy_process_group()
     return out
 
 
-@pytest.mark.parametrize(("how", "lost"), [("between", 1), ("during", 0), ("rejoin", 1)])
-def test_survivors_reconfigure_and_go_on_as_on_gloo(how, lost):
+@pytest.mark.parametrize(
+    ("how", "lost", "pretended"),
+    [("between", 1, None), ("during", 0, None), ("rejoin", 1, None), ("rejoin", 1, "a,a,b,b")],
+    ids=["between", "during", "rejoin", "rejoin-across-hosts"],
+)
+def test_survivors_reconfigure_and_go_on_as_on_gloo(how, lost, pretended):
+    """Across two pretended hosts the first membership is hierarchical, the survivors' (one rank
+    on one host, two on the other) flat Gloo, and the rejoined one hierarchical again."""
     before = hsdp_segments()
     may_die = (lost,) if how != "rejoin" else ()
+    # Each membership's engine: all on one host, shared memory; else what its hosts allow.
+    engines = (
+        ("shm", "shm", "shm") if pretended is None else ("hierarchical", "gloo", "hierarchical")
+    )
     results = {}
     for kind in ("hsdp", "gloo"):
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -152,6 +165,7 @@ def test_survivors_reconfigure_and_go_on_as_on_gloo(how, lost):
             how=how,
             lost=lost,
             port=store.port,
+            env={"HSDP_TEST_HOSTS": pretended} if pretended else None,
         )
         del store
     hsdp, gloo = results["hsdp"], results["gloo"]
@@ -166,13 +180,14 @@ def test_survivors_reconfigure_and_go_on_as_on_gloo(how, lost):
         assert f"[rank {r}/{WORLD}] all_reduce" in mine["before"], mine["before"]
         for key in ("first", "second", "third", "rank", "sequence", "third_rank"):
             assert mine.get(key) == theirs.get(key), (r, key, mine, theirs)
-        assert mine["first"]["small"] == 10.0 and mine["first_engine"] == "shm"
+        assert mine["first"]["small"] == 10.0 and mine["first_engine"] == engines[0]
         if "second" in mine:
             assert mine["second"]["small"] == sum(s + 1 for s in survivors)
             assert mine["second"]["rank_size"] == WORLD - 1
             assert mine["rank"] == survivors.index(r), "the survivors are renumbered in order"
-            assert mine["second_engine"] == "shm"
-            assert mine["mapped"] == 1, "the old membership's segment is still mapped"
+            assert mine["second_engine"] == engines[1]
+            mapped = int(engines[1] != "gloo")
+            assert mine["mapped"] == mapped, "the old membership's segment is still mapped"
             # The new membership reports none of the old one's failures (gloo: always SUCCESS).
             assert mine["error_after_reconfigure"] == "SUCCESS" == theirs["error_after_reconfigure"]
         if how == "during":
@@ -180,6 +195,7 @@ def test_survivors_reconfigure_and_go_on_as_on_gloo(how, lost):
             assert mine["error_after_failure"] != "SUCCESS", mine
         if how == "rejoin":
             assert mine["third"]["small"] == 10.0 and mine["third_rank"] == r
+            assert mine["third_engine"] == engines[2]
     assert hsdp_segments() == before
 
 
@@ -286,7 +302,7 @@ def shrink_body(rank, world, how):
     store = dist.distributed_c10d._get_default_store()
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     out = {"supports": backend.supports_shrinking, "first": _sums(rank), "refused": []}
-    for excluded in ([rank], [world + 3]):
+    for excluded in ([rank], [world + 3], list(range(world))):
         try:
             backend.shrink(excluded)
         except (ValueError, RuntimeError) as exc:
@@ -330,6 +346,7 @@ def test_the_ranks_that_stay_shrink_the_group_and_go_on(how):
             in (out["refused"][0])
         ), out["refused"]
         assert f"rank {WORLD + 3} to exclude is not in 0..{WORLD - 1}" in out["refused"][1]
+        assert "every rank would be excluded" in out["refused"][2], out["refused"]
         assert out["first"]["small"] == 10.0
         big = (torch.arange(300_000, dtype=torch.float32) * 6).sum().item()  # 1 + 2 + 3
         assert out["second"] == {"small": 6.0, "big": big, "rank_size": 3}

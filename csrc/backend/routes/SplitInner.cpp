@@ -36,6 +36,12 @@ c10::intrusive_ptr<c10d::Backend> splitWithOwnOptions(
     const std::string* groupDesc) {
   auto apply = [&](c10d::Backend::Options& opts) {
     opts.timeout = timeout;
+#ifdef C10D_BACKEND_HAS_RECONFIGURE
+    // A child has its members from the split: one cloned from a parent made
+    // to await a reconfigure would refuse every call ("ProcessGroupGloo has
+    // not been initialized"), as a hierarchical group's columns did.
+    opts.enable_reconfigure = false;
+#endif
     if (groupName) {
       opts.group_name = *groupName;
     }
