@@ -102,7 +102,12 @@ def main() -> None:
         "--lose-replica", type=int, default=-1, help="which replica leaves (-1: the last)"
     )
     parser.add_argument("--timeout", type=float, default=30.0, help="the group's timeout, seconds")
-    parser.add_argument("--check-in-s", type=float, default=2.0, help="how long survivors gather")
+    parser.add_argument(
+        "--check-in-s",
+        type=float,
+        default=2.0,
+        help="how long survivors gather: longer than a survivor takes to find the loss",
+    )
     args = parser.parse_args()
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
@@ -124,17 +129,21 @@ def main() -> None:
             inputs, labels = batch
             loss = F.cross_entropy(model(inputs).float().flatten(0, 1), labels.flatten(0, 1))
             loss.backward()
-            optimizer.step()
-            loss_avg = mean_across_ranks(loss).item()
+            loss_avg = mean_across_ranks(loss).item()  # the step's last collective
+            optimizer.step()  # local: after every collective of the step succeeded
         except (dist.DistBackendError, RuntimeError) as exc:
-            # No optimizer step ran: this rank's shards are the last step's. A failed backward
+            # No optimizer step ran (it follows every collective of the step): this rank's
+            # shards are the last step's. A failed backward
             # may leave parameters unsharded: reshard() (FSDP2's, local) frees them.
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
             state = (get_model_state_dict(model), get_optimizer_state_dict(model, optimizer))
             generation += 1
-            members = agree_on_survivors(store, generation, members, args.shard, args.check_in_s)
+            left = agree_on_survivors(store, generation, members, args.shard, args.check_in_s)
+            if not left or left == members:
+                raise RuntimeError(f"rank {ME}: no replica was lost, or none is left") from exc
+            members = left
             if ME not in members:
                 os._exit(0)
             print(

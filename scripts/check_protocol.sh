@@ -77,6 +77,7 @@ MODEL=epoch MODEL_FILE=$(dirname "$model")/epoch.pml
 check safe
 check violation -DSHARED_COUNTER
 check violation -DNO_LEAVE
+check violation -DREUSED_UUID
 # The wait contract: every scenario served, and each broken rule caught.
 MODEL=wait MODEL_FILE=$(dirname "$model")/../backend/wait.pml
 check safe

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Formats the tree (C++: clang-format with .clang-format; Python: ruff with
 # pyproject.toml's settings), or with --check reports drift and exits 1.
-# scripts/setup.sh installs both tools; tests/tooling/test_format.py runs --check.
+# scripts/setup.sh installs both tools; scripts/test.sh's lint stage runs --check.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 RUFF=${RUFF:-.venv/bin/ruff}

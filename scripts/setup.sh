@@ -15,7 +15,7 @@ ensure_torch "$PY" torch==2.14.1
 # expecttest: torch's own test utilities (the DistributedTest conformance run) import it.
 ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,xdist,numpy,matplotlib,expecttest \
   "scikit-build-core>=0.10" ninja pytest pytest-timeout pytest-xdist numpy matplotlib expecttest
-# ruff, pinned: tests/tooling/test_format.py checks its formatting.
+# ruff, pinned: scripts/test.sh's lint stage checks the formatting with it.
 RUFF_VERSION=0.17.6
 if [ "$("$VENV/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then
   echo "[setup] installing ruff==$RUFF_VERSION"
@@ -34,8 +34,8 @@ if [ ! -f /usr/src/googletest/CMakeLists.txt ] || ! command -v spin > /dev/null 
   if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1 ||
          { apt-get update -q > /dev/null 2>&1 &&
            DEBIAN_FRONTEND=noninteractive apt-get install -y -q $pkgs > /dev/null 2>&1; }; }; then
-    echo "[setup] WARNING: could not install $pkgs; tests/tooling/test_cpp_engine.py, tests/tooling/test_protocol_model.py," \
-         "tests/system/test_hosts.py and tests/tooling/test_format.py will fail" >&2
+    echo "[setup] WARNING: could not install $pkgs; scripts/test.sh's lint and cpp stages and" \
+         "tests/system/test_hosts.py will fail" >&2
   fi
 fi
 

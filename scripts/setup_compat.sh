@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a venv with another supported torch and hsdp_backend built against
-# it: tests/system/test_torch_versions.py runs the quick tier there, once per
+# it: scripts/test.sh's compat stages run the release's tests there, once per
 # release in the table below. The main venv (scripts/setup.sh) has 2.14.
 #
 #   bash scripts/setup_compat.sh 2.15     # prints the venv's python last

@@ -1,13 +1,25 @@
 #!/usr/bin/env bash
-# The test suite in stages, cheapest first, each named in the output with its
-# time; it stops at the first stage that fails (what CI runs, after
+# The test suite in named stages, cheapest first, each a plain command, timed
+# in the output; it stops at the first stage that fails (what CI runs, after
 # scripts/setup.sh):
 #
-#   bash scripts/test.sh          format, unit, quick, then the rest
-#   bash scripts/test.sh quick    format, unit and quick: a change in progress
+#   bash scripts/test.sh          every stage
+#   bash scripts/test.sh quick    lint, unit and quick: a change in progress
 #
-# Together the stages run every test of `pytest tests` once. PYTEST names the
-# pytest to use (default: the venv of scripts/setup.sh).
+# lint      clang-format and ruff, no drift (scripts/format.sh --check)
+# unit      pytest tests/unit: one process, no ranks
+# quick     pytest -m quick: tests/integration at two ranks
+# cpp       the C++ tests: the engine's plain, under TSan and under
+#           ASan+UBSan (scripts/cpp_tests.sh), the backend's (the tests'
+#           build of scripts/setup.sh), and the spin models
+# rest      pytest: everything else in tests/integration, tests/system and
+#           tests/tooling
+# compat    one stage per other supported torch: its venv
+#           (scripts/setup_compat.sh) runs that release's build of the
+#           backend's C++ tests and `pytest -m every_torch`
+#
+# Together the stages run every test once. PYTEST names the pytest to use
+# (default: the venv of scripts/setup.sh).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTEST=${PYTEST:-.venv/bin/pytest}
@@ -23,20 +35,91 @@ esac
 stage() {
   local name=$1 start rc
   shift
-  echo "== stage $name: pytest $*"
+  echo "== stage $name: $*"
   start=$(date +%s)
-  "$PYTEST" -q "$@"
+  "$@"
   rc=$?
   if [ "$rc" -ne 0 ]; then
-    echo "== stage $name FAILED (pytest exit $rc) after $(($(date +%s) - start)) s; later stages not run"
+    echo "== stage $name FAILED (exit $rc) after $(($(date +%s) - start)) s; later stages not run"
     exit "$rc"
   fi
   echo "== stage $name passed in $(($(date +%s) - start)) s"
 }
 
-FORMAT=tests/tooling/test_format.py
-stage format "$FORMAT"
-stage unit tests/unit
-stage quick tests -m quick --ignore=tests/unit --ignore="$FORMAT"
+# A googletest binary's run: its exit status, and no sanitizer report.
+gtest() {
+  local log
+  log=$(mktemp)
+  "$@" > "$log" 2>&1
+  local rc=$?
+  tail -n 3 "$log"
+  if [ "$rc" -eq 0 ] && grep -qE "WARNING: ThreadSanitizer|ERROR: (Address|Leak)Sanitizer|runtime error:" "$log"; then
+    grep -m 5 -E "WARNING: ThreadSanitizer|ERROR: (Address|Leak)Sanitizer|runtime error:" "$log"
+    rc=1
+  fi
+  [ "$rc" -eq 0 ] || tail -n 80 "$log"
+  rm -f "$log"
+  return "$rc"
+}
+
+cpp() {
+  local mode binary
+  for mode in plain tsan asan; do
+    echo "-- engine's C++ tests, $mode"
+    gtest bash scripts/cpp_tests.sh "$mode" --gtest_brief=1 || return 1
+  done
+  binary=$(ls build/cp3*/backend_tests 2> /dev/null | head -n 1)
+  [ -n "$binary" ] || { echo "build/*/backend_tests missing: run scripts/setup.sh"; return 1; }
+  echo "-- backend's C++ tests ($binary)"
+  gtest "$binary" --gtest_brief=1 || return 1
+  echo "-- spin models"
+  bash scripts/check_protocol.sh
+}
+
+# One other torch release: its venv, its build's C++ backend tests, then
+# what meets the differences between releases (tests/conftest.py:
+# EVERY_TORCH; HSDP_TEST_EVERY_TORCH_FULL=1: the quick tier too). At least
+# MIN_PASSED tests must pass, so that the subset cannot shrink unnoticed.
+if [ "${HSDP_TEST_EVERY_TORCH_FULL:-0}" = 1 ]; then
+  MARKS="quick or every_torch" MIN_PASSED=330
+else
+  MARKS="every_torch" MIN_PASSED=85
+fi
+compat() {
+  local release=$1 log python summary passed rc
+  log=$(mktemp)
+  bash scripts/setup_compat.sh "$release" > "$log" 2>&1 || {
+    tail -n 60 "$log"
+    rm -f "$log"
+    return 1
+  }
+  python=$(tail -n 1 "$log")
+  "$python" -c "import sys, torch; sys.exit(not torch.__version__.startswith('$release.'))" || {
+    echo "$python is not torch $release"
+    return 1
+  }
+  gtest "build/torch$release/backend_tests" --gtest_brief=1 || return 1
+  "$python" -m pytest -q -p no:cacheprovider -m "$MARKS" tests > "$log" 2>&1
+  rc=$?
+  summary=$(tail -n 1 "$log")
+  [ "$rc" -eq 0 ] || tail -n 120 "$log"
+  rm -f "$log"
+  echo "torch $release: $summary"
+  [ "$rc" -eq 0 ] || return "$rc"
+  passed=$(grep -oE "[0-9]+ passed" <<< "$summary" | grep -oE "[0-9]+")
+  if [ "${passed:-0}" -lt "$MIN_PASSED" ]; then
+    echo "torch $release: fewer than $MIN_PASSED passed (-m '$MARKS')"
+    return 1
+  fi
+}
+
+stage lint bash scripts/format.sh --check
+stage unit "$PYTEST" -q tests/unit
+stage quick "$PYTEST" -q tests -m quick --ignore=tests/unit
 [ "$last" = quick ] && exit 0
-stage rest tests -m "not quick" --ignore=tests/unit --ignore="$FORMAT"
+stage cpp cpp
+stage rest "$PYTEST" -q tests -m "not quick" --ignore=tests/unit
+# Every supported minor release but the main venv's (scripts/setup_compat.sh's table).
+for release in 2.11 2.12 2.13 2.15; do
+  stage "compat $release" compat "$release"
+done

@@ -45,13 +45,13 @@ def is_quick(item) -> bool:
     return item.path.parent.name == "integration" and world_of(item) == QUICK_WORLD
 
 
-# What runs on every supported torch besides the main venv's
-# (tests/system/test_torch_versions.py), beyond the quick tier (every route,
+# What runs on every supported torch besides the main venv's (scripts/test.sh's
+# compat stages, with that release's C++ backend tests), beyond the quick tier (every route,
 # every case at two ranks): what meets what differs between releases:
 # registration and settings, FSDP2 parity and the shim (whose contact with
 # FSDP2's internals differs most), the version contracts, splits under
-# device-bound defaults (how torch hands split sources), the launcher, the
-# backend's C++ tests. Prefixes of test ids. HSDP 2x2 parity runs through
+# device-bound defaults (how torch hands split sources), the launcher.
+# Prefixes of test ids. HSDP 2x2 parity runs through
 # the NCCL-contract double here (the plain form, at 4 ranks, takes 40 s a
 # release: the main venv runs it).
 EVERY_TORCH = (
@@ -72,7 +72,6 @@ EVERY_TORCH = (
     "tests/integration/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
     # hsdp's Work as a Python subclass of the Work this release's c10d binds
     "tests/integration/test_ops.py::test_op[work_gives_up_the_gil_while_its_op_is_pending-shm-2]",
-    "tests/tooling/test_cpp_backend.py",
     # reconfigure: torch 2.14's Backend surface (skips, saying so, before it)
     "tests/integration/test_reconfigure.py",
     "tests/integration/test_examples.py::test_a_lost_replica_is_dropped_and_training_goes_on_as_on_gloo",

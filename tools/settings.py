@@ -68,10 +68,7 @@ _TABLE = [
         "3 ranks x 2 (about 4 min instead of 1; `scripts/check_protocol.sh`)", "0"),
     Var("HSDP_TEST_EVERY_TORCH_FULL", "tests", None, parse_flag, str,
         "`1`: the quick tier runs on every other supported torch release too "
-        "(about 10-15 min more; `tests/system/test_torch_versions.py`)", "0"),
-    Var("HSDP_COMPAT_RUN", "tests", None, parse_text, str,
-        "set by `tests/system/test_torch_versions.py` in its runs on the other torch releases, so "
-        "those runs do not start it again"),
+        "(about 10-15 min more; `scripts/test.sh`'s compat stages)", "0"),
     Var("HSDP_PEERS_DIR", "peers", None, parse_text, str,
         "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
         "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),

@@ -77,18 +77,18 @@ ProcessGroupHSDP::ProcessGroupHSDP(
     init();
     return;
   }
-  attachShm(*store_, options_->timeout);
+  attachShm(*store_);
   init();
 }
 
-void ProcessGroupHSDP::attachShm(c10d::Store& store, std::chrono::milliseconds rendezvousTimeout) {
+void ProcessGroupHSDP::attachShm(c10d::Store& store) {
   auto shm = connectShm(
       store,
       rank_,
       size_,
       shmOptionsOf(config_, size_, options_->timeout, hostIdentity_),
       cpu_->backend(),
-      rendezvousTimeout,
+      options_->timeout, // the columns' op timeout too: the group's, not a reconfigure's
       stats_,
       staging_,
       &shmWhyNot_);
@@ -242,7 +242,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
       c,
       "its inner ",
       cuda_ && !cuda_->backend().supportsShrinking() ? cuda_->name() : cpu_->name(),
-      " backend cannot shrink (NCCL needs 2.27 or later)");
+      " backend can neither shrink nor split (NCCL shrinks from 2.27)");
   std::vector<int> stay;
   for (int r = 0; r < size_; ++r) {
     if (std::find(ranksToExclude.begin(), ranksToExclude.end(), r) == ranksToExclude.end()) {
@@ -279,8 +279,12 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
         "collective on the group before a rank is lost, or create it with device_id=");
   }
   constexpr int kShrinkAbort = 0x01; // torch.distributed.SHRINK_ABORT, NCCL_SHRINK_ABORT
-  if ((shrinkFlags & kShrinkAbort) && shm_) {
-    shm_->abort("shrank its process group with SHRINK_ABORT");
+  if (shrinkFlags & kShrinkAbort) {
+    // NCCL aborts this group's communicator too: the group is done.
+    ended_.store("aborted by shrink_group with SHRINK_ABORT", std::memory_order_release);
+    if (shm_) {
+      shm_->abort("shrank its process group with SHRINK_ABORT");
+    }
   }
   // Keys of this shrink only: its number and who stays, alike on every rank that stays.
   std::string prefix = "hsdp/shrink/" + std::to_string(++shrinks_) + "/";
@@ -293,8 +297,12 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
     auto& inner = route.backend();
     if (inner.supportsShrinking()) {
       // NCCL's own (ncclCommShrink), SHRINK_ABORT included: it ends what is
-      // pending on its communicator.
-      return inner.shrink(ranksToExclude, shrinkFlags, nullptr);
+      // pending on its communicator. Its child takes the parent's timeout.
+      auto child = inner.shrink(ranksToExclude, shrinkFlags, nullptr);
+      if (child) {
+        child->setTimeout(timeout);
+      }
+      return child;
     }
     return splitWithOwnOptions(
         inner,
@@ -636,7 +644,7 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupHSDP::reconfigure(const c10d::Reconfi
     // (csrc/shm/epoch.pml: SHARED_COUNTER).
     auto epoch = c10::make_intrusive<c10d::PrefixStore>(
         "hsdp/reconfigure/" + std::to_string(opts.uuid) + "/", store_);
-    attachShm(*epoch, opts.timeout.value_or(options_->timeout));
+    attachShm(*epoch);
   } catch (const std::exception& e) {
     const auto* error = dynamic_cast<const c10::Error*>(&e);
     C10_THROW_ERROR(

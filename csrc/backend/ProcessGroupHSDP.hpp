@@ -178,8 +178,10 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // among them): a refused call leaves the group serving its members. The
   // new membership starts as a new group: sequence number 0, getError()
   // SUCCESS. Called, as on gloo, while no other thread issues ops on the
-  // group (ProcessGroupGloo::reconfigure swaps its contexts unlocked); ops
-  // still pending on this rank are ended first.
+  // group (ProcessGroupGloo::reconfigure swaps its contexts unlocked) and
+  // none is pending: shared-memory ones are ended first, but one pending in
+  // the inner Gloo fails at its own timeout, into the new membership's
+  // getError.
   c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
 #endif
 #if HSDP_TORCH_HAS_SUSPEND
@@ -446,9 +448,8 @@ class ProcessGroupHSDP final : public c10d::Backend {
       const std::vector<int>& ranks,
       std::chrono::milliseconds timeout,
       shm::FunctionRef<c10::intrusive_ptr<c10d::Backend>(InnerRoute&, const StorePtr&)> innerChild);
-  // Builds the shared-memory route for the current members, through `store`,
-  // whose rendezvous waits at most `rendezvousTimeout`.
-  void attachShm(c10d::Store& store, std::chrono::milliseconds rendezvousTimeout);
+  // Builds the shared-memory route for the current members, through `store`.
+  void attachShm(c10d::Store& store);
   // Ends the shared-memory route of the current members, if any.
   void detachShm(const char* why);
 

@@ -196,38 +196,54 @@ void Engine::publish(Counter which, uint64_t step) {
 
 void Engine::markBroken(const std::string& reason, bool leaving) {
   Header& h = segment_.header();
-  uint32_t expected = 0;
-  // The first failing rank records why, so every other rank can say it.
-  // UINT32_MAX marks "being written" until the rank number is published.
-  if (h.brokenBy.compare_exchange_strong(expected, UINT32_MAX, std::memory_order_acq_rel)) {
-    std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", reason.c_str());
-    h.brokenBy.store(
-        (static_cast<uint32_t>(rank_) + 1) | (leaving ? kBrokenByLeaving : 0),
-        std::memory_order_release);
+  // The first failing rank records why, so every other rank can say it; a
+  // failure or abort replaces a rank's leaving (which fails no idle peer),
+  // so that it is not hidden. UINT32_MAX marks "being written" until the
+  // rank number is published.
+  uint32_t expected = h.brokenBy.load(std::memory_order_acquire);
+  for (;;) {
+    const bool replaceable =
+        expected == 0 || (!leaving && expected != UINT32_MAX && (expected & kBrokenByLeaving) != 0);
+    if (!replaceable) {
+      break;
+    }
+    if (h.brokenBy.compare_exchange_weak(expected, UINT32_MAX, std::memory_order_acq_rel)) {
+      std::snprintf(h.brokenReason, sizeof h.brokenReason, "%s", reason.c_str());
+      h.brokenBy.store(
+          (static_cast<uint32_t>(rank_) + 1) | (leaving ? kBrokenByLeaving : 0),
+          std::memory_order_release);
+      break;
+    }
   }
   wake();
 }
 
-std::string Engine::brokenBy() const {
+uint32_t Engine::brokenRecord() const {
   const Header& h = segment_.header();
   uint32_t by = h.brokenBy.load(std::memory_order_acquire);
-  if (by == 0) {
-    return "";
-  }
   // The failing rank publishes its number right after writing its reason
-  // (markBroken), so a waiter woken in between would lose the reason: wait
-  // for it, boundedly, since that rank may have died in between.
+  // (markBroken), so a reader in between would lose the reason: wait for
+  // it, boundedly, since that rank may have died in between.
   for (const auto until = clock_.now() + std::chrono::milliseconds(200);
        by == UINT32_MAX && clock_.now() < until;) {
     std::this_thread::sleep_for(std::chrono::microseconds(50));
     by = h.brokenBy.load(std::memory_order_acquire);
+  }
+  return by;
+}
+
+std::string Engine::brokenBy() const {
+  const Header& h = segment_.header();
+  uint32_t by = brokenRecord();
+  if (by == 0) {
+    return "";
   }
   if (by == UINT32_MAX) {
     return "a rank failed (it did not finish writing its reason)";
   }
   const bool left = (by & kBrokenByLeaving) != 0;
   by &= ~kBrokenByLeaving;
-  if (by > static_cast<uint32_t>(size_)) {
+  if (by == 0 || by > static_cast<uint32_t>(size_)) {
     return "the segment's failure record names rank " + std::to_string(by - 1) + " of a group of " +
         std::to_string(size_) + kCorrupted;
   }
@@ -265,9 +281,16 @@ Engine::Failure Engine::failure() const {
   if (const auto here = static_cast<Failure>(failedHere_.load()); here != Failure::None) {
     return here;
   }
-  const uint32_t by = segment_.header().brokenBy.load(std::memory_order_acquire);
-  return by != 0 && (by == UINT32_MAX || (by & kBrokenByLeaving) == 0) ? Failure::Remote
-                                                                       : Failure::None;
+  if (segment_.header().brokenBy.load(std::memory_order_acquire) == 0) {
+    return Failure::None; // the common case: no wait
+  }
+  // A leaving rank's record, once written and naming a rank, breaks no idle
+  // peer; anything else (a failure, an abort, a corrupted record) does.
+  const uint32_t by = brokenRecord();
+  const uint32_t who = by & ~kBrokenByLeaving;
+  const bool left = by != UINT32_MAX && (by & kBrokenByLeaving) != 0 && who >= 1 &&
+      who <= static_cast<uint32_t>(size_);
+  return left ? Failure::None : Failure::Remote;
 }
 
 bool Engine::checkSignatures(const OpState& op, uint64_t step) {

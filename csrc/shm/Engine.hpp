@@ -365,6 +365,8 @@ class Engine final : public Collectives {
   [[noreturn]] void failBroken(const std::string& what);
   // "rank r failed: reason" once the group is broken, else empty.
   std::string brokenBy() const;
+  // Header::brokenBy once written (waits, boundedly, past "being written").
+  uint32_t brokenRecord() const;
   std::string prefix(const char* op) const;
   // "rank R": engine rank q as the group numbers it (EngineConfig::groupRanks).
   std::string rankName(int q) const;

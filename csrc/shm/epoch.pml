@@ -27,8 +27,11 @@
  *                    keys: the incarnation counter stands at 3 (three ranks
  *                    took tickets), the two survivors' tickets 3 and 4 give
  *                    keys 3 / 2 = 1 and 4 / 2 = 2, and each waits for a name
- *                    under a key the other never writes (a deadlock); a
- *                    reused uuid, which reconfigure refuses, would be this;
+ *                    under a key the other never writes (a deadlock);
+ *   REUSED_UUID    - the uuid of an earlier reconfigure is used again (which
+ *                    reconfigure refuses): the lost rank, retrying it, finds
+ *                    the new segment under the same keys and writes into it
+ *                    (the assertion fails);
  *   NO_LEAVE       - the caller drains the queue without first marking A
  *                    broken: the worker waits for the lost rank for ever.
  */
@@ -57,6 +60,11 @@ proctype Lost() {
   :: posted[AT(A, LOST)] = true
   :: writer[AT(A, 0)] = LOST; epochOf[AT(A, 0)] = 1
   :: writer[AT(A, 1)] = LOST; epochOf[AT(A, 1)] = 1
+#ifdef REUSED_UUID
+  /* Its own retry of a reconfigure under the same uuid finds the name the
+   * new membership published under the same keys, maps B and writes. */
+  :: names[0] != 0 -> writer[AT(names[0], 0)] = LOST; epochOf[AT(names[0], 0)] = 2
+#endif
   :: break
   od
 }

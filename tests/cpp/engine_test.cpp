@@ -644,6 +644,19 @@ TEST(EngineFailures, ARankThatLeavesFailsOnlyThePeersOpsItEnds) {
   Group aborted(2, testConfig(), false);
   aborted.engine(1).abort("aborted by the test");
   EXPECT_EQ(aborted.engine(0).failure(), Engine::Failure::Remote);
+
+  // A failure after a leave is not hidden by it: the abort's record replaces the leave's.
+  Group both(3, testConfig(), false);
+  both.engine(2).leave("left the process group");
+  both.engine(1).abort("aborted after the leave");
+  EXPECT_EQ(both.engine(0).failure(), Engine::Failure::Remote);
+  const auto after = both.run([](Engine& e) {
+    if (e.rank() == 0) {
+      e.barrier("barrier");
+    }
+  });
+  EXPECT_TRUE(contains(after[0], "rank 1 failed ([rank 1/3] abort: aborted after the leave)"))
+      << after[0];
 }
 
 } // namespace
