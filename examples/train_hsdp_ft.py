@@ -133,8 +133,8 @@ def main() -> None:
             optimizer.step()  # local: after every collective of the step succeeded
         except (dist.DistBackendError, RuntimeError) as exc:
             # No optimizer step ran (it follows every collective of the step): this rank's
-            # shards are the last step's. A failed backward
-            # may leave parameters unsharded: reshard() (FSDP2's, local) frees them.
+            # shards are the last step's. A failed backward may leave parameters unsharded:
+            # reshard() (FSDP2's, local) frees them.
             for module in model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
