@@ -44,7 +44,9 @@ ensure_torch "$PY" "$TORCH_REQ"
 ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,expecttest \
   "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy expecttest
 # Its own build tree (never the main venv's build/{wheel_tag}); the stamp in
-# the venv, which is what the build went into.
+# the venv, which is what the build went into. A clone without this
+# release's C++ tests (scripts/test.sh runs them) builds, whatever the stamp.
+[ -x "build/torch$MINOR/backend_tests" ] || rm -f "$VENV/.hsdp-build-stamp"
 build_package "$PY" "$VENV/.hsdp-build-stamp" -C "build-dir=build/torch$MINOR" \
   -C cmake.define.HSDP_BUILD_TESTING=ON >&2
 echo "[setup-compat] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')" >&2

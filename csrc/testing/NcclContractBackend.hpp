@@ -33,8 +33,9 @@
 //   * a split (a group created with ``split_from``, and a non-member's
 //     perform_nocolor_split) is collective over every rank of the parent:
 //     a rank that does not join blocks its peers until the timeout;
-//   * a shrink (shrink_group) is legacy ProcessGroupNCCL::shrink over
-//     ncclCommShrink (libtorch_cuda.so's code of 2.11, 2.12 and 2.14.1, the
+//   * a shrink (shrink_group) is legacy ProcessGroupNCCL::shrink
+//     (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) over NCCLComm::shrink
+//     (NCCLUtils.cpp) and ncclCommShrink (libtorch_cuda.so's code of 2.11, 2.12 and 2.14.1, the
 //     same messages in 2.15's; built with NCCL_HAS_COMM_SHRINK, NCCL 2.27+;
 //     2.13 has only a CPU wheel here): among the ranks that stay, on the
 //     communicator that must already exist (none before the first
