@@ -12,8 +12,22 @@
 namespace hsdp::compat {
 
 bool isStreamCapturing(const c10::Stream& stream) {
-#if HSDP_TORCH_AT_LEAST(2, 12)
+#if HSDP_TORCH_AT_LEAST(2, 13)
   return c10::impl::VirtualGuardImpl(stream.device_type()).isStreamCapturing(stream);
+#elif HSDP_TORCH_AT_LEAST(2, 12)
+  // 2.12's default DeviceGuardImplInterface::isStreamCapturing throws
+  // ("Backend doesn't support stream capture query"); 2.13's returns false.
+  // A device that does not override it (a PrivateUse1 backend) has no
+  // graphs to capture into, so hsdp answers as 2.13 does; CUDA's own
+  // override is asked, and its failure is not hidden.
+  try {
+    return c10::impl::VirtualGuardImpl(stream.device_type()).isStreamCapturing(stream);
+  } catch (const c10::Error&) {
+    if (stream.device_type() == c10::DeviceType::CUDA) {
+      throw;
+    }
+    return false;
+  }
 #else
 #if HSDP_TORCH_HAS_CUDA
   if (stream.device_type() == c10::DeviceType::CUDA) {
