@@ -89,8 +89,9 @@ BASELINE_BACKEND = "gloo"
 # shared-memory pool) on odd steps and FSDP2's own on even steps (the
 # examples' --comm-buffers alternate).
 POOL = "hsdp_pool"
-# "hsdp_native" is hsdp with its FSDP2 shim off (the examples' --fsdp-shim
-# off): FSDP2's native reduction path on the same groups.
+# "hsdp_native" is hsdp with its FSDP2 shim on odd steps and off on even
+# steps (the examples' --fsdp-shim alternate; off: FSDP2's native reduction
+# path on the same groups).
 NATIVE = "hsdp_native"
 TRAINING_BACKENDS = (*BACKENDS, "fake", POOL, NATIVE)
 # hsdp's targets against that limit: (hsdp - fake) / (gloo - fake) at most
@@ -166,6 +167,7 @@ def parse_steps(stdout: str) -> dict:
         "losses": [s["loss"] for s in steps],
         "tokens_per_s": [s["tokens_per_s"] for s in steps],
         "comm_buffers": [s.get("comm_buffers", "fsdp") for s in steps],
+        "fsdp_shim": [s.get("fsdp_shim", "off") for s in steps],
         "comm_stats_last_step": steps[-1].get("comm_stats"),
         "max_rss_mib": max(s.get("max_rss_mib", 0.0) for s in steps),
         "final_loss": steps[-1]["loss"],
@@ -239,7 +241,13 @@ TABLE_COLUMNS = [
     report.Column("quartiles", 11, lambda r: "{:.2f}-{:.2f}".format(*r["pool_over_off_quartiles"])),
     report.Column("pool/fake", 9, lambda r: f"{r['pool_over_fake']:.2f}x"),
     report.Column("native step", 11, lambda r: f"{r[NATIVE]['step_ms']:.1f}"),
-    report.Column("hsdp/native", 11, lambda r: f"{r['hsdp_over_native']:.3f}x"),
+    report.Column("native/shim", 11, lambda r: f"{r['native_over_shim']:.3f}x"),
+    report.Column(
+        "quartiles", 11, lambda r: "{:.2f}-{:.2f}".format(*r["native_over_shim_quartiles"])
+    ),
+    report.Column(
+        "runs", 11, lambda r: "{:.3f}-{:.3f}".format(*_range(r["native_over_shim_per_run"]))
+    ),
     report.Column(
         "rss hsdp/native",
         15,
@@ -267,9 +275,16 @@ steps of runs that alternate (--comm-buffers alternate); pool/off = median over 
 pairs of steps of pool step / the next step (FSDP2's buffers, < 1: the pool is faster), with
 its quartiles; pool/fake =
 pool step / fake step; native step = hsdp with its FSDP2 shim off (FSDP2's native reduction
-on the same groups), hsdp/native = hsdp step / native step (< 1: the shim is faster); rss =
+on the same groups) in runs that alternate two steps each way (--fsdp-shim alternate; the
+first step after a switch not counted); native/shim = median over those runs' pairs of steps
+of native step / the next counted step (through the shim, > 1: the shim is faster), its
+quartiles and the range of its per-run medians; rss =
 rank 0's peak resident MiB, hsdp/native; loss = the last step's loss on each; spread =
 interquartile range / median of the pooled steps, the noisiest contender."""
+
+
+def _range(values: list[float]) -> tuple[float, float]:
+    return min(values), max(values)
 
 
 def _overhead(x: float | None) -> str:
@@ -445,7 +460,9 @@ class TrainingSuite(Suite):
         if backend == POOL:
             flags["--comm-buffers"] = "alternate"
         if backend == NATIVE:
-            flags["--fsdp-shim"] = "off"
+            flags["--fsdp-shim"] = "alternate"
+            # A pair takes four steps (two each way, the first of each settling).
+            flags["--steps"] = max(flags["--steps"], config["warmup_steps"] + 5)
         script = os.path.join(config["examples"], mesh.script)
         args = [str(x) for kv in flags.items() for x in kv]
         return [
@@ -516,19 +533,30 @@ class TrainingSuite(Suite):
             warm = config["warmup_steps"]
             measured = [ms for c in copies for ms in c["step_ms"][warm:]]
             measured_fwd_bwd = [ms for c in copies for ms in c["fwd_bwd_ms"][warm:]]
-            buffers = [b for c in copies for b in c["comm_buffers"][warm:]]
-            if backend == POOL:
-                # The run's steps on the group's buffers are the contender's
-                # samples; each, over the step after it (on FSDP2's), a pair.
-                pairs = [
-                    measured[i] / measured[i + 1]
-                    for i in range(len(measured) - 1)
-                    if (buffers[i], buffers[i + 1]) == ("group", "fsdp")
+            # An alternating contender: its samples are the steps of one kind
+            # (POOL: on the group's buffers; NATIVE: without the shim), each
+            # over the next step of the other kind, a pair. NATIVE's first
+            # step after each switch settles (the shim proves itself again
+            # before it): neither a sample nor in a pair.
+            paired = {POOL: ("comm_buffers", "group", "fsdp"), NATIVE: ("fsdp_shim", "off", "on")}
+            if backend in paired:
+                key, mine, other = paired[backend]
+                kinds = [
+                    "settling" if backend == NATIVE and i and k != c[key][i - 1] else k
+                    for c in copies
+                    for i, k in enumerate(c[key])
+                    if i >= warm
                 ]
-                measured_fwd_bwd = [ms for ms, b in zip(measured_fwd_bwd, buffers) if b == "group"]
-                measured = [ms for ms, b in zip(measured, buffers) if b == "group"]
+                counted = [i for i, k in enumerate(kinds) if k != "settling"]
+                pairs = [
+                    measured[i] / measured[j]
+                    for i, j in zip(counted, counted[1:])
+                    if (kinds[i], kinds[j]) == (mine, other)
+                ]
+                measured_fwd_bwd = [ms for ms, k in zip(measured_fwd_bwd, kinds) if k == mine]
+                measured = [ms for ms, k in zip(measured, kinds) if k == mine]
                 if not pairs:
-                    raise BenchFailure(f"{what}: no pair of steps with and without pool buffers")
+                    raise BenchFailure(f"{what}: no pair of steps with {key} {mine} and {other}")
             if not measured:
                 raise BenchFailure(
                     f"{what}: {len(parsed['step_ms'])} steps, none after the {warm} warm-up steps"
@@ -546,7 +574,7 @@ class TrainingSuite(Suite):
                 "measured_fwd_bwd_ms": measured_fwd_bwd,
                 "median_ms": statistics.median(measured),
                 "median_fwd_bwd_ms": statistics.median(measured_fwd_bwd),
-                **({"pool_over_off_pairs": pairs} if backend == POOL else {}),
+                **({"pairs": pairs} if backend in paired else {}),
                 **parsed,
             }
             print(
@@ -625,12 +653,18 @@ class TrainingSuite(Suite):
                     g["exposed_ms"] / h["exposed_ms"] if h["exposed_ms"] > 0 else None
                 )
                 row["speedup"] = g["step_ms"] / h["step_ms"]
-                pairs = [x for r in runs_of(m, mesh.name, POOL) for x in r["pool_over_off_pairs"]]
+                pairs = [x for r in runs_of(m, mesh.name, POOL) for x in r["pairs"]]
                 row["pool_over_off"] = statistics.median(pairs)
                 row["pool_over_off_pairs"] = len(pairs)
                 row["pool_over_off_quartiles"] = timing.quartiles(pairs)
                 row["pool_over_fake"] = row[POOL]["step_ms"] / f["step_ms"]
-                row["hsdp_over_native"] = h["step_ms"] / row[NATIVE]["step_ms"]
+                # Native step over the shim's step after it: > 1, the shim is faster.
+                pairs = [x for r in runs_of(m, mesh.name, NATIVE) for x in r["pairs"]]
+                row["native_over_shim"] = statistics.median(pairs)
+                row["native_over_shim_quartiles"] = timing.quartiles(pairs)
+                row["native_over_shim_per_run"] = [
+                    statistics.median(r["pairs"]) for r in runs_of(m, mesh.name, NATIVE)
+                ]
                 row["hsdp_over_fake"], row["overhead_vs_gloo"] = timing.against_limit(
                     h["step_ms"], g["step_ms"], f["step_ms"]
                 )

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import hsdp_backend  # registers the "hsdp" backend with torch.distributed
+import hsdp_backend.fsdp
 
 # ---------------------------------------------------------------------------
 # Model
@@ -487,6 +488,16 @@ def train(
             # comparison of the two within one run, step by step.
             buffers = "group" if step % 2 else "fsdp"
             set_comm_buffers(fsdp_modules, buffers)
+        shim = getattr(args, "fsdp_shim", "on")
+        if shim == "alternate" and args.backend == "hsdp":
+            # Two steps through hsdp's FSDP2 shim, two on FSDP2's native
+            # reduction, and so on: the shim's gain within one run. The first
+            # step after a switch settles (enable() proves the shim again).
+            shim = "on" if (step - 1) // 2 % 2 == 0 else "off"
+            if shim == "on":
+                hsdp_backend.fsdp.enable()
+            elif hsdp_backend.fsdp.is_enabled():
+                hsdp_backend.fsdp.disable()
         inputs, labels = data.next_batch()
         if device is not None:
             inputs, labels = inputs.to(device), labels.to(device)
@@ -522,6 +533,7 @@ def train(
             "fwd_bwd_ms": fwd_bwd * 1e3,
             "tokens_per_s": tokens_per_step / elapsed,
             "comm_buffers": buffers,
+            "fsdp_shim": shim if args.backend == "hsdp" else "off",
             # this rank's peak resident memory so far (Linux: KiB)
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }
@@ -598,10 +610,11 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--fsdp-shim",
-        choices=("on", "off"),
+        choices=("on", "off", "alternate"),
         default="on",
         help="on hsdp: on, hsdp's FSDP2 shim (one division, bucketed replicate all-reduces); "
-        "off, FSDP2's native reduction path (HSDP_FSDP=off)",
+        "off, FSDP2's native reduction path (HSDP_FSDP=off); alternate: two steps on, two off, "
+        "and so on (a paired comparison in one run)",
     )
     parser.add_argument(
         "--device",

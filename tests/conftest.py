@@ -61,6 +61,7 @@ EVERY_TORCH = (
     "tests/unit/test_docs.py",
     "tests/unit/test_fsdp_buckets.py",
     "tests/unit/test_torch_contracts.py",
+    "tests/unit/test_fsdp_internals.py",
     "tests/integration/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
     "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
     "tests/integration/test_fsdp_selfproof.py",

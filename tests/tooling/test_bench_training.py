@@ -7,7 +7,8 @@ run, one run per backend. Run as docs/benchmarks.md says: ``python -m benchmarks
 from the repository root (the installed hsdp_backend is imported).
 
 `python -m benchmarks training --quick` on 2 ranks, tiny model: the runs interleaved as planned
-(hsdp with `--comm-buffers group` among them, with the same final loss as hsdp), the JSON's
+(hsdp with `--comm-buffers alternate` and `--fsdp-shim alternate` among them, paired step by
+step, with the same final loss as hsdp), the JSON's
 derived numbers consistent, equal final losses on both backends, hsdp's counters of the last
 step, the PNG written."""
 
@@ -69,7 +70,8 @@ def test_training_suite_quick(tmp_path):
     # Six runs, interleaved: the baseline (two 1-rank copies), then hsdp,
     # gloo, the fake backend (the no-communication limit), hsdp with
     # FSDP2's buffers from the group on every other step (--comm-buffers
-    # alternate) and hsdp with its FSDP2 shim off (--fsdp-shim off) on 2 ranks.
+    # alternate) and hsdp with its FSDP2 shim on every other step (--fsdp-shim
+    # alternate) on 2 ranks.
     runs = section["runs"]
     assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
         (1, 2, "gloo"),
@@ -82,12 +84,12 @@ def test_training_suite_quick(tmp_path):
     by_backend = {r["backend"]: r for r in runs[1:]}
     pool_cmd = by_backend["hsdp_pool"]["command"]
     native_cmd = by_backend["hsdp_native"]["command"]
-    assert native_cmd[native_cmd.index("--fsdp-shim") + 1] == "off"
+    assert native_cmd[native_cmd.index("--fsdp-shim") + 1] == "alternate"
     assert "--fsdp-shim" not in runs[1]["command"]
     assert pool_cmd[pool_cmd.index("--comm-buffers") + 1] == "alternate"
     assert "--comm-buffers" not in runs[1]["command"]
     assert all("--flush-denormal" in r["command"] for r in runs)
-    for r in (r for r in runs if r["backend"] != "hsdp_pool"):
+    for r in (r for r in runs if r["backend"] not in ("hsdp_pool", "hsdp_native")):
         assert r["max_rss_mib"] > 0, r
         assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
         assert r["comm_buffers"] == ["default"] * 4
@@ -98,7 +100,16 @@ def test_training_suite_quick(tmp_path):
     pool = by_backend["hsdp_pool"]
     assert pool["comm_buffers"] == ["group", "fsdp", "group", "fsdp"]
     assert pool["measured_ms"] == [pool["step_ms"][2]]
-    assert pool["pool_over_off_pairs"] == [pool["step_ms"][2] / pool["step_ms"][3]]
+    assert pool["pairs"] == [pool["step_ms"][2] / pool["step_ms"][3]]
+    # The native run: two steps each way; the first after a switch (steps 3
+    # and 5) settles. Step 4 without the shim is its sample; over step 6
+    # through the shim, the one pair.
+    native = by_backend["hsdp_native"]
+    assert native["fsdp_shim"] == ["on", "on", "off", "off", "on", "on"]
+    assert native["measured_ms"] == [native["step_ms"][3]]
+    assert native["pairs"] == [native["step_ms"][3] / native["step_ms"][5]]
+    assert by_backend["hsdp"]["fsdp_shim"] == ["on"] * 4
+    assert by_backend["gloo"]["fsdp_shim"] == ["off"] * 4
 
     [row] = section["results"]
     assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
@@ -125,9 +136,11 @@ def test_training_suite_quick(tmp_path):
     assert row["pool_over_off"] == pytest.approx(pool["step_ms"][2] / pool["step_ms"][3])
     assert row["pool_over_off_pairs"] == 1
     # 1-D FSDP: the shim leaves FSDP2's reduction as it is, so the same bits.
-    assert row["hsdp_native"]["final_loss"] == row["hsdp"]["final_loss"]
-    assert row["hsdp_over_native"] == pytest.approx(h / row["hsdp_native"]["step_ms"])
-    assert "hsdp/native" in proc.stdout
+    # (The native run's step 4: it runs 6 steps.)
+    assert native["losses"][3] == row["hsdp"]["final_loss"]
+    assert row["native_over_shim"] == pytest.approx(native["step_ms"][3] / native["step_ms"][5])
+    assert row["native_over_shim_per_run"] == [row["native_over_shim"]]
+    assert "native/shim" in proc.stdout
     assert "pool/off" in proc.stdout
     # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
     stats = row["hsdp_comm_stats_last_step"]["fsdp"]

@@ -83,7 +83,10 @@ When the proof itself cannot run (FSDP2 fails on the proof's model before
 the shim takes part), one warning says so, without blaming the shim's
 gradients, and FSDP2 keeps its native path. ``_compat`` is the one module that touches
 FSDP2's internals; ``_buckets`` plans and tracks the buckets without them;
-``_proof`` runs FSDP2 through its public API only.
+``_proof`` drives FSDP2 through its public API, on a mesh built from
+DeviceMesh's and c10d's private names. tests/unit/test_fsdp_internals.py
+names every private name of torch these touch and checks each on every
+supported release.
 """
 
 from __future__ import annotations

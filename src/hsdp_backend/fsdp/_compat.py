@@ -7,9 +7,10 @@ it), the signature it checks before wrapping, the wrappers of
 FSDP2's padding of a shard, its allocation order inside ``foreach_reduce``
 and its gradient tail (cast, per-parameter views, ``.grad``, hooks:
 ``PendingGrads.finish``). The buckets (``_buckets``) see none of it; the
-proof at install (``_proof``) uses FSDP2's public API only, switching
+proof at install (``_proof``) drives FSDP2 through its public API, switching
 between FSDP2's path and the shim's through ``_installed_for_proof``. Where
-FSDP2 differs between torch releases, ``hsdp_backend._torch_compat`` says how.
+FSDP2 differs between torch releases, ``hsdp_backend._torch_compat`` says how;
+tests/unit/test_fsdp_internals.py checks each name on every release.
 """
 
 from __future__ import annotations

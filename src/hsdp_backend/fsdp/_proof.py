@@ -21,8 +21,13 @@ The mesh is (replicate 1 x shard 1) over two hsdp groups of this process
 alone on a private ``HashStore``: no default process group is needed or
 touched. At that size the collectives move no data, so what is proved is
 the tail and the bucketing on this torch, not the reductions (the parity
-tests cover those). FSDP2 is used through its public API only; ``_compat``
-switches between its path and the shim's.
+tests cover those). FSDP2 is driven through its public API (``fully_shard``,
+``MixedPrecisionPolicy``, ``set_gradient_divide_factor``, backward); the
+mesh is not: DeviceMesh's public constructors need a default group, so
+``_OneProcessMesh`` passes its private arguments, and the groups are
+registered with c10d by its private names (each checked on every release:
+tests/unit/test_fsdp_internals.py). ``_compat`` switches between FSDP2's
+path and the shim's.
 """
 
 from __future__ import annotations
