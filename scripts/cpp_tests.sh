@@ -6,6 +6,9 @@
 # sources (scripts/setup.sh installs them).
 #
 #   bash scripts/cpp_tests.sh [plain|tsan|asan] [gtest arguments...]
+#
+# Without gtest arguments the build's tests run through ctest (verbose: a
+# sanitizer's report is in the output); with them, the binary runs alone.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -31,5 +34,9 @@ cmake --build "$build" --target engine_tests -j "$(nproc)" > "$build.build.log" 
 export TSAN_OPTIONS="halt_on_error=1 exitcode=66 second_deadlock_stack=1"
 export ASAN_OPTIONS="halt_on_error=1 detect_leaks=1 detect_stack_use_after_return=1"
 export UBSAN_OPTIONS="halt_on_error=1 print_stacktrace=1"
+if [ "$#" -eq 0 ]; then
+  echo "[cpp_tests] $mode: ctest --test-dir $build"
+  exec ctest --test-dir "$build" --verbose
+fi
 echo "[cpp_tests] $mode: $build/engine_tests $*"
 "$build/engine_tests" "$@"

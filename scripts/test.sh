@@ -9,9 +9,9 @@
 # lint      clang-format and ruff, no drift (scripts/format.sh --check)
 # unit      pytest tests/unit: one process, no ranks
 # quick     pytest -m quick: tests/integration at two ranks
-# cpp       the C++ tests: the engine's plain, under TSan and under
-#           ASan+UBSan (scripts/cpp_tests.sh), the backend's (the tests'
-#           build of scripts/setup.sh), and the spin models
+# cpp       the C++ tests through ctest: the engine's plain, under TSan and
+#           under ASan+UBSan (scripts/cpp_tests.sh), the backend's (the
+#           tests' build of scripts/setup.sh), and the spin models
 # rest      pytest: everything else in tests/integration, tests/system and
 #           tests/tooling
 # compat    one stage per other supported torch: its venv
@@ -66,12 +66,12 @@ cpp() {
   local mode binary
   for mode in plain tsan asan; do
     echo "-- engine's C++ tests, $mode"
-    gtest bash scripts/cpp_tests.sh "$mode" --gtest_brief=1 || return 1
+    gtest bash scripts/cpp_tests.sh "$mode" || return 1
   done
   binary=$(ls build/cp3*/backend_tests 2> /dev/null | head -n 1)
   [ -n "$binary" ] || { echo "build/*/backend_tests missing: run scripts/setup.sh"; return 1; }
   echo "-- backend's C++ tests ($binary)"
-  gtest "$binary" --gtest_brief=1 || return 1
+  gtest ctest --test-dir "$(dirname "$binary")" --verbose || return 1
   echo "-- spin models"
   bash scripts/check_protocol.sh
 }
@@ -98,7 +98,7 @@ compat() {
     echo "$python is not torch $release"
     return 1
   }
-  gtest "build/torch$release/backend_tests" --gtest_brief=1 || return 1
+  gtest ctest --test-dir "build/torch$release" --verbose || return 1
   "$python" -m pytest -q -p no:cacheprovider -m "$MARKS" tests > "$log" 2>&1
   rc=$?
   summary=$(tail -n 1 "$log")
