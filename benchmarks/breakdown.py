@@ -44,6 +44,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from benchmarks import peers, report
@@ -94,17 +95,23 @@ def part_of(library: str, function: str) -> str:
     return "other"
 
 
-def parse_perf_report(text: str) -> dict[str, float]:
-    """Percent of samples per part, from ``perf report --sort dso,sym -t TAB``."""
-    shares = dict.fromkeys(PART_NAMES, 0.0)
+def perf_rows(text: str) -> Iterator[tuple[float, str, str]]:
+    """(percent, library, function) of each row of ``perf report --sort
+    dso,sym -t TAB``; perf rounds each row's percent to 0.01."""
     for line in text.splitlines():
         if line.startswith("#") or "\t" not in line:
             continue
         fields = [f.strip() for f in line.split("\t")]
         if len(fields) < 3 or not fields[0].endswith("%"):
             continue
-        function = re.sub(r"^\[[.k]\]\s*", "", fields[2])
-        shares[part_of(fields[1], function)] += float(fields[0].rstrip("%"))
+        yield float(fields[0].rstrip("%")), fields[1], re.sub(r"^\[[.k]\]\s*", "", fields[2])
+
+
+def parse_perf_report(text: str) -> dict[str, float]:
+    """Percent of samples per part, from ``perf report --sort dso,sym -t TAB``."""
+    shares = dict.fromkeys(PART_NAMES, 0.0)
+    for percent, library, function in perf_rows(text):
+        shares[part_of(library, function)] += percent
     return shares
 
 
@@ -224,6 +231,7 @@ class BreakdownSuite(Suite):
                         timeout=300,
                     ).stdout
                     row["percent"] = parse_perf_report(text)
+                    row["perf_rows"] = sum(1 for _ in perf_rows(text))
                 rows.append(row)
                 ctx.log(f"{op} {format_size(nbytes)}: {us:.2f} us")
         return {"rows": rows, "perf_problem": problem}

@@ -106,8 +106,10 @@ def test_a_short_run_breaks_a_call_down(tmp_path):
         if "percent" not in r:
             assert "no breakdown (" in proc.stdout, proc.stdout
             continue
-        # Every sample perf took is in some part; an all-gather moves data.
-        assert sum(r["percent"].values()) == pytest.approx(100.0, abs=1.0), r
+        # Every sample perf took is in some part (each of perf's rows rounded
+        # to 0.01%: under load, hundreds of rows); an all-gather moves data.
+        rounding = max(1.0, 0.005 * r["perf_rows"])
+        assert sum(r["percent"].values()) == pytest.approx(100.0, abs=rounding), r
         assert r["percent"]["python"] > 0 and r["percent"]["torch"] > 0, r
     gather = rows[1]
     if "percent" in gather:
