@@ -4,11 +4,11 @@ hsdp supports torch 2.11 to 2.15 (``pyproject.toml`` admits exactly these;
 each is tested: docs/versions.md). Everything else in the package is written
 against one API and asks here where releases part. Each difference names the
 release that brought it. The C++ half of the same list is
-csrc/common/TorchCompat.hpp.
+csrc/common/TorchCompat.hpp; where FSDP2's internals differ, the shim's
+adapters say (hsdp_backend.fsdp._fsdp2).
 
 Import-safe: it reads ``torch.__version__`` and nothing else at import (the
-autoload entry point imports it inside ``import torch``); the FSDP2 facts are
-read only by the shim, once FSDP2 is imported.
+autoload entry point imports it inside ``import torch``).
 """
 
 from __future__ import annotations
@@ -121,43 +121,3 @@ def mark_self_recording(backend_name: str) -> None:
     recording = getattr(distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
     if recording is not None:
         recording.add(backend_name)
-
-
-# FSDP2's foreach_reduce (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
-# which the FSDP2 shim wraps: its parameters, by release.
-_FOREACH_REDUCE_UP_TO_2_14 = (
-    "fsdp_params",
-    "unsharded_grads",
-    "reduce_scatter_group",
-    "reduce_scatter_stream",
-    "reduce_scatter_comm",
-    "orig_dtype",
-    "reduce_dtype",
-    "device",
-    "gradient_divide_factor",
-    "all_reduce_group",
-    "all_reduce_stream",
-    "all_reduce_grads",
-    "partial_reduce_output",
-    "all_reduce_hook",
-    "force_sum_reduction_for_comms",
-)
-# 2.15: ``orig_dtype`` is gone (each parameter's gradient takes its own
-# dtype, ``FSDPParam.sharded_grad_dtype``, so one param group may mix
-# gradient dtypes: ``_cast_and_view_sharded_grads``), ``reduce_dtype`` is
-# always given, and a keyword-only ``prepare_reduce_scatter_inputs`` lays out
-# the reduce-scatter input.
-_FOREACH_REDUCE_FROM_2_15 = (
-    *(p for p in _FOREACH_REDUCE_UP_TO_2_14 if p != "orig_dtype"),
-    "prepare_reduce_scatter_inputs",
-)
-FOREACH_REDUCE_PARAMS = (
-    _FOREACH_REDUCE_FROM_2_15 if _THIS >= (2, 15) else _FOREACH_REDUCE_UP_TO_2_14
-)
-# 2.15: gradients of one param group may have different dtypes (each cast to
-# its parameter's sharded_grad_dtype); before, FSDP2 required one dtype.
-PER_PARAM_GRAD_DTYPES = _THIS >= (2, 15)
-# 2.13: FSDPModule.reset_iter_state (FSDP2's recovery after a forward or
-# backward raised). Before, nothing tells the shim that an iteration was
-# abandoned: hsdp_backend.fsdp.disable() and enable() drop its buckets.
-HAS_RESET_ITER_STATE = _THIS >= (2, 13)

@@ -1,14 +1,15 @@
 """The private names of torch the FSDP2 shim and its proof touch, each there on this torch.
 
-The shim (``hsdp_backend.fsdp._compat``, ``_buckets``) wraps and reads
-FSDP2's internals, and its proof (``_proof``) builds its one-process mesh
-from DeviceMesh's and c10d's private names. ``_compat`` checks the
-signature of ``foreach_reduce`` at install and the proof checks the
-gradient tail; neither sees an attribute the shim reads only later (a
-param group's shard groups, a parameter's strides, the autograd engine's
-callback queue). This module names each of them once, with the release
-that brought it, so that a new torch that moves one fails here, by name,
-before a user's run does. Runs on every supported release
+The shim reads FSDP2's internals through this torch's adapter
+(``hsdp_backend.fsdp._fsdp2.FSDP2``) and wraps four of its functions; its
+buckets use the autograd engine's final callback; its proof (``_proof``)
+builds its one-process mesh from DeviceMesh's and c10d's private names. The
+shim checks ``foreach_reduce``'s signature at install and the proof checks
+the gradient tail; neither sees an attribute the shim reads only later (a
+param group's shard groups, a parameter's strides). Here each is asked of a
+real param group through the adapter, and each wrapped function is looked
+for with the release that brought it, so that a torch that moves one fails
+here, by name, before a user's run does. Runs on every supported release
 (tests/conftest.py: EVERY_TORCH)."""
 
 import contextlib
@@ -24,12 +25,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
 from hsdp_backend import _torch_compat
-from hsdp_backend.fsdp import _compat, _proof
+from hsdp_backend.fsdp import _fsdp2, _proof
+from hsdp_backend.fsdp._fsdp2 import FSDP2
 
 RELEASE = _torch_compat.version()
 
 
-def _fsdp2(name: str):
+def _module(name: str):
     return sys.modules.get(name) or __import__(name, fromlist=["_"])
 
 
@@ -65,7 +67,7 @@ def _since(since) -> bool:
     "module, name, since", MODULE_ATTRIBUTES, ids=[f"{m}.{n}" for m, n, _ in MODULE_ATTRIBUTES]
 )
 def test_each_module_attribute_the_shim_names_is_there_from_its_release(module, name, since):
-    assert hasattr(_fsdp2(module), name) == _since(since), (
+    assert hasattr(_module(module), name) == _since(since), (
         f"{module}.{name}: expected {'present' if _since(since) else 'absent'} on torch "
         f"{torch.__version__} (there from {since[0]}.{since[1]})"
     )
@@ -77,21 +79,38 @@ def test_each_module_attribute_the_shim_names_is_there_from_its_release(module, 
     ids=[f"{c}.{n}" for _, c, n, _ in CLASS_ATTRIBUTES],
 )
 def test_each_method_the_shim_names_is_there_from_its_release(module, cls, name, since):
-    owner = getattr(_fsdp2(module), cls)
+    owner = getattr(_module(module), cls)
     assert hasattr(owner, name) == _since(since), (
         f"{cls}.{name}: expected {'present' if _since(since) else 'absent'} on torch "
         f"{torch.__version__} (there from {since[0]}.{since[1]})"
     )
-    assert _torch_compat.HAS_RESET_ITER_STATE == hasattr(
-        getattr(_fsdp2(FULLY_SHARD), "FSDPModule"), "reset_iter_state"
-    )
+
+
+@pytest.mark.parametrize(
+    "release, adapter",
+    [((2, 11), "Fsdp2"), ((2, 12), "Fsdp2"), ((2, 13), "Fsdp2From2_13"), ((2, 14), "Fsdp2From2_13")]
+    + [((2, 15), "Fsdp2From2_15")],
+)
+def test_each_release_has_its_adapter(release, adapter):
+    assert type(_fsdp2.for_release(release)).__name__ == adapter
+
+
+def test_this_torchs_adapter_says_what_its_fsdp2_has():
+    fsdp_module = FSDP2.fsdp_module_class()
+    assert fsdp_module is _module(FULLY_SHARD).FSDPModule
+    assert FSDP2.has_reset_iter_state == hasattr(fsdp_module, "reset_iter_state")
+    assert FSDP2.param_group_module() is _module(PARAM_GROUP)
+    assert (FSDP2.default_reduce_scatter_layout() is not None) == (RELEASE >= (2, 15))
 
 
 def test_foreach_reduce_takes_the_parameters_the_shim_calls_it_by():
     # The shim calls the original by these names, whatever FSDP2 passes positionally.
-    function = _fsdp2(PARAM_GROUP).foreach_reduce
-    assert tuple(inspect.signature(function).parameters) == _torch_compat.FOREACH_REDUCE_PARAMS
-    assert _compat._incompatibility(_fsdp2(PARAM_GROUP)) is None
+    function = _module(PARAM_GROUP).foreach_reduce
+    assert tuple(inspect.signature(function).parameters) == FSDP2.foreach_reduce_params
+    assert FSDP2.incompatibility(_module(PARAM_GROUP)) is None
+    if RELEASE >= (2, 15):
+        default = inspect.signature(function).parameters["prepare_reduce_scatter_inputs"].default
+        assert default in (None, FSDP2.default_reduce_scatter_layout())
 
 
 @contextlib.contextmanager
@@ -104,35 +123,41 @@ def _one_param_group():
         yield model, model._get_fsdp_state()._fsdp_param_group
 
 
-def test_a_param_group_and_its_params_have_what_the_shim_reads():
+def test_the_adapter_reads_a_real_param_group():
     with _one_param_group() as (model, param_group):
-        # _group_buffers_by_default: the param group's device and shard groups.
-        assert param_group.device == torch.device("cpu")
-        for group in (
-            param_group._all_gather_process_group,
-            param_group._reduce_scatter_process_group,
-        ):
-            assert dist.get_backend(group) == "hsdp"
-        # _init_mp_dtypes' message: the mesh of its groups and its params' names.
-        assert param_group.mesh_info.mesh.get_all_groups()
+        assert FSDP2.device(param_group) == torch.device("cpu")
+        groups = FSDP2.shard_groups(param_group)
+        assert groups and all(dist.get_backend(g) == "hsdp" for g in groups)
+        assert FSDP2.mesh_groups(param_group)
+        assert FSDP2.names_and_dtypes(param_group) == [
+            ("weight", torch.float32),
+            ("bias", torch.float32),
+        ]
+        FSDP2.set_group_buffers(param_group, True)
+        model.set_allocate_memory_from_process_group_for_comm(False)  # the public setter, alike
         fsdp_params = param_group.fsdp_params
-        assert {p._param_fqn for p in fsdp_params} == {"weight", "bias"}
+        grad_dtypes = FSDP2.grad_dtypes(fsdp_params, torch.float32)
+        assert grad_dtypes == [torch.float32] * len(fsdp_params)
         for fsdp_param in fsdp_params:
-            # _padded_shard_numel, _bucketable and PendingGrads' tail.
-            assert fsdp_param.fsdp_placement.dim == 0
-            assert fsdp_param.offload_to_cpu is False
-            assert tuple(fsdp_param.sharded_size) == tuple(fsdp_param.sharded_param.shape)
-            assert len(fsdp_param.contiguous_sharded_stride) == len(fsdp_param.sharded_size)
-            assert hasattr(fsdp_param, "sharded_grad_dtype") == _torch_compat.PER_PARAM_GRAD_DTYPES
-            # A gradient is assigned as FSDP2's DTensor and accumulated into its local tensor.
-            grad = fsdp_param.to_sharded_dtensor(torch.zeros(fsdp_param.sharded_size))
-            assert isinstance(grad._local_tensor, torch.Tensor)
-            param = fsdp_param.sharded_param
-            param.register_post_accumulate_grad_hook(lambda _p: None)
-            assert len(param._post_accumulate_grad_hooks) == 1
-        # Where set_allocate_memory_from_process_group_for_comm lands.
-        param_group.set_allocate_memory_from_process_group(True)
-        model.set_allocate_memory_from_process_group_for_comm(False)
+            assert FSDP2.offloaded(fsdp_param) is False
+            shape = tuple(fsdp_param.sharded_param.shape)
+            full = torch.zeros(shape)  # 1 x 1 mesh: the shard is the whole tensor
+            assert FSDP2.padded_shard_numel(fsdp_param, full, 1) == full.numel()
+            # A gradient viewed out of a flat buffer, assigned, then accumulated.
+            flat = torch.arange(full.numel() + 1, dtype=torch.float32)
+            view = FSDP2.shard_view(fsdp_param, flat, 1)
+            assert tuple(view.shape) == shape and view.flatten()[0] == 1
+            fsdp_param.sharded_param.grad = None
+            param = FSDP2.assign_grad(fsdp_param, view.clone())
+            assert param is fsdp_param.sharded_param
+            assert torch.equal(param.grad.to_local(), view)
+            FSDP2.assign_grad(fsdp_param, view.clone())
+            assert torch.equal(param.grad.to_local(), 2 * view)
+            calls = []
+            param.register_post_accumulate_grad_hook(calls.append)
+            for hook in FSDP2.post_accumulate_grad_hooks(param):
+                hook(param)
+            assert calls == [param]
 
 
 def test_the_autograd_engine_has_the_final_callback_the_buckets_use():

@@ -81,8 +81,9 @@ whatever was imported in which order; ``HSDP_FSDP=off`` disables it), or
 explicitly with :func:`enable`; :func:`disable` undoes every patch it made.
 When the proof itself cannot run (FSDP2 fails on the proof's model before
 the shim takes part), one warning says so, without blaming the shim's
-gradients, and FSDP2 keeps its native path. ``_compat`` is the one module that touches
-FSDP2's internals; ``_buckets`` plans and tracks the buckets without them;
+gradients, and FSDP2 keeps its native path. ``_compat`` installs and wraps;
+``_fsdp2`` names FSDP2's internals, one adapter per torch range;
+``_buckets`` plans and tracks the buckets without them;
 ``_proof`` drives FSDP2 through its public API, on a mesh built from
 DeviceMesh's and c10d's private names. tests/unit/test_fsdp_internals.py
 names every private name of torch these touch and checks each on every

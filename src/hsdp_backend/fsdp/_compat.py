@@ -1,22 +1,20 @@
-"""The FSDP2 shim's one contact with FSDP2's internals (torch 2.11-2.15).
+"""The FSDP2 shim: its install, its wrappers and FSDP2's gradient tail (torch 2.11-2.15).
 
-Everything that names an FSDP2 internal lives here: the modules and the
-function the shim wraps (``foreach_reduce`` as ``_fsdp_param_group`` imports
-it), the signature it checks before wrapping, the wrappers of
-``FSDPParamGroup._init_mp_dtypes`` and ``FSDPModule.reset_iter_state``,
-FSDP2's padding of a shard, its allocation order inside ``foreach_reduce``
-and its gradient tail (cast, per-parameter views, ``.grad``, hooks:
-``PendingGrads.finish``). The buckets (``_buckets``) see none of it; the
-proof at install (``_proof``) drives FSDP2 through its public API, switching
-between FSDP2's path and the shim's through ``_installed_for_proof``. Where
-FSDP2 differs between torch releases, ``hsdp_backend._torch_compat`` says how;
-tests/unit/test_fsdp_internals.py checks each name on every release.
+The shim wraps ``foreach_reduce`` (as ``_fsdp_param_group`` imports it),
+checking its signature first, and ``FSDPParamGroup._init_mp_dtypes`` and
+``FSDPModule.reset_iter_state``; it relies on FSDP2's allocation order
+inside ``foreach_reduce`` and redoes its gradient tail (cast, per-parameter
+views, ``.grad``, hooks: ``PendingGrads.finish``). The FSDP2 internals it
+reads, and where those it wraps live, are named by this torch's adapter
+(``_fsdp2.FSDP2``); the four it wraps are named where it wraps them
+(``_patch``, ``arm``). The buckets (``_buckets``) see none of it; the proof
+at install (``_proof``) drives FSDP2 through its public API, switching
+between FSDP2's path and the shim's through ``_installed_for_proof``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import logging
 import math
@@ -32,13 +30,10 @@ import torch.distributed as dist
 
 from hsdp_backend import _C, _torch_compat, config
 from hsdp_backend.fsdp._buckets import ReplicateBuckets, Streams
+from hsdp_backend.fsdp._fsdp2 import FSDP2
 
 # The shim installs once this package is imported: the proof needs all of it.
 FSDP_PACKAGE = "torch.distributed.fsdp"
-_FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
-
-# foreach_reduce's parameters on this torch; the shim calls the original by these names.
-_FOREACH_REDUCE_PARAMS = _torch_compat.FOREACH_REDUCE_PARAMS
 # The proof's buckets: small, so its few gradients fill several (see _proof).
 _PROOF_BUCKET_BYTES = 64
 
@@ -76,7 +71,7 @@ def install(bucket_bytes: int | None) -> bool:
     path (``_proof``); False, with one warning, when FSDP2's internals are
     not those the shim was written for or the proof finds a difference. See
     hsdp_backend.fsdp.enable."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+    module = FSDP2.param_group_module()
 
     _disarm(module)  # before _patch reads FSDPParamGroup.__init__
     buckets = _shim.buckets
@@ -91,7 +86,7 @@ def install(bucket_bytes: int | None) -> bool:
             return False
         _shim.unproven = None
         _check_torch_version(torch.__version__)
-        problem = _incompatibility(module)
+        problem = FSDP2.incompatibility(module)
         if problem is not None:
             _warn_once(
                 "incompatible",
@@ -129,7 +124,7 @@ def install(bucket_bytes: int | None) -> bool:
 def uninstall() -> None:
     """Puts FSDP2's own functions back and forgets a failed proof; unfinished
     buckets are dropped."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+    module = FSDP2.param_group_module()
 
     _disarm(module)
     _shim.buckets.abandon()
@@ -151,7 +146,7 @@ def arm(_package=None) -> None:
     own body), where the proof, which needs all of FSDP2 and what it imports,
     cannot run; and a process that imports FSDP2 without using it pays
     nothing. Idempotent; a no-op once installed or proved wrong."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as module
+    module = FSDP2.param_group_module()
 
     with _shim.lock:
         if _shim.armed_init is not None or _shim.original is not None or _shim.disproof:
@@ -213,8 +208,8 @@ def _patch(module) -> None:
     if hasattr(param_group, "set_allocate_memory_from_process_group"):
         _shim.original_param_group_init = param_group.__init__
         param_group.__init__ = _init_param_group
-    fsdp_module = getattr(sys.modules.get(_FULLY_SHARD_MODULE), "FSDPModule", None)
-    if not _torch_compat.HAS_RESET_ITER_STATE:
+    fsdp_module = FSDP2.fsdp_module_class()
+    if not FSDP2.has_reset_iter_state:
         return  # docs/versions.md: after a backward that raised, disable() and enable()
     if fsdp_module is None or not hasattr(fsdp_module, "reset_iter_state"):
         _warn_once(
@@ -239,9 +234,7 @@ def _unpatch(module) -> None:
         module.FSDPParamGroup.__init__ = _shim.original_param_group_init
         _shim.original_param_group_init = None
     if _shim.original_reset_iter_state is not None:
-        sys.modules[
-            _FULLY_SHARD_MODULE
-        ].FSDPModule.reset_iter_state = _shim.original_reset_iter_state
+        FSDP2.fsdp_module_class().reset_iter_state = _shim.original_reset_iter_state
         _shim.original_reset_iter_state = None
 
 
@@ -295,22 +288,6 @@ def _check_torch_version(version: str) -> bool:
     return False
 
 
-def _incompatibility(module) -> str | None:
-    function = getattr(module, "foreach_reduce", None)
-    if function is None:
-        return "FSDP2's _fsdp_param_group.foreach_reduce is missing"
-    try:
-        names = tuple(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return "FSDP2's foreach_reduce has no inspectable signature"
-    if names != _FOREACH_REDUCE_PARAMS:
-        return f"FSDP2's foreach_reduce takes {names}, expected {_FOREACH_REDUCE_PARAMS}"
-    fsdp_param_cls = getattr(module, "FSDPParam", None)
-    if fsdp_param_cls is None or not hasattr(fsdp_param_cls, "to_sharded_dtensor"):
-        return "FSDP2's FSDPParam lacks to_sharded_dtensor"
-    return None
-
-
 def _warn_once(key: str, message: str) -> None:
     if key not in _shim.warned:
         _shim.warned.add(key)
@@ -319,13 +296,13 @@ def _warn_once(key: str, message: str) -> None:
 
 def _foreach_reduce(*positional, **keywords):
     # By name, whatever this torch's FSDP2 passes positionally (the
-    # parameters differ between releases: _torch_compat.FOREACH_REDUCE_PARAMS).
-    args = dict(zip(_FOREACH_REDUCE_PARAMS, positional), **keywords)
+    # parameters differ between releases: FSDP2.foreach_reduce_params).
+    args = dict(zip(FSDP2.foreach_reduce_params, positional), **keywords)
     original = _shim.original
     fsdp_params, unsharded_grads = args["fsdp_params"], args["unsharded_grads"]
     reduce_scatter_group, all_reduce_group = args["reduce_scatter_group"], args["all_reduce_group"]
     on_hsdp = _runs_on_hsdp(reduce_scatter_group, all_reduce_group)
-    if on_hsdp and not _torch_compat.PER_PARAM_GRAD_DTYPES:
+    if on_hsdp and not FSDP2.per_param_grad_dtypes:
         _check_uniform_grad_dtype(fsdp_params, unsharded_grads)
     if not on_hsdp or not _bucketable(args):
         return original(**args)
@@ -334,7 +311,7 @@ def _foreach_reduce(*positional, **keywords):
 
     shard_size = reduce_scatter_group.size() if reduce_scatter_group is not None else 1
     shard_numels = [
-        _padded_shard_numel(p, g, shard_size) for p, g in zip(fsdp_params, unsharded_grads)
+        FSDP2.padded_shard_numel(p, g, shard_size) for p, g in zip(fsdp_params, unsharded_grads)
     ]
     divide_by = float(gradient_divide_factor or shard_size * all_reduce_group.size())
     reduce_dtype = reduce_dtype or unsharded_grads[0].dtype
@@ -379,19 +356,10 @@ def _foreach_reduce(*positional, **keywords):
             )
         with streams.writing():  # where FSDP2 wrote `reduced`
             out.copy_(reduced)
-    grad_dtypes = _grad_dtypes(fsdp_params, args.get("orig_dtype"))
+    grad_dtypes = FSDP2.grad_dtypes(fsdp_params, args.get("orig_dtype"))
     buckets.add(key, PendingGrads(fsdp_params, shard_numels, grad_dtypes, out), in_backward)
     # FSDP2 clears its partial and keeps nothing: the bucket owns the gradient.
     return (*result[:-1], None)
-
-
-def _grad_dtypes(fsdp_params, orig_dtype) -> list[torch.dtype | None]:
-    """The dtype FSDP2 gives each parameter's reduced gradient (None: the
-    reduce dtype, no cast): its own ``sharded_grad_dtype`` from 2.15, the
-    param group's ``orig_dtype`` before."""
-    if _torch_compat.PER_PARAM_GRAD_DTYPES:
-        return [p.sharded_grad_dtype for p in fsdp_params]
-    return [orig_dtype] * len(fsdp_params)
 
 
 def _runs_on_hsdp(reduce_scatter_group, all_reduce_group) -> bool:
@@ -423,15 +391,9 @@ def _bucketable(args: dict[str, Any]) -> bool:
     # 2.15: a layout of the reduce-scatter input other than FSDP2's default
     # (dim-0 chunks, padded) would not match the shim's shard sizes.
     prepare = args.get("prepare_reduce_scatter_inputs")
-    if prepare is not None and prepare is not _default_prepare():
+    if prepare is not None and prepare is not FSDP2.default_reduce_scatter_layout():
         return False
-    return not any(p.offload_to_cpu for p in args["fsdp_params"])
-
-
-def _default_prepare():
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    return getattr(_fsdp_collectives, "_default_reduce_scatter_input_fn", None)
+    return not any(FSDP2.offloaded(p) for p in args["fsdp_params"])
 
 
 def _reset_iter_state(self, *args, **kwargs):
@@ -449,25 +411,24 @@ def _init_param_group(self, *args, **kwargs):
     group_for_comm call afterwards still decides)."""
     _shim.original_param_group_init(self, *args, **kwargs)
     if _group_buffers_by_default(self):
-        self.set_allocate_memory_from_process_group(True)
+        FSDP2.set_group_buffers(self, True)
 
 
 def _group_buffers_by_default(param_group) -> bool:
-    if param_group.device.type != "cpu" or not config.resolve().fsdp_comm_buffers:
+    device = FSDP2.device(param_group)
+    if device.type != "cpu" or not config.resolve().fsdp_comm_buffers:
         return False
     try:
-        groups = {param_group._all_gather_process_group, param_group._reduce_scatter_process_group}
+        groups = FSDP2.shard_groups(param_group)
     except (AssertionError, AttributeError):
         return False  # a param group without shard groups (replicate()'s): FSDP2's default
     for group in groups:
         if dist.get_backend(group) != "hsdp":
             return False
-        backend = group._get_backend(param_group.device)
+        backend = group._get_backend(device)
         # One host's shared-memory engine with a pool (where it was measured
         # faster; not hierarchical groups, not gloo or the test double).
-        if _C.cpu_engine(backend)[0] != "shm" or not backend.supports_tensor_alloc(
-            param_group.device
-        ):
+        if _C.cpu_engine(backend)[0] != "shm" or not backend.supports_tensor_alloc(device):
             return False
     return True
 
@@ -478,21 +439,16 @@ def _init_mp_dtypes(self, *args, **kwargs):
     try:
         return _shim.original_init_mp_dtypes(self, *args, **kwargs)
     except AssertionError as exc:
-        groups = self.mesh_info.mesh.get_all_groups() if hasattr(self, "mesh_info") else []
+        groups = FSDP2.mesh_groups(self)
         if "uniform" not in str(exc) or not any(dist.get_backend(g) == "hsdp" for g in groups):
             raise
-        listing = [
-            (getattr(p, "_param_fqn", None) or "?", p.sharded_param.dtype) for p in self.fsdp_params
-        ]
+        listing = FSDP2.names_and_dtypes(self)
         raise TypeError(_mixed_dtype_message(listing) + f" (FSDP2: {exc})") from exc
 
 
 def _check_uniform_grad_dtype(fsdp_params, unsharded_grads) -> None:
     if len({g.dtype for g in unsharded_grads}) > 1:
-        listing = [
-            (getattr(p, "_param_fqn", None) or "?", g.dtype)
-            for p, g in zip(fsdp_params, unsharded_grads)
-        ]
+        listing = [(FSDP2.name(p), g.dtype) for p, g in zip(fsdp_params, unsharded_grads)]
         raise TypeError(_mixed_dtype_message(listing))
 
 
@@ -504,18 +460,6 @@ def _mixed_dtype_message(listing) -> str:
         "MixedPrecisionPolicy(param_dtype=...) so their gradients share one, or call fully_shard "
         "separately on the submodules of each dtype."
     )
-
-
-def _padded_shard_numel(fsdp_param, unsharded_grad: torch.Tensor, shard_size: int) -> int:
-    """Elements of this gradient in the reduce-scatter output (FSDP2 pads
-    dim 0 to a multiple of the shard size; Shard(i > 0) is even)."""
-    numel = unsharded_grad.numel()
-    if numel == 0:
-        return 0
-    if fsdp_param.fsdp_placement.dim != 0:
-        return numel // shard_size
-    dim0 = unsharded_grad.size(0)
-    return math.ceil(dim0 / shard_size) * (numel // dim0)
 
 
 class _OutputInto:
@@ -548,7 +492,7 @@ class PendingGrads:
 
     fsdp_params: list
     shard_numels: list[int]
-    grad_dtypes: list[torch.dtype | None]  # per parameter (_grad_dtypes)
+    grad_dtypes: list[torch.dtype | None]  # per parameter (Fsdp2.grad_dtypes)
     flat: torch.Tensor  # a slice of the bucket's buffer
 
     def views_flat(self) -> bool:
@@ -575,18 +519,8 @@ class PendingGrads:
     def _assign(run, grads: torch.Tensor) -> None:
         offset = grads.storage_offset()
         for fsdp_param, numel, _ in run:
-            grad = torch.as_strided(
-                grads,
-                size=fsdp_param.sharded_size,
-                stride=fsdp_param.contiguous_sharded_stride,
-                storage_offset=offset,
-            )
-            param = fsdp_param.sharded_param
-            if param.grad is not None:
-                param.grad._local_tensor += grad
-            else:
-                param.grad = fsdp_param.to_sharded_dtensor(grad)
-            for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            param = FSDP2.assign_grad(fsdp_param, FSDP2.shard_view(fsdp_param, grads, offset))
+            for hook in FSDP2.post_accumulate_grad_hooks(param):
                 hook(param)
             offset += numel
 

@@ -1,7 +1,7 @@
 """The FSDP2 shim's proof at install: a tiny model trained on FSDP2's native
 path and again through the shim must end with the same gradients.
 
-Checking FSDP2's signatures (``_compat._incompatibility``) cannot see a
+Checking FSDP2's signatures (``_fsdp2.Fsdp2.incompatibility``) cannot see a
 change inside FSDP2's gradient tail that keeps them, and the shim redoes that
 tail (cast, per-parameter views, ``.grad``, hooks): such a change would give
 wrong gradients. So before the shim installs, each case below runs two
@@ -50,8 +50,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from hsdp_backend import _C, _torch_compat, config
+from hsdp_backend import _C, config
 from hsdp_backend.fsdp._compat import ProofCouldNotRun
+from hsdp_backend.fsdp._fsdp2 import FSDP2
 
 # Unlike any user's mesh dims: DTensor caches shardings by mesh equality
 # (ranks, shape, names), so an equal user mesh could be handed this one.
@@ -83,7 +84,7 @@ CASES = (
         "fp64 reduce, fp32 params", torch.float32, MixedPrecisionPolicy(reduce_dtype=torch.float64)
     ),
 )
-if _torch_compat.PER_PARAM_GRAD_DTYPES:
+if FSDP2.per_param_grad_dtypes:
     # 2.15: one param group's gradients may mix dtypes (reduced in one, each
     # cast back to its parameter's).
     CASES += (
