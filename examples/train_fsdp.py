@@ -494,9 +494,9 @@ def train(
             # reduction, and so on: the shim's gain within one run. The first
             # step after a switch settles (enable() proves the shim again).
             shim = "on" if (step - 1) // 2 % 2 == 0 else "off"
-            if shim == "on":
+            if shim == "on" and not hsdp_backend.fsdp.is_enabled():
                 hsdp_backend.fsdp.enable()
-            elif hsdp_backend.fsdp.is_enabled():
+            elif shim == "off" and hsdp_backend.fsdp.is_enabled():
                 hsdp_backend.fsdp.disable()
         inputs, labels = data.next_batch()
         if device is not None:

@@ -25,7 +25,6 @@ import torch
 
 from hsdp_backend import _torch_compat
 
-PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 FULLY_SHARD_MODULE = "torch.distributed.fsdp._fully_shard._fully_shard"
 
 
