@@ -100,7 +100,6 @@ void bindSettings(py::module& m) {
   checkedField(config, "trace_entries", &hsdp::Config::traceEntries);
   checkedField(config, "trace_dir", &hsdp::Config::traceDir);
   checkedField(config, "fsdp_shim", &hsdp::Config::fsdpShim);
-  checkedField(config, "fsdp_comm_buffers", &hsdp::Config::fsdpCommBuffers);
   checkedField(config, "fsdp_bucket_bytes", &hsdp::Config::fsdpBucketBytes);
   checkedField(config, "run_backend_map", &hsdp::Config::runBackendMap);
   checkedField(config, "run_verbose", &hsdp::Config::runVerbose);

@@ -214,14 +214,17 @@ def pool_suite(rank, world):
     another_groups_buffer_is_ordinary_memory_there(rank, world)
 
 
-def fsdp_buffers(rank, world, expected):
-    """FSDP2 param groups on a 1-D mesh over the default group: ``expected``
-    says whose buffers the shim leaves them with ("group": the pool, then
-    one training step reads peers' pool buffers; "fsdp": FSDP2's own). A
-    module's own choice after fully_shard wins either way; a mesh of gloo
-    groups keeps FSDP2's own."""
+def fsdp_buffers(rank, world, pooled):
+    """FSDP2 param groups on a 1-D mesh over the default group keep FSDP2's
+    own buffers until ``hsdp_backend.fsdp.use_group_buffers`` asks, through
+    FSDP2's public setter, for the groups' pools; then a training step's
+    all-gather and reduce-scatter read peers' pool buffers (``pooled``: the
+    groups count such calls, one host's shared-memory engine). Asked to
+    undo, FSDP2's own again; a mesh of gloo groups is left alone."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from hsdp_backend.fsdp import use_group_buffers
 
     def comms(module):
         group = module._get_fsdp_state()._fsdp_param_group
@@ -232,26 +235,19 @@ def fsdp_buffers(rank, world, expected):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 128))
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
-    assert comms(model) == (pool if expected == "group" else own), comms(model)
+    assert comms(model) == own, comms(model)
+    assert use_group_buffers(model) == 1
+    assert comms(model) == pool, comms(model)
     before = hsdp_backend.buffer_stats()["pooled_calls"]
     model(torch.randn(4, 128)).sum().backward()
     pooled_calls = hsdp_backend.buffer_stats()["pooled_calls"] - before
     # 8 KiB a rank and more (the pool's direct-read threshold): an all-gather and a
     # reduce-scatter of 66 KB.
-    assert (pooled_calls >= 2) if expected == "group" else (pooled_calls == 0), pooled_calls
-    model.set_allocate_memory_from_process_group_for_comm(expected != "group")
-    assert comms(model) == (own if expected == "group" else pool), comms(model)
+    assert (pooled_calls >= 2) if pooled else (pooled_calls == 0), pooled_calls
+    assert use_group_buffers(model, enable=False) == 1
+    assert comms(model) == own, comms(model)
 
     gloo_mesh = DeviceMesh.from_group(dist.new_group(backend="gloo"), "cpu")
     other = fully_shard(torch.nn.Linear(128, 128), mesh=gloo_mesh)
+    assert use_group_buffers(other) == 0
     assert comms(other) == own, comms(other)
-
-    # replicate() builds FSDP2 param groups with no shard group: left alone.
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
-    replicated = replicate(
-        torch.nn.Linear(128, 128),
-        mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("replicate",)),
-    )
-    replicated(torch.randn(4, 128)).sum().backward()
-    assert comms(replicated) == own, comms(replicated)

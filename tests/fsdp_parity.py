@@ -55,8 +55,7 @@ class Scenario:
             every module after fully_shard: FSDP2's all-gather outputs and
             reduce-scatter inputs come from the group's allocate_tensor;
             False: the same call with False (FSDP2's own buffers); None:
-            neither (on hsdp's CPU shared-memory groups the shim's default
-            is the group's buffers).
+            neither (FSDP2's own).
     """
 
     mesh: tuple[int, ...]

@@ -58,9 +58,6 @@ struct Config {
   std::string traceDir = "/tmp/hsdp-trace";
   // Read by the Python side (the FSDP2 shim, the launcher, tests).
   bool fsdpShim = true;
-  // FSDP2's all-gather and reduce-scatter buffers from the group's pool on
-  // CPU shared-memory groups, unless the user chose otherwise.
-  bool fsdpCommBuffers = true;
   int64_t fsdpBucketBytes = 4 << 20;
   bool runBackendMap = false;
   bool runVerbose = false;

@@ -149,13 +149,6 @@ _TABLE = [
         "`auto`: FSDP2 modules on hsdp meshes use `hsdp_backend.fsdp` (HSDP gradients divided "
         "once, replicate all-reduces bucketed across param groups); `off`: FSDP2's own "
         "reduction path"),
-    Var("HSDP_FSDP_COMM_BUFFERS", "fsdp", "fsdp_comm_buffers", _choice("group", "fsdp"),
-        lambda on: "group" if on else "fsdp",
-        "`group`: with the shim, CPU FSDP2 param groups whose groups run on one host's "
-        "shared-memory engine take their all-gather and reduce-scatter buffers from the groups' "
-        "pools, as `set_allocate_memory_from_process_group_for_comm(True)` does (measured "
-        "faster in training); a module's own call to that method wins; `fsdp`: FSDP2's own "
-        "buffers (its default)"),
     Var("HSDP_FSDP_BUCKET_BYTES", "fsdp", "fsdp_bucket_bytes", parse_int, str,
         "capacity of one replicate all-reduce bucket of the FSDP2 shim; smaller than DDP's "
         "25 MB because a CPU collective costs microseconds to start and a full bucket reduces "

@@ -15,10 +15,9 @@ path, the same answer; a buffer used after its group was destroyed; past `HSDP_S
 ordinary memory, counted; no pool (`HSDP_ENGINE=gloo`, `HSDP_SHM_POOL_BYTES=0`):
 `supports_tensor_alloc` false and `allocate_tensor` refused naming rank and op; a hierarchical
 group (pretended hosts) matches gloo; through the NCCL-contract double, the request reaches the
-inner backend; FSDP2 param groups on one host's hsdp groups take the pool by default (a step's
-collectives pooled), and keep FSDP2's buffers with `HSDP_FSDP_COMM_BUFFERS=fsdp`, with the shim
-off, on hierarchical groups, on a gloo mesh, under `replicate()`, and after the module's own
-call."""
+inner backend; FSDP2 param groups keep FSDP2's buffers until `hsdp_backend.fsdp.use_group_buffers`
+asks for the pool through FSDP2's public setter (a step's collectives then pooled on one host, the
+pool taken on a hierarchical group too), undo restores FSDP2's, and a gloo mesh is left alone."""
 
 import buffer_cases
 import pytest
@@ -67,17 +66,9 @@ def test_nccl_contract_allocation_reaches_the_inner_backend():
     run_ranks(buffer_cases.the_nccl_double_allocates, 2, env=engine_env(NCCL_CONTRACT))
 
 
-@pytest.mark.parametrize(
-    "env,expected",
-    [
-        ({}, "group"),
-        ({"HSDP_FSDP_COMM_BUFFERS": "fsdp"}, "fsdp"),
-        ({"HSDP_FSDP": "off"}, "fsdp"),
-        ({"HSDP_TEST_HOSTS": "a,a,b,b"}, "fsdp"),
-    ],
-    ids=["default", "setting_fsdp", "shim_off", "hierarchical"],
-)
-def test_fsdp_param_groups_take_the_pool_by_default(env, expected):
-    # The shim's default on one host's shared-memory groups only.
-    world = 4 if "HSDP_TEST_HOSTS" in env else 2
-    run_ranks(buffer_cases.fsdp_buffers, world, env=env, expected=expected)
+@pytest.mark.parametrize("hosts", ["a,a", "a,a,b,b"], ids=["one_host", "hierarchical"])
+def test_fsdp_param_groups_take_the_pool_when_asked(hosts):
+    # FSDP2's own buffers by default; the pool through FSDP2's public setter.
+    world = len(hosts.split(","))
+    env = {"HSDP_TEST_HOSTS": hosts}
+    run_ranks(buffer_cases.fsdp_buffers, world, env=env, pooled=world == 2)

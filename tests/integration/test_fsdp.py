@@ -21,10 +21,10 @@ fp32: losses and parameters within rtol 1e-5 (atol 1e-6); bf16 compute: within 2
 reference and 2e-3 of gloo. comm_stats: one reduce-scatter per param group per reducing
 backward, replicate all-reduces per step <= ceil(gradient bytes / bucket) + 1; every all-reduce
 hsdp served was seen by c10d's dispatcher (`CommDebugMode`). FSDP2's process-group allocation:
-the shim's default on every hsdp scenario (at least one pooled collective per param group and
-step; none with the shim off or refused), chosen explicitly
+off unless asked (no pooled collective), asked for
 (`set_allocate_memory_from_process_group_for_comm(True)`) on 1-D (2 and 4 ranks, bf16) and HSDP
-2x2, and refused by the user's `False` on 1-D FSDP (no pooled collective): parity as above.
+2x2 (at least one pooled collective per param group and step), and the user's `False` on 1-D
+FSDP (none): parity as above.
 Eleven scenarios also run through the NCCL-contract double (`-k nccl_contract`; with the
 allocation on, it reaches the inner backend)."""
 
@@ -219,9 +219,8 @@ def test_fsdp_parity(launches, name):
         assert_same_training(hsdp, gloo, BF16_VS_GLOO if bf16 else FP32, "gloo")
     assert_comm_shape(name, s, hsdp)
     assert_shim_memory_bounded(s, hsdp)
-    # The shim's default on these CPU shared-memory meshes: the group's
-    # buffers, unless the user chose (pg_alloc) or the shim is not there.
-    pooled = s.pg_alloc if s.pg_alloc is not None else s.shim == "auto"
+    # FSDP2's own buffers unless the scenario asks for the group's (pg_alloc).
+    pooled = bool(s.pg_alloc)
     if pooled and s.mesh[-1] > 1:
         # FSDP2's buffers came from the pool on every rank: every step's
         # collectives of at least the direct-read threshold a rank (all
@@ -274,5 +273,4 @@ def test_fsdp_parity_nccl_contract(launches, name, release):
     assert_comm_shape(name, s, got)
     assert got["shim_enabled"]
     # FSDP2's allocation reaches the inner backend (NCCL's pool on a GPU).
-    # (The shim's default is the shared-memory engine's pool: not here.)
     assert (got["inner_allocations"] > 0) == bool(s.pg_alloc), got["inner_allocations"]

@@ -99,7 +99,6 @@ BAD = {
     "HSDP_TRACE_ENTRIES": "1000001",
     "HSDP_TRACE_DIR": " ",
     "HSDP_FSDP": "on",
-    "HSDP_FSDP_COMM_BUFFERS": "pool",
     "HSDP_FSDP_BUCKET_BYTES": "0",
     "HSDP_RUN_BACKEND_MAP": "yes",
     "HSDP_RUN_VERBOSE": "2",

@@ -51,7 +51,8 @@ MODULE_ATTRIBUTES = [
 # (class, attribute, since): methods the shim wraps or calls on FSDP2's classes.
 CLASS_ATTRIBUTES = [
     (PARAM_GROUP, "FSDPParamGroup", "_init_mp_dtypes", (2, 11)),  # wrapped for its error
-    (PARAM_GROUP, "FSDPParamGroup", "set_allocate_memory_from_process_group", (2, 11)),
+    # FSDP2's public setter of a module's buffers (use_group_buffers calls it).
+    (FULLY_SHARD, "FSDPModule", "set_allocate_memory_from_process_group_for_comm", (2, 11)),
     (PARAM_GROUP, "FSDPParamGroup", "_all_gather_process_group", (2, 11)),
     (PARAM_GROUP, "FSDPParamGroup", "_reduce_scatter_process_group", (2, 11)),
     (PARAM_GROUP, "FSDPParam", "to_sharded_dtensor", (2, 11)),
@@ -126,6 +127,7 @@ def _one_param_group():
 def test_the_adapter_reads_a_real_param_group():
     with _one_param_group() as (model, param_group):
         assert FSDP2.device(param_group) == torch.device("cpu")
+        assert FSDP2.param_group_of(model) is param_group
         groups = FSDP2.shard_groups(param_group)
         assert groups and all(dist.get_backend(g) == "hsdp" for g in groups)
         assert FSDP2.mesh_groups(param_group)
@@ -133,8 +135,6 @@ def test_the_adapter_reads_a_real_param_group():
             ("weight", torch.float32),
             ("bias", torch.float32),
         ]
-        FSDP2.set_group_buffers(param_group, True)
-        model.set_allocate_memory_from_process_group_for_comm(False)  # the public setter, alike
         fsdp_params = param_group.fsdp_params
         grad_dtypes = FSDP2.grad_dtypes(fsdp_params, torch.float32)
         assert grad_dtypes == [torch.float32] * len(fsdp_params)

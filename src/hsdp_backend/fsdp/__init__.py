@@ -64,16 +64,13 @@ the device is neither CPU nor CUDA, a user all-reduce hook is set, the reduce dt
 fp16 (FSDP2 pre-divides to avoid overflow), parameters are offloaded, or the
 mesh mixes hsdp with another backend (warned once).
 
-Communication buffers: on CPU, when a param group's all-gather and
-reduce-scatter groups both run on hsdp's one-host shared-memory engine with
-a pool, the shim (wrapping ``FSDPParamGroup.__init__``) turns on FSDP2's
-process-group allocation for it, as
-``set_allocate_memory_from_process_group_for_comm(True)`` would: its
-all-gather output and reduce-scatter input then come from the pool, which
-peers read in place (measured faster in training: docs/buffers.md). A
-module's own call to that method after ``fully_shard`` decides instead;
-``HSDP_FSDP_COMM_BUFFERS=fsdp`` keeps FSDP2's own buffers; CUDA param groups
-keep FSDP2's default.
+Communication buffers are FSDP2's own unless a module asks for its process
+group's, through FSDP2's public setter
+(``set_allocate_memory_from_process_group_for_comm(True)``); on one host's
+shared-memory groups the all-gather output and reduce-scatter input then
+come from the pool, which peers read in place. :func:`use_group_buffers`
+makes that call for every FSDP module of a model whose groups have a pool,
+and leaves the others as they are.
 
 The shim is installed automatically once an hsdp process group exists, when
 FSDP2 is first used (the first ``fully_shard`` of a module with parameters,
@@ -95,7 +92,7 @@ from __future__ import annotations
 from hsdp_backend import _post_import
 from hsdp_backend.fsdp import _compat
 
-__all__ = ["enable", "disable", "is_enabled", "install_automatically"]
+__all__ = ["enable", "disable", "is_enabled", "install_automatically", "use_group_buffers"]
 
 # The process-wide state (tests read its warnings and buckets).
 _shim = _compat._shim
@@ -127,6 +124,20 @@ def disable() -> None:
 def is_enabled() -> bool:
     """Whether the shim is installed in this process."""
     return _compat.installed()
+
+
+def use_group_buffers(model, enable: bool = True) -> int:
+    """Sets where each FSDP module of ``model`` (itself included) takes its
+    all-gather and reduce-scatter buffers, through FSDP2's public
+    ``set_allocate_memory_from_process_group_for_comm``: with ``enable``, from
+    its process groups' pools, for the modules whose groups are all hsdp's
+    with a pool on their device; without, FSDP2's own. Call after
+    ``fully_shard``, before the next forward. Returns how many modules were
+    set (modules without parameters, or on other groups, are left as they are).
+
+    Measured on 2 CPU cores (docs/buffers.md): a few percent faster on a
+    bandwidth-bound model, no gain on a latency-bound one."""
+    return _compat.use_group_buffers(model, enable)
 
 
 def install_automatically(settings) -> None:

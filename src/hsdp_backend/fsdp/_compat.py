@@ -6,7 +6,8 @@ checking its signature first, and ``FSDPParamGroup._init_mp_dtypes`` and
 inside ``foreach_reduce`` and redoes its gradient tail (cast, per-parameter
 views, ``.grad``, hooks: ``PendingGrads.finish``). The FSDP2 internals it
 reads, and where those it wraps live, are named by this torch's adapter
-(``_fsdp2.FSDP2``); the four it wraps are named where it wraps them
+(``_fsdp2.FSDP2``); the four it wraps (``FSDPParamGroup.__init__`` only until the first
+param group installs the shim) are named where it wraps them
 (``_patch``, ``arm``). The buckets (``_buckets``) see none of it; the proof
 at install (``_proof``) drives FSDP2 through its public API, switching
 between FSDP2's path and the shim's through ``_installed_for_proof``.
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hsdp_backend import _C, _torch_compat, config
+from hsdp_backend import _torch_compat, config
 from hsdp_backend.fsdp._buckets import ReplicateBuckets, Streams
 from hsdp_backend.fsdp._fsdp2 import FSDP2
 
@@ -54,7 +55,6 @@ class _Shim:
         self.original = None  # FSDP2's foreach_reduce while the shim is installed
         self.original_init_mp_dtypes = None  # FSDPParamGroup._init_mp_dtypes, likewise
         self.original_reset_iter_state = None  # FSDPModule.reset_iter_state, likewise
-        self.original_param_group_init = None  # FSDPParamGroup.__init__, likewise
         self.armed_init = None  # FSDPParamGroup.__init__ while armed (see arm)
         self.warned: set[str] = set()
         self.buckets = ReplicateBuckets()  # its bucket_bytes: 0 until the first install
@@ -205,9 +205,6 @@ def _patch(module) -> None:
     if hasattr(param_group, "_init_mp_dtypes"):
         _shim.original_init_mp_dtypes = param_group._init_mp_dtypes
         param_group._init_mp_dtypes = _init_mp_dtypes
-    if hasattr(param_group, "set_allocate_memory_from_process_group"):
-        _shim.original_param_group_init = param_group.__init__
-        param_group.__init__ = _init_param_group
     fsdp_module = FSDP2.fsdp_module_class()
     if not FSDP2.has_reset_iter_state:
         return  # docs/versions.md: after a backward that raised, disable() and enable()
@@ -230,9 +227,6 @@ def _unpatch(module) -> None:
     if _shim.original_init_mp_dtypes is not None:
         module.FSDPParamGroup._init_mp_dtypes = _shim.original_init_mp_dtypes
         _shim.original_init_mp_dtypes = None
-    if _shim.original_param_group_init is not None:
-        module.FSDPParamGroup.__init__ = _shim.original_param_group_init
-        _shim.original_param_group_init = None
     if _shim.original_reset_iter_state is not None:
         FSDP2.fsdp_module_class().reset_iter_state = _shim.original_reset_iter_state
         _shim.original_reset_iter_state = None
@@ -404,33 +398,32 @@ def _reset_iter_state(self, *args, **kwargs):
     return _shim.original_reset_iter_state(self, *args, **kwargs)
 
 
-def _init_param_group(self, *args, **kwargs):
-    """FSDP2's param group; on a CPU mesh of hsdp shared-memory groups it
-    takes its communication buffers from the groups' pools (fully_shard
-    builds the group, so a module's own set_allocate_memory_from_process_
-    group_for_comm call afterwards still decides)."""
-    _shim.original_param_group_init(self, *args, **kwargs)
-    if _group_buffers_by_default(self):
-        FSDP2.set_group_buffers(self, True)
+def use_group_buffers(model, enable: bool) -> int:
+    """``hsdp_backend.fsdp.use_group_buffers``: FSDP2's public setter, called
+    for each FSDP module whose groups all have a pool (or, to undo, every one)."""
+    fsdp_module = FSDP2.fsdp_module_class()
+    count = 0
+    for module in model.modules() if fsdp_module is not None else ():
+        if not isinstance(module, fsdp_module):
+            continue
+        param_group = FSDP2.param_group_of(module)
+        if param_group is None or (enable and not _groups_have_pools(param_group)):
+            continue
+        module.set_allocate_memory_from_process_group_for_comm(enable)
+        count += 1
+    return count
 
 
-def _group_buffers_by_default(param_group) -> bool:
+def _groups_have_pools(param_group) -> bool:
     device = FSDP2.device(param_group)
-    if device.type != "cpu" or not config.resolve().fsdp_comm_buffers:
-        return False
     try:
         groups = FSDP2.shard_groups(param_group)
     except (AssertionError, AttributeError):
-        return False  # a param group without shard groups (replicate()'s): FSDP2's default
-    for group in groups:
-        if dist.get_backend(group) != "hsdp":
-            return False
-        backend = group._get_backend(device)
-        # One host's shared-memory engine with a pool (where it was measured
-        # faster; not hierarchical groups, not gloo or the test double).
-        if _C.cpu_engine(backend)[0] != "shm" or not backend.supports_tensor_alloc(device):
-            return False
-    return True
+        return False  # a param group without shard groups (replicate()'s)
+    return all(
+        dist.get_backend(g) == "hsdp" and g._get_backend(device).supports_tensor_alloc(device)
+        for g in groups
+    )
 
 
 def _init_mp_dtypes(self, *args, **kwargs):

@@ -92,6 +92,11 @@ class Fsdp2:
         """FSDP2's default ``prepare_reduce_scatter_inputs`` (None: it has none)."""
         return None
 
+    @staticmethod
+    def param_group_of(fsdp_module):
+        """An FSDP module's param group (None: ``fully_shard`` gave it no parameters)."""
+        return fsdp_module._get_fsdp_state()._fsdp_param_group
+
     # What the shim reads of a param group.
 
     @staticmethod
@@ -109,11 +114,6 @@ class Fsdp2:
         return (
             param_group.mesh_info.mesh.get_all_groups() if hasattr(param_group, "mesh_info") else []
         )
-
-    @staticmethod
-    def set_group_buffers(param_group, enable: bool) -> None:
-        """What ``FSDPModule.set_allocate_memory_from_process_group_for_comm`` sets."""
-        param_group.set_allocate_memory_from_process_group(enable)
 
     @staticmethod
     def names_and_dtypes(param_group) -> list[tuple[str, torch.dtype]]:
