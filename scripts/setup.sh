@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up a fresh clone: .venv with torch 2.14.1 and the test tools, and
-# hsdp_backend built against that torch. Idempotent and quick on a second
-# run: each step is skipped when its result is already in place, and the
-# extension is rebuilt only when its sources changed (build/ keeps the
-# CMake tree for incremental builds).
+# hsdp_backend installed from this clone's sources as scikit-build-core's
+# editable install, built against that torch. Idempotent and quick on a
+# second run: each step is skipped when its result is already in place, and
+# the extension is rebuilt only when its native sources changed (build/ keeps
+# the CMake tree for incremental builds; Python changes need no step).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

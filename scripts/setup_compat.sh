@@ -8,9 +8,9 @@
 # The venvs live outside the clone (HSDP_VENV_CACHE, default
 # ~/.cache/hsdp-backend): a CUDA build of torch with its libraries is 5 GB
 # and a minute or two to install, so a second run (or a second clone) reuses
-# it. The package is rebuilt, in the clone's build/torch<version>, only when
-# its native sources differ from those the venv's copy was built from; a
-# change to its Python files alone is copied in (scripts/venv_steps.sh).
+# it. The package is an editable install of the clone's sources, rebuilt in
+# the clone's build/torch<version> only when its native sources or the clone
+# differ from those the venv's copy was built from (scripts/venv_steps.sh).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv_steps.sh

@@ -12,8 +12,10 @@
 # cpp       the C++ tests through ctest: the engine's plain, under TSan and
 #           under ASan+UBSan (scripts/cpp_tests.sh), the backend's (the
 #           tests' build of scripts/setup.sh), and the spin models
-# rest      pytest: everything else in tests/integration, tests/system and
-#           tests/tooling
+# integration, system, tooling
+#           pytest: the rest of each tier (tests/integration: every route,
+#           FSDP2, faults; tests/system: simulated hosts, PyTorch's
+#           DistributedTest, soaks; tests/tooling: the benchmarks and tools)
 # compat    one stage per other supported torch: its venv
 #           (scripts/setup_compat.sh) runs that release's build of the
 #           backend's C++ tests and `pytest -m every_torch`
@@ -118,7 +120,9 @@ stage unit "$PYTEST" -q tests/unit
 stage quick "$PYTEST" -q tests -m quick --ignore=tests/unit
 [ "$last" = quick ] && exit 0
 stage cpp cpp
-stage rest "$PYTEST" -q tests -m "not quick" --ignore=tests/unit
+for tier in integration system tooling; do
+  stage "$tier" "$PYTEST" -q "tests/$tier" -m "not quick"
+done
 # Every supported minor release but the main venv's (scripts/setup_compat.sh's table).
 for release in 2.11 2.12 2.13 2.15; do
   stage "compat $release" compat "$release"

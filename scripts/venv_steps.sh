@@ -33,21 +33,20 @@ ensure_modules() {
   fi
 }
 
-# build_package PY STAMP_FILE [PIP_ARGS...]: builds and installs the package
-# into PY's venv when an input of the build changed since the last install
-# (or the installed extension does not import). When only the package's
-# Python files changed (the same files, other contents), they are copied
-# over the installed ones instead: seconds, where a build takes minutes.
+# build_package PY STAMP_FILE [PIP_ARGS...]: installs the package into PY's
+# venv as scikit-build-core's editable install (its Python files are this
+# clone's src/, so a change to them needs no step; the extension and the
+# tests' module are built into the venv), again when an input of the build
+# changed since the last install, the venv's install is another clone's, or
+# the installed extension does not import.
 build_package() {
-  local py=$1 stamp_file=$2 root=$PWD native python_files
+  local py=$1 stamp_file=$2 root=$PWD native
   shift 2
-  # The build's options are part of its inputs.
+  # The build's options and the clone are part of its inputs.
   # tests/cpp/backend_test.cpp: the tests' build (HSDP_BUILD_TESTING) compiles it too.
-  native=$( (echo "$@"; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
-  # Names and contents: a file renamed is a change too.
-  python_files=$(find src -type f -name '*.py' | sort | xargs sha256sum | sha256sum | cut -d' ' -f1)
-  local built_native="" built_python=""
-  { read -r built_native; read -r built_python; } 2> /dev/null < "$stamp_file" || true
+  native=$( (echo "$@" "$root"; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
+  local built=""
+  read -r built 2> /dev/null < "$stamp_file" || true
   # Imported from elsewhere than the repository root, so that the installed
   # copy answers (PY may be relative to the root, or absolute).
   local python=$py
@@ -55,17 +54,12 @@ build_package() {
   # The tests' build also installs the tests' module beside the package.
   local modules=hsdp_backend._C
   [[ " $* " != *HSDP_BUILD_TESTING=ON* ]] || modules="$modules, hsdp_testing"
-  if [ "$built_native" = "$native" ] && [ "$built_python" = "$python_files" ] &&
-     (cd /tmp && "$python" -c "import $modules") 2> /dev/null; then
+  if [ "$built" = "$native" ] && (cd /tmp && "$python" -c "import $modules") 2> /dev/null; then
     return 0
   fi
-  if [ "$built_native" = "$native" ] && "$py" scripts/sync_python.py src/hsdp_backend src/pytest_hsdp; then
-    echo "[setup] copied hsdp_backend's changed Python files into $(dirname "$(dirname "$py")")"
-  else
-    echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (about a minute on 2 cores)"
-    # --no-build-isolation: build against the torch in the venv, never a second one.
-    "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" .
-  fi
+  echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (a minute or two on 2 cores)"
+  # --no-build-isolation: build against the torch in the venv, never a second one.
+  "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" --editable .
   mkdir -p "$(dirname "$stamp_file")"
-  printf '%s\n%s\n' "$native" "$python_files" > "$stamp_file"
+  echo "$native" > "$stamp_file"
 }

@@ -1,80 +1,60 @@
-"""The set-up's shortcuts: scripts/sync_python.py (Python-only changes) and
+"""The set-up's steps: scikit-build-core's editable install (scripts/venv_steps.sh) and
 scripts/compiler_cache.sh (ccache).
 
-The set-up's steps. scripts/sync_python.py: the shortcut when only a package's Python files
-changed; scripts/compiler_cache.sh: every build's compiler cache.
-
-`scripts/sync_python.py`: the same files copied over the installed ones; a module added or removed, or an installed copy
-whose extension does not import, left to a rebuild (exit 1, nothing copied); a venv built from
-the current sources left alone whether its python is named relative to the root or by absolute
-path. `scripts/compiler_cache.sh`: builds compile through ccache with paths hashed relative to
-the clone and the build directory unhashed (what lets a second clone hit the first one's
-entries), and without it under `HSDP_NO_CCACHE=1`.
-
-A venv whose installed copy of the package is refreshed by copying must end up exactly as a
-rebuild would leave it, or the shortcut must refuse (exit 1) so that the caller rebuilds."""
+`scripts/venv_steps.sh`: the venv's hsdp_backend and pytest_hsdp are this clone's sources
+(scikit-build-core's editable install: a Python change needs no step, a module added is found),
+the extension and the tests' module built into the venv; a venv built from the current sources
+and this clone left alone whether its python is named relative to the root or by absolute path.
+`scripts/compiler_cache.sh`: builds compile through ccache with paths hashed relative to the
+clone and the build directory unhashed (what lets a second clone hit the first one's entries),
+and without it under `HSDP_NO_CCACHE=1`."""
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+SET_UP = (ROOT / "build" / ".setup-stamp").exists()
 
 
-def make_package(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = root / "pkgx" / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root / "pkgx"
-
-
-def sync(source: Path, installed_parent: Path) -> int:
-    env = {**os.environ, "PYTHONPATH": str(installed_parent)}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "sync_python.py"), str(source)],
-        env=env,
-        cwd=ROOT,
-        timeout=60,
-    ).returncode
-
-
-def test_the_same_files_are_copied_over_the_installed_ones(tmp_path):
-    installed = make_package(
-        tmp_path / "site", {"__init__.py": "", "_C.py": "", "sub/mod.py": "old = 1\n"}
-    )
-    source = make_package(
-        tmp_path / "src", {"__init__.py": "", "_C.py": "", "sub/mod.py": "new = 2\n"}
-    )
-    assert sync(source, tmp_path / "site") == 0
-    assert (installed / "sub" / "mod.py").read_text() == "new = 2\n"
-
-
-def test_an_added_or_removed_module_is_left_to_a_rebuild(tmp_path):
-    installed = make_package(tmp_path / "site", {"__init__.py": "", "_C.py": "", "a.py": "x\n"})
-    source = make_package(
-        tmp_path / "src", {"__init__.py": "", "_C.py": "", "a.py": "y\n", "b.py": ""}
-    )
-    assert sync(source, tmp_path / "site") == 1
-    assert (installed / "a.py").read_text() == "x\n"  # nothing copied
-    (source / "b.py").unlink()
-    (source / "a.py").unlink()
-    assert sync(source, tmp_path / "site") == 1
-
-
-def test_an_installed_copy_whose_extension_does_not_import_is_left_to_a_rebuild(tmp_path):
-    make_package(tmp_path / "site", {"__init__.py": "", "a.py": ""})
-    source = make_package(tmp_path / "src", {"__init__.py": "", "a.py": ""})
-    assert sync(source, tmp_path / "site") == 1
+@pytest.mark.skipif(not SET_UP, reason="not set up by scripts/setup.sh")
+def test_the_venvs_python_packages_are_this_clones_sources(tmp_path):
+    probe = ROOT / "src" / "hsdp_backend" / f"_probe_{os.getpid()}.py"
+    probe.write_text("ANSWER = 42\n")
+    try:
+        out = subprocess.run(
+            [
+                str(ROOT / ".venv" / "bin" / "python"),
+                "-c",
+                "import hsdp_backend, pytest_hsdp, hsdp_backend._C, hsdp_testing; "
+                f"from hsdp_backend import {probe.stem} as p; "
+                "print(hsdp_backend.__file__, pytest_hsdp.__file__, p.ANSWER, "
+                "hsdp_backend._C.__file__, hsdp_testing.__file__)",
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout.split()
+    finally:
+        probe.unlink()
+    assert out[:3] == [
+        str(ROOT / "src" / "hsdp_backend" / "__init__.py"),
+        str(ROOT / "src" / "pytest_hsdp" / "__init__.py"),
+        "42",
+    ], out
+    assert all("/.venv/" in path for path in out[3:]), out  # compiled into the venv
 
 
 def test_an_up_to_date_venv_is_left_alone_whichever_way_its_python_is_named():
     """scripts/setup.sh names the main venv's python relative to the root, setup_compat.sh
     names its venvs' by absolute path: either way, a venv built from these sources is
-    recognised (no copy, no build, nothing printed)."""
-    if not (ROOT / "build" / ".setup-stamp").exists():
-        return  # not set up by scripts/setup.sh: nothing to recognise
+    recognised (no build, nothing printed)."""
+    if not SET_UP:
+        pytest.skip("not set up by scripts/setup.sh: nothing to recognise")
     for python in (".venv/bin/python", str(ROOT / ".venv" / "bin" / "python")):
         proc = subprocess.run(
             [
