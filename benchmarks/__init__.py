@@ -1,35 +1,17 @@
-"""Benchmarks of hsdp against gloo: ``python -m benchmarks <suite> ...`` from
-the repository root. Not part of the installed package: the repository
-root on sys.path finds this directory and tools/, while ``hsdp_backend``
-(under src/) is the installed one, with its compiled extension.
+"""Benchmarks of hsdp against its peers, one torchrun script per suite over one helper
+(``common.py``): ``python -m benchmarks SUITE ...`` from the repository root launches a suite once per
+world size (``__main__.py``). Every script checks each contender against the exact answer before
+it times it, times the contenders interleaved in the same processes on the same buffers, and
+reports ratios. Not part of the installed package: it measures the installed ``hsdp_backend``.
 
-Method
-------
-For a suite that runs its ranks itself, the parent starts W rank processes
-per world size (tools/ranks.py, the tests' launcher: spawn, env://
-rendezvous on a free loopback port, one wall-clock deadline for the whole
-run; when a rank fails the others get a short grace period, then every rank
-still alive is killed and the run exits non-zero). Each rank runs
-single-threaded (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``),
-initialises the default group on ``hsdp`` and a second group over the same
-ranks on ``gloo``, so both backends are measured in the same processes, on
-the same buffers, at the same time: every result is checked against the
-exact answer first, then timed interleaved (benchmarks/timing.py), so
-machine noise hits both alike and the ratio stays meaningful.
+- ``collectives``: all-gather, reduce-scatter and all-reduce per size, against gloo and memcpy.
+- ``coalesced``: FSDP2's per-module coalesced all-gather and reduce-scatter of 200 shards.
+- ``numerics``: bf16 and fp16 AVG's error in ulps against the fp64 mean.
+- ``training``: FSDP2 and HSDP training steps on hsdp, gloo, torch's fake backend (the zero-cost
+  limit), hsdp without its FSDP2 shim and hsdp on pool buffers.
+- ``device_calls``: hsdp's cost per call on a device's route against its plain backend.
+- ``hosts``: collectives and training across simulated hosts (needs root).
 
-Suites, one module each (its docstring is its ``--help``):
-
-- ``collectives``: all_gather_into_tensor / reduce_scatter_tensor /
-  all_reduce per size, nccl-tests bus bandwidth, against memcpy.
-- ``coalesced``: FSDP2's per-module coalesced all-gather / reduce-scatter of
-  200 transformer parameter shards: per tensor, gloo coalesced, hsdp fused.
-- ``numerics``: bf16 / fp16 AVG error in ulps against an fp64 reference.
-- ``training``: the FSDP2 examples under torchrun, against a compute-only
-  baseline (exposed communication).
-- ``hosts``: collectives and training on 2 simulated hosts x 2 ranks
-  (tools/simhosts.py; needs root).
-
-Every suite prints its tables (benchmarks/report.py), writes its raw numbers
-with machine information as JSON and draws a PNG (``bench_results/`` by
-default; ``--json`` / ``--plot``).
+Beside them: ``layer_cost`` and ``pytest_harnesses`` (one process each), ``engine_bench.cpp``
+(the engine without torch), and in tools/ the peers (MPI, DeepSpeed) and the perf breakdown.
 """

@@ -1,153 +1,115 @@
-"""``python -m benchmarks <suite> [options]``, from the repository root (see
-benchmarks/__init__.py for the method; ``<suite> --help`` for its flags)."""
+"""``python -m benchmarks SUITE [--ranks W[,W...]] [--load N|cores] [--timeout S] [--env K=V] ...``
+from the repository root: each world size is one ``torchrun --standalone`` of the suite's script
+(``python -m benchmarks.SUITE`` on every rank; the other flags are the script's: ``SUITE --help``).
+The launcher only launches: the script checks, times and reports. A run that outlives
+``--timeout`` is killed, all of its processes with it."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
+import os
+import signal
+import subprocess
 import sys
+import time
 
-from benchmarks import load
-from benchmarks.suite import Suite, run
-
-SUITE_MODULES = (
-    "collectives",
-    "coalesced",
-    "numerics",
-    "training",
-    "hosts",
-    "peers",
-    "device_calls",
-    "breakdown",
-)
+# suite: default world sizes; None: a plain process that starts its own ranks.
+SUITES = {
+    "collectives": (2, 4),
+    "coalesced": (2,),
+    "numerics": (2, 4, 8),
+    "device_calls": (2,),
+    "training": (2, 4),
+    "fsdp_copies": (2,),
+    "hosts": None,
+}
+SPIN = "while True: pass"
 
 
-def _parse_ranks(text: str) -> list[int]:
+def _worlds(text: str) -> list[int]:
+    worlds = [int(w) for w in text.split(",") if w.strip()]
+    if not worlds or min(worlds) < 1:
+        raise argparse.ArgumentTypeError(f"world sizes >= 1, e.g. 2,4; got {text!r}")
+    return worlds
+
+
+def _load(text: str) -> int:
+    return len(os.sched_getaffinity(0)) if text == "cores" else int(text)
+
+
+def _run(cmd: list[str], env: dict, deadline: float) -> int:
+    """Runs ``cmd`` in a session of its own; past ``deadline`` every process of it is killed."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
-        ranks = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if not ranks or any(r < 2 for r in ranks):
-        raise argparse.ArgumentTypeError("world sizes must be integers >= 2, e.g. 2,4")
-    return ranks
+        return proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print(f"benchmarks: {' '.join(cmd)} passed --timeout; killed", file=sys.stderr)
+        return 124
+    finally:
+        if proc.poll() is None or proc.returncode:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
-def _parse_load(text: str) -> int:
-    try:
-        return load.parse(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a count >= 0 or 'cores', got {text!r}"
-        ) from None
-
-
-def _parse_env(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def _add_shared_arguments(parser: argparse.ArgumentParser, suite: Suite) -> None:
-    if suite.takes_ranks:
-        parser.add_argument(
-            "--ranks",
-            type=_parse_ranks,
-            default=None,
-            metavar="W[,W...]",
-            help=f"world sizes, one launch each (default: {','.join(map(str, suite.default_ranks))})",
-        )
-    parser.add_argument("--quick", action="store_true", help=suite.quick_help)
-    full, quick = suite.default_timeout_s
-    parser.add_argument(
-        "--timeout",
-        type=float,
-        default=None,
-        metavar="S",
-        help="wall-clock limit of the whole run in seconds; ranks still running are "
-        f"killed (default: {quick:.0f} with --quick, else {full:.0f})",
-    )
-    parser.add_argument(
-        "--env",
-        type=_parse_env,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="environment variable for the rank processes (repeatable)",
-    )
-    parser.add_argument(
-        "--json",
-        default=None,
-        metavar="PATH",
-        help=f"raw results and machine info; '' to skip (default: bench_results/{suite.output_stem}.json)",
-    )
-    parser.add_argument(
-        "--plot",
-        default=None,
-        metavar="PATH",
-        help=f"PNG plot (needs matplotlib); '' to skip (default: bench_results/{suite.output_stem}.png)",
-    )
-    parser.add_argument(
+def main(argv: list[str]) -> int:
+    # The suite's -h is the script's: the launcher's own help only without a suite.
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__, add_help=False)
+    p.add_argument("suite", choices=SUITES)
+    p.add_argument("--ranks", type=_worlds, default=None, metavar="W[,W...]")
+    p.add_argument(
         "--load",
-        type=_parse_load,
+        type=_load,
         default=0,
         metavar="N|cores",
-        help="loaded mode: N CPU-bound processes (cores: one per core) run beside the ranks "
-        "for the whole run (default: 0)",
+        help="N CPU-bound processes beside the ranks for the whole run",
     )
-    parser.add_argument(
-        "-v", "--verbose", action="store_true", help="print each point as it is measured"
-    )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks",
-        description=(
-            "Benchmarks hsdp against gloo on this host, both backends in the same run,\n"
-            "interleaved. Run from the repository root (the installed hsdp_backend is used).\n"
-            "Method: see benchmarks/__init__.py and benchmarks/timing.py."
-        ),
-        epilog=(
-            "examples:\n"
-            "  python -m benchmarks collectives --quick\n"
-            "  python -m benchmarks collectives --ranks 2 --sizes 4K,64K,1M,16M\n"
-            "  python -m benchmarks collectives --ops all_reduce --dtype bfloat16 -v\n"
-            "  python -m benchmarks coalesced --dim 256\n"
-            "  python -m benchmarks numerics --ranks 2,4,8\n"
-            "  python -m benchmarks training --quick --ranks 2\n"
-            "  python -m benchmarks hosts --quick"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    subparsers = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    for module in SUITE_MODULES:
-        suite = importlib.import_module(f"benchmarks.{module}").SUITE
-        doc = sys.modules[f"benchmarks.{module}"].__doc__ or ""
-        sub = subparsers.add_parser(
-            suite.name,
-            help=suite.help,
-            description=doc,
-            formatter_class=argparse.RawDescriptionHelpFormatter,
-        )
-        _add_shared_arguments(sub, suite)
-        suite.add_arguments(sub)
-        sub.set_defaults(suite_object=suite, subparser=sub)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
-    suite: Suite = args.suite_object
-    if getattr(args, "ranks", None) is None:
-        args.ranks = list(suite.default_ranks)
+    p.add_argument("--timeout", type=float, default=3600.0, metavar="S")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    if not argv or argv[0] in ("-h", "--help"):
+        p.print_help()
+        return 0 if argv else 2
+    args, rest = p.parse_known_args(argv)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.update(kv.split("=", 1) for kv in args.env)
+    env["HSDP_BENCH_LOAD"] = str(args.load)  # recorded with the results (rank_env)
+    module = [sys.executable, "-m", f"benchmarks.{args.suite}"]
+    if SUITES[args.suite] is None or "-h" in rest or "--help" in rest:
+        launches = [module + rest]
+    else:
+        launches = [
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={w}",
+                "-m",
+                f"benchmarks.{args.suite}",
+                *rest,
+            ]
+            for w in args.ranks or SUITES[args.suite]
+        ]
+    if args.load:
+        print(f"loaded mode: {args.load} CPU-bound processes beside the ranks", flush=True)
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", SPIN], start_new_session=True)
+        for _ in range(args.load)
+    ]
+    deadline = time.monotonic() + args.timeout
     try:
-        config = suite.configure(args)
-    except ValueError as exc:
-        args.subparser.error(str(exc))
-    return run(suite, args, config, argv)
+        for cmd in launches:
+            rc = _run(cmd, env, deadline)
+            if rc:
+                return rc
+        return 0
+    finally:
+        for s in spinners:
+            s.kill()
+            s.wait()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

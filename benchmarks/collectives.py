@@ -1,500 +1,218 @@
-"""all_gather_into_tensor / reduce_scatter_tensor / all_reduce, hsdp against
-gloo, per message size (default 2 and 4 ranks).
+"""all_gather_into_tensor, reduce_scatter_tensor and all_reduce per message size: hsdp against gloo
+over the same ranks and buffers, against memcpy.
 
-For all_gather and reduce_scatter, a third contender, ``hsdp_pool``, runs
-hsdp on buffers from the group's ``allocate_tensor`` (the shared-memory
-pool: peers read them with plain loads), as FSDP2 does with
-``set_allocate_memory_from_process_group_for_comm(True)``; ``pool gain`` is
-hsdp's time on ordinary buffers / its time on pool buffers. Every timed
-pool call must take the pooled path (checked with ``buffer_stats``).
+    python -m benchmarks collectives [--ranks 2,4] [--sizes 4K,1M,16M] [--ops ag,rs,ar] [--quick]
 
-For every (op, size) point: each backend runs the op once on rank-dependent
-data and the result is compared with the exact answer (a fast wrong
-collective is not a result; a wrong one fails the run); then both backends
-are calibrated, measured interleaved and reduced over ranks as
-benchmarks/timing.py says, on the same buffers (FSDP2's forms: the
-all-gather in place).
+Every point first runs each contender once on rank-dependent data and compares the result with the
+exact answer (a wrong collective fails the run); then the contenders are timed interleaved
+(benchmarks/common.py). For all-gather and reduce-scatter a third contender, ``hsdp_pool``, runs
+hsdp on buffers from the group's ``allocate_tensor`` (the shared-memory pool, as FSDP2 with
+``set_allocate_memory_from_process_group_for_comm(True)``); every one of its calls must take
+the pooled path (``buffer_stats``), or none where the engine does not read peers' memory
+(``HSDP_SHM_DIRECT_READ_BYTES``), and then the row has no pool column. ``ar_async`` and ``ar_cb`` are all_reduce issued async and
+waited for, bare or through a callback chained on its future, as DDP's comm hooks do.
 
-Derived numbers follow nccl-tests: algbw = total bytes / time, where total
-bytes = bytes per rank * W for all_gather / reduce_scatter and the message
-size for all_reduce; busbw = algbw * (W-1)/W (all_gather, reduce_scatter) or
-* 2(W-1)/W (all_reduce). ``speedup`` is gloo time / hsdp time (> 1: hsdp is
-faster). The physical reference is single-thread ``dst.copy_(src)`` of the
-same sizes, measured in the parent in the same run (median, same sampling):
-``hsdp/memcpy`` is hsdp busbw / memcpy GB/s at that size, and for
-all_reduce ``3xcopy`` is the time of the unavoidable copies of a
-shared-memory all-reduce (copy in, reduce, copy out: about three memcpy of
-the message). all_reduce always adds an 8-byte latency row. GB/s are 1e9
-bytes per second; sizes are binary (KiB, MiB). ``spread`` (interquartile
-range / median of rank 0's samples, the noisier backend) says how far a row
-can be trusted: a few percent on a quiet machine, more when other processes
-compete for the cores.
-
-Output: one table per world size, the JSON, and a bus-bandwidth plot.
+Columns: times are the slowest rank's median per call; busbw as nccl-tests (all-gather and
+reduce-scatter: size x W x (W-1)/W per time; all-reduce: size x 2(W-1)/W); speedup = gloo / hsdp;
+pool gain = hsdp / hsdp_pool; hsdp/memcpy = hsdp's busbw over rank 0's single-thread memcpy GB/s at
+that size; 3xcopy = three memcpy of the message, the copies a shared-memory all-reduce cannot
+avoid; spread = interquartile range / median of the noisier contender (a large one: do not trust
+the row). all_reduce always adds an 8-byte latency row.
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import gc
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-from benchmarks import report, timing
-from benchmarks.report import KIB, MIB, Column, format_size
-from benchmarks.suite import BACKENDS, RankContext, Suite
+import torch
+import torch.distributed as dist
 
-# Each binder returns a no-argument closure: one synchronous call of the op
-# on ``bufs`` over ``group``, with everything resolved up front. FSDP2 calls
-# all_gather_single / reduce_scatter_single where torch has them (>= 2.14,
-# where the *_into_tensor / *_tensor names are deprecated aliases); all of
-# them reach the backend's _allgather_base / _reduce_scatter_base.
+import hsdp_backend
+from benchmarks import common
 
-
-def _bind_all_gather(bufs: dict, group) -> Callable[[], None]:
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    out, inp = bufs["out"], bufs["in"]
-    return lambda: fn(out, inp, group=group)
-
-
-def _bind_reduce_scatter(bufs: dict, group) -> Callable[[], None]:
-    import torch.distributed as dist
-
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    out, inp, op = bufs["out"], bufs["in"], dist.ReduceOp.SUM
-    return lambda: fn(out, inp, op=op, group=group)
-
-
-def _bind_all_reduce(bufs: dict, group) -> Callable[[], None]:
-    import torch.distributed as dist
-
-    fn, t, op = dist.all_reduce, bufs["t"], dist.ReduceOp.SUM
-    return lambda: fn(t, op=op, group=group)
-
-
-def _bind_all_reduce_async(bufs: dict, group) -> Callable[[], None]:
-    """all_reduce issued async, then waited for: the hand-off to the group's
-    worker and back (DDP's bucket all-reduces take this path)."""
-    import torch.distributed as dist
-
-    fn, t, op = dist.all_reduce, bufs["t"], dist.ReduceOp.SUM
-    return lambda: fn(t, op=op, group=group, async_op=True).wait()
-
-
-def _bind_all_reduce_callback(bufs: dict, group) -> Callable[[], None]:
-    """all_reduce issued async, a callback chained on its future (as DDP
-    comm hooks do), the chained future waited for."""
-    import torch.distributed as dist
-
-    fn, t, op = dist.all_reduce, bufs["t"], dist.ReduceOp.SUM
-
-    def call():
-        fn(t, op=op, group=group, async_op=True).get_future().then(_first_value).wait()
-
-    return call
-
-
-def _first_value(fut):
-    return fut.value()[0]
-
-
-@dataclass(frozen=True)
-class CollectiveOp:
-    """One benchmarked collective: how to call it and count its bytes."""
-
-    name: str
-    bind: Callable[[dict, Any], Callable[[], None]]  # bind(bufs, group) -> call()
-    # busbw = bus_factor(W) * total_bytes(per-rank bytes, W) / time
-    bus_factor: Callable[[int], float]
-    total_bytes: Callable[[int, int], int]
-
-
-OPS: dict[str, CollectiveOp] = {
-    op.name: op
-    for op in (
-        CollectiveOp(
-            "all_gather_into_tensor",
-            _bind_all_gather,
-            bus_factor=lambda w: (w - 1) / w,
-            total_bytes=lambda n, w: n * w,
-        ),
-        CollectiveOp(
-            "reduce_scatter_tensor",
-            _bind_reduce_scatter,
-            bus_factor=lambda w: (w - 1) / w,
-            total_bytes=lambda n, w: n * w,
-        ),
-        CollectiveOp(
-            "all_reduce",
-            _bind_all_reduce,
-            bus_factor=lambda w: 2 * (w - 1) / w,
-            total_bytes=lambda n, w: n,
-        ),
-        CollectiveOp(
-            "all_reduce_async",
-            _bind_all_reduce_async,
-            bus_factor=lambda w: 2 * (w - 1) / w,
-            total_bytes=lambda n, w: n,
-        ),
-        CollectiveOp(
-            "all_reduce_callback",
-            _bind_all_reduce_callback,
-            bus_factor=lambda w: 2 * (w - 1) / w,
-            total_bytes=lambda n, w: n,
-        ),
-    )
+OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+ASYNC_OPS = ("all_reduce_async", "all_reduce_callback")
+ALIASES = {
+    "ag": OPS[0],
+    "all_gather": OPS[0],
+    "rs": OPS[1],
+    "reduce_scatter": OPS[1],
+    "ar": OPS[2],
+    "ar_async": ASYNC_OPS[0],
+    "ar_cb": ASYNC_OPS[1],
 }
-# What runs without --ops (the async forms on request: --ops ar,ar_async,ar_cb).
-DEFAULT_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
-OP_ALIASES = {
-    "all_gather": "all_gather_into_tensor",
-    "allgather": "all_gather_into_tensor",
-    "ag": "all_gather_into_tensor",
-    "reduce_scatter": "reduce_scatter_tensor",
-    "reducescatter": "reduce_scatter_tensor",
-    "rs": "reduce_scatter_tensor",
-    "allreduce": "all_reduce",
-    "ar": "all_reduce",
-    "ar_async": "all_reduce_async",
-    "ar_cb": "all_reduce_callback",
-}
-DEFAULT_SIZES = [4 * KIB * 4**i for i in range(8)]  # 4K .. 64M, powers of 4
-QUICK_MAX_SIZE = MIB
-LATENCY_BYTES = 8  # the extra all_reduce latency row
-# Time budget per point per backend (default, --quick).
-TIME_PER_POINT_S = (0.3, 0.1)
+POOLED = OPS[:2]  # the buffers FSDP2 allocates: the all-gather's output, the reduce-scatter's input
+SIZES, QUICK_MAX = [4 << (2 * i + 10) for i in range(8)], 1 << 20  # 4 KiB .. 64 MiB
+LATENCY_BYTES = 8
+BUDGET_S = (0.3, 0.1)  # per point and contender (full, --quick)
+# FSDP2 calls the *_single names where torch has them (>= 2.14, the others deprecated aliases).
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# The ops FSDP2 allocates buffers for (the all-gather's output, the
-# reduce-scatter's input), measured on pool buffers too.
-POOLED_OPS = ("all_gather_into_tensor", "reduce_scatter_tensor")
-POOL = "hsdp_pool"
-
-
-def _make_buffers(op: str, numel: int, rank: int, world: int, dtype, comm=None) -> dict:
-    """Buffers for one point, shared by both backends (FSDP2 forms). With
-    ``comm`` (a c10d Backend), the buffer FSDP2 would allocate through
-    ``allocate_tensor`` comes from it."""
-    import torch
+def buffers(op: str, numel: int, ranks: common.Ranks, dtype, comm=None) -> dict:
+    """FSDP2's forms (the all-gather in place); with ``comm`` the buffer FSDP2 would allocate
+    through ``allocate_tensor`` comes from that backend."""
 
     def zeros(n):
         if comm is None:
             return torch.zeros(n, dtype=dtype)
         return comm.allocate_tensor(n, dtype=dtype, device=torch.device("cpu")).zero_()
 
-    if op == "all_gather_into_tensor":
-        out = zeros(world * numel)
-        return {"out": out, "in": out.narrow(0, rank * numel, numel)}  # in place, as FSDP2
-    if op == "reduce_scatter_tensor":
-        return {"out": torch.zeros(numel, dtype=dtype), "in": zeros(world * numel)}
+    if op == OPS[0]:
+        out = zeros(ranks.world * numel)
+        return {"out": out, "in": out.narrow(0, ranks.rank * numel, numel)}
+    if op == OPS[1]:
+        return {"out": torch.zeros(numel, dtype=dtype), "in": zeros(ranks.world * numel)}
     return {"t": torch.zeros(numel, dtype=dtype)}
 
 
-def _check_once(op: str, bufs: dict, call: Callable[[], None], rank: int, world: int) -> str | None:
-    """Runs ``call`` once on rank-dependent data; returns what is wrong, or None.
+def bind(op: str, b: dict, group):
+    if op == OPS[0]:
+        return lambda: ALL_GATHER(b["out"], b["in"], group=group)
+    if op == OPS[1]:
+        return lambda: REDUCE_SCATTER(b["out"], b["in"], group=group)
+    if op == ASYNC_OPS[0]:
+        return lambda: dist.all_reduce(b["t"], group=group, async_op=True).wait()
+    if op == ASYNC_OPS[1]:
+        return lambda: (
+            dist.all_reduce(b["t"], group=group, async_op=True)
+            .get_future()
+            .then(lambda f: f.value()[0])
+            .wait()
+        )
+    return lambda: dist.all_reduce(b["t"], group=group)
 
-    Leaves the buffers in a state safe for repeated timing (all_reduce's
-    tensor is zeroed so repeated SUMs stay finite).
-    """
-    import torch
 
-    tri = world * (world + 1) // 2
-    if op == "all_gather_into_tensor":
-        bufs["out"].fill_(-1)
-        bufs["in"].fill_(rank + 1)
+def check(op: str, b: dict, call, ranks: common.Ranks) -> str | None:
+    """Runs ``call`` once on rank-dependent data; what is wrong, or None. The all-reduce's tensor
+    is left zeroed, so that repeated sums stay finite while timed."""
+    r, w = ranks.rank, ranks.world
+    if op == OPS[0]:
+        b["out"].fill_(-1)
+        b["in"].fill_(r + 1)
         call()
-        got = bufs["out"].view(world, -1)
-        want = torch.arange(1, world + 1, dtype=got.dtype).unsqueeze(1).expand_as(got)
-    elif op == "reduce_scatter_tensor":
-        chunks = bufs["in"].view(world, -1)
-        for j in range(world):  # chunk j of rank r holds (r+1)*(j+1)
-            chunks[j].fill_((rank + 1) * (j + 1))
-        bufs["out"].fill_(-1)
+        got = b["out"].view(w, -1)
+        want = torch.arange(1, w + 1, dtype=got.dtype).unsqueeze(1).expand_as(got)
+    elif op == OPS[1]:
+        for j, chunk in enumerate(b["in"].view(w, -1)):  # rank r's chunk j holds (r+1)(j+1)
+            chunk.fill_((r + 1) * (j + 1))
         call()
-        got = bufs["out"]
-        want = torch.full_like(got, (rank + 1) * tri)
+        got, want = b["out"], torch.full_like(b["out"], (r + 1) * w * (w + 1) // 2)
     else:
-        bufs["t"].fill_(rank + 1)
+        b["t"].fill_(r + 1)
         call()
-        got = bufs["t"]
-        want = torch.full_like(got, tri)
-    tol = 0.0 if got.dtype == torch.float32 else 1 / 128
-    ok = torch.allclose(got.float(), want.float(), rtol=tol, atol=0.0)
-    if op.startswith("all_reduce"):
-        bufs["t"].zero_()
-    if ok:
-        return None
-    bad = (got.float() - want.float()).abs().flatten().argmax().item()
-    return f"element {bad}: got {got.flatten()[bad].item()}, expected {want.flatten()[bad].item()}"
+        got, want = b["t"], torch.full_like(b["t"], w * (w + 1) // 2)
+    problem = common.mismatch(got, want)
+    if "t" in b:
+        b["t"].zero_()
+    return problem
 
 
-def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--dtype",
-        choices=("float32", "bfloat16"),
-        default="float32",
-        help="element type (default: %(default)s)",
+def point(op: str, nbytes: int, dtype, ranks: common.Ranks, sampling) -> dict:
+    numel = nbytes // dtype.itemsize
+    plain = buffers(op, numel, ranks, dtype)
+    bufs = {"hsdp": plain, "gloo": plain}
+    calls = {"hsdp": bind(op, plain, ranks.hsdp), "gloo": bind(op, plain, ranks.gloo)}
+    comm = ranks.hsdp._get_backend(torch.device("cpu"))
+    if op in POOLED and comm.supports_tensor_alloc(torch.device("cpu")):
+        bufs["hsdp_pool"] = buffers(op, numel, ranks, dtype, comm)
+        calls["hsdp_pool"] = bind(op, bufs["hsdp_pool"], ranks.hsdp)
+    for name, call in calls.items():
+        problem = check(op, bufs[name], call, ranks)
+        if problem:
+            ranks.fail(f"{name} {op} of {common.format_size(nbytes)}", problem)
+    pooled = hsdp_backend.buffer_stats(ranks.hsdp)["pooled_calls"]
+    times = common.measure(ranks, calls, sampling)
+    pooled = hsdp_backend.buffer_stats(ranks.hsdp)["pooled_calls"] - pooled
+    if "hsdp_pool" in times:
+        t = times["hsdp_pool"]
+        expected = max(sampling.warmup, 1) + t["reps"] * t["calls_per_sample"]  # warm-up, timed
+        if pooled == 0:  # below HSDP_SHM_DIRECT_READ_BYTES the engine copies through its slots
+            del times["hsdp_pool"]
+        elif pooled != expected:
+            ranks.fail(
+                f"hsdp_pool {op} of {common.format_size(nbytes)}",
+                f"{pooled} of {expected} calls took the pooled path, expected all",
+            )
+    return times
+
+
+def row(op: str, nbytes: int, world: int, times: dict, memcpy_us: float) -> dict:
+    all_reduce = op.startswith("all_reduce")
+    total = nbytes if all_reduce else nbytes * world
+    factor = 2 * (world - 1) / world if all_reduce else (world - 1) / world
+    out = {
+        "op": op,
+        "bytes_per_rank": nbytes,
+        "memcpy_us": memcpy_us,
+        "copy_floor_us": 3 * memcpy_us if all_reduce else None,
+    }
+    for name, t in times.items():
+        out[name] = dict(t, busbw_gbps=factor * total / t["us"] / 1e3)
+    out["speedup"] = times["gloo"]["us"] / times["hsdp"]["us"]
+    if "hsdp_pool" in times:
+        out["pool_gain"] = times["hsdp"]["us"] / times["hsdp_pool"]["us"]
+    out["hsdp_memcpy_fraction"] = out["hsdp"]["busbw_gbps"] / (nbytes / memcpy_us / 1e3)
+    out["spread"] = max(t["spread"] for t in times.values())
+    return out
+
+
+COLUMNS = [
+    common.Column("op", lambda r: r["op"]),
+    common.Column("size/rank", lambda r: common.format_size(r["bytes_per_rank"])),
+    common.Column("hsdp us", lambda r: r["hsdp"]["us"]),
+    common.Column("gloo us", lambda r: r["gloo"]["us"]),
+    common.Column("hsdp GB/s", lambda r: r["hsdp"]["busbw_gbps"]),
+    common.Column("gloo GB/s", lambda r: r["gloo"]["busbw_gbps"]),
+    common.Column("speedup", lambda r: f"{r['speedup']:.2f}x"),
+    common.Column("pool gain", lambda r: f"{r['pool_gain']:.2f}x" if "pool_gain" in r else "-"),
+    common.Column("hsdp/memcpy", lambda r: r["hsdp_memcpy_fraction"]),
+    common.Column("3xcopy us", lambda r: r["copy_floor_us"] or "-"),
+    common.Column("spread", lambda r: f"{100 * r['spread']:.0f}%"),
+]
+
+
+def main() -> None:
+    p = common.parser(__doc__)
+    p.add_argument("--ops", default="ag,rs,ar", help="any of %s, ar_async, ar_cb" % ", ".join(OPS))
+    p.add_argument("--sizes", type=common.sizes, default=None, help="bytes per rank, e.g. 4K,1M")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    args = p.parse_args()
+    ops = list(dict.fromkeys(ALIASES.get(o, o) for o in args.ops.split(",") if o))
+    unknown = [o for o in ops if o not in OPS + ASYNC_OPS]
+    if unknown:
+        p.error(f"unknown op {unknown[0]!r}: choose from {', '.join(OPS + ASYNC_OPS)}")
+    dtype, sampling = getattr(torch, args.dtype), common.Sampling.of(args, BUDGET_S)
+    sizes = args.sizes or [s for s in SIZES if not args.quick or s <= QUICK_MAX]
+    if any(s % dtype.itemsize for s in sizes):
+        p.error(f"every size must be a multiple of {args.dtype}'s {dtype.itemsize} bytes")
+    points = [
+        (op, s)
+        for op in ops
+        for s in (sorted({LATENCY_BYTES, *sizes}) if op.startswith("all_reduce") else sizes)
+    ]
+    ranks = common.init(args)
+    # Rank 0's single-thread copy of each size, while the others wait: the physical limit.
+    memcpy = (
+        {s: common.memcpy_us(s, dtype, sampling) for s in {s for _, s in points}}
+        if ranks.rank == 0
+        else {}
     )
-
-
-TABLE_COLUMNS = [
-    Column("op", 22, lambda r: r["op"], left=True),
-    Column("size/rank", 9, lambda r: format_size(r["bytes_per_rank"])),
-    Column("hsdp us", 11, lambda r: f"{r['hsdp']['us']:.1f}"),
-    Column("gloo us", 11, lambda r: f"{r['gloo']['us']:.1f}"),
-    Column("hsdp GB/s", 9, lambda r: f"{r['hsdp']['busbw_gbps']:.3f}"),
-    Column("gloo GB/s", 9, lambda r: f"{r['gloo']['busbw_gbps']:.3f}"),
-    Column("speedup", 7, lambda r: f"{r['speedup']:.2f}x"),
-    Column("pool us", 9, lambda r: f"{r[POOL]['us']:.1f}" if POOL in r else "-"),
-    Column("pool gain", 9, lambda r: f"{r['pool_gain']:.2f}x" if POOL in r else "-"),
-    Column("hsdp/memcpy", 11, lambda r: f"{r['hsdp_memcpy_fraction']:.3f}"),
-    Column(
-        "3xcopy us",
-        10,
-        lambda r: "-" if r["copy_floor_us"] is None else f"{r['copy_floor_us']:.1f}",
-    ),
-    Column("spread", 6, lambda r: f"{100 * r['spread']:.0f}%"),
-]
-MEMCPY_COLUMNS = [
-    Column("size", 8, lambda m: format_size(m["bytes"])),
-    Column("us", 10, lambda m: f"{m['us']:.2f}"),
-    Column("GB/s", 8, lambda m: f"{m['gbps']:.2f}"),
-]
-LEGEND = """
-latency = max over ranks of each rank's median per-call time; busbw as in nccl-tests;
-speedup = gloo time / hsdp time; pool gain = hsdp time / hsdp time on pool buffers
-(allocate_tensor; all_gather and reduce_scatter); hsdp/memcpy = hsdp busbw / single-thread memcpy GB/s;
-3xcopy = 3 x memcpy time of the message (copy in + reduce + copy out), all_reduce only;
-spread = interquartile range / median of rank 0's samples, the noisier backend: ratios
-of rows with a large spread (say > 50%) are not to be trusted."""
-
-
-class CollectivesSuite(Suite):
-    name = "collectives"
-    help = "all_gather_into_tensor / reduce_scatter_tensor / all_reduce, hsdp vs gloo, per size"
-    output_stem = "bench"
-    quick_help = "sizes up to 1 MiB, 0.1 s per point per backend, at most 50 samples (CI)"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        add_dtype_argument(parser)
-        parser.add_argument(
-            "--ops",
-            default=",".join(DEFAULT_OPS),
-            metavar="OP[,OP...]",
-            help=f"default %(default)s; any of {', '.join(OPS)} "
-            "(aliases: all_gather, reduce_scatter, ag, rs, ar, ar_async, ar_cb)",
+    box = [memcpy]
+    dist.broadcast_object_list(box, src=0, group=ranks.gloo)
+    rows = []
+    for op, nbytes in points:
+        times = point(op, nbytes, dtype, ranks, sampling)
+        rows.append(row(op, nbytes, ranks.world, times, box[0][nbytes]))
+        ranks.log(
+            f"{op} {common.format_size(nbytes)}: hsdp {times['hsdp']['us']:.1f} us, "
+            f"gloo {times['gloo']['us']:.1f} us"
         )
-        parser.add_argument(
-            "--sizes",
-            default=None,
-            metavar="SIZE[,SIZE...]",
-            help="bytes per rank, e.g. 4K,1M,16M (default: 4K..64M in powers of 4; "
-            "--quick: up to 1M); all_reduce always adds an 8 B latency row",
-        )
-        timing.add_sampling_arguments(parser, "0.3; --quick: 0.1")
-
-    def configure(self, args: argparse.Namespace) -> dict:
-        ops = []
-        for item in args.ops.split(","):
-            item = item.strip().lower()
-            name = OP_ALIASES.get(item, item)
-            if name not in OPS:
-                raise ValueError(f"unknown op {item!r}; choose from {', '.join(OPS)}")
-            if name not in ops:
-                ops.append(name)
-        if args.sizes:
-            sizes = sorted({report.parse_size(s) for s in args.sizes.split(",") if s.strip()})
-        else:
-            sizes = [s for s in DEFAULT_SIZES if not args.quick or s <= QUICK_MAX_SIZE]
-        elem = 2 if args.dtype == "bfloat16" else 4
-        for s in sizes + [LATENCY_BYTES]:
-            if s <= 0 or s % elem:
-                raise ValueError(
-                    f"size {s} B is not a positive multiple of the {args.dtype} element ({elem} B)"
-                )
-        points = []
-        for op in ops:
-            op_sizes = sizes
-            if op.startswith("all_reduce") and LATENCY_BYTES not in sizes:
-                op_sizes = [LATENCY_BYTES, *sizes]
-            points += [(op, s) for s in op_sizes]
-        return {
-            "ops": ops,
-            "points": points,
-            "dtype": args.dtype,
-            "sampling": timing.sampling_from_args(args, TIME_PER_POINT_S),
-        }
-
-    def reference(self, config: dict) -> dict:
-        print(f"memcpy reference (parent, 1 thread, {config['dtype']})...", flush=True)
-        sizes = [s for _, s in config["points"]]
-        return {"memcpy": timing.measure_memcpy(sizes, config["dtype"], config["sampling"])}
-
-    def run_rank(self, ctx: RankContext, config: dict) -> list[dict] | None:
-        import torch
-
-        dtype = getattr(torch, config["dtype"])
-        elem = torch.empty((), dtype=dtype).element_size()
-        out = []
-        gc.disable()  # no collector pauses inside timed regions
-        try:
-            for op, nbytes in config["points"]:
-                res = self._measure_point(
-                    ctx, op, nbytes, nbytes // elem, dtype, config["sampling"]
-                )
-                ctx.log(
-                    f"{op:<24} {format_size(nbytes):>8}  hsdp {res['hsdp']['us']:10.1f} us"
-                    f"  gloo {res['gloo']['us']:10.1f} us  ({res['hsdp']['reps']} reps)"
-                )
-                out.append(res)
-                gc.collect()
-        finally:
-            gc.enable()
-        return out if ctx.rank == 0 else None
-
-    def _measure_point(
-        self, ctx: RankContext, op: str, nbytes: int, numel: int, dtype, sampling: timing.Sampling
-    ) -> dict:
-        """Check, calibrate, measure interleaved; returns the point (same on every rank)."""
-        import torch
-
-        import hsdp_backend
-
-        bufs = _make_buffers(op, numel, ctx.rank, ctx.world, dtype)
-        groups = {"hsdp": ctx.hsdp, "gloo": ctx.gloo}
-        call = {b: OPS[op].bind(bufs, groups[b]) for b in BACKENDS}
-        buffers = dict.fromkeys(BACKENDS, bufs)
-        comm = ctx.hsdp._get_backend(torch.device("cpu"))
-        if op in POOLED_OPS and comm.supports_tensor_alloc(torch.device("cpu")):
-            buffers[POOL] = _make_buffers(op, numel, ctx.rank, ctx.world, dtype, comm)
-            call[POOL] = OPS[op].bind(buffers[POOL], ctx.hsdp)
-
-        for b in call:
-            problem = _check_once(op, buffers[b], call[b], ctx.rank, ctx.world)
-            if problem:
-                raise RuntimeError(
-                    f"[rank {ctx.rank}/{ctx.world}] {b} {op} of {format_size(nbytes)} "
-                    f"returned a wrong result: {problem}"
-                )
-
-        calls_per_sample = timing.calibrate(ctx.gloo, call, sampling)
-        hsdp_backend.reset_comm_stats(ctx.hsdp)
-        pooled_before = hsdp_backend.buffer_stats(ctx.hsdp)["pooled_calls"]
-        samples = timing.sample_interleaved(ctx.rank, ctx.gloo, call, calls_per_sample, sampling)
-        stats = hsdp_backend.comm_stats(ctx.hsdp)
-        pooled = hsdp_backend.buffer_stats(ctx.hsdp)["pooled_calls"] - pooled_before
-        if POOL in call and pooled != len(samples[POOL]) * calls_per_sample:
-            raise RuntimeError(
-                f"[rank {ctx.rank}/{ctx.world}] {op} of {format_size(nbytes)}: {pooled} pooled "
-                f"calls, expected every timed call on pool buffers to take the pooled path"
-            )
-        result = {"op": op, "bytes": nbytes, "numel": numel}
-        result.update(timing.summarise(ctx.world, ctx.gloo, samples, calls_per_sample))
-        result["hsdp"]["comm_stats"] = stats.get(op)
-        return result
-
-    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
-        memcpy = reference["memcpy"]
-        report.print_table(
-            MEMCPY_COLUMNS,
-            [{"bytes": n, **m} for n, m in sorted(memcpy.items())],
-            title=f"memcpy (single thread, dst.copy_(src), {config['dtype']}):",
-        )
-        rows = []
-        for world, points in sorted(per_world.items()):
-            table = []
-            for p in points:
-                op = OPS[p["op"]]
-                total = op.total_bytes(p["bytes"], world)
-                row = {
-                    "world": world,
-                    "op": p["op"],
-                    "bytes_per_rank": p["bytes"],
-                    "numel_per_rank": p["numel"],
-                }
-                for b in BACKENDS:
-                    secs = p[b]["us"] / 1e6
-                    row[b] = dict(
-                        p[b],
-                        algbw_gbps=total / secs / 1e9,
-                        busbw_gbps=op.bus_factor(world) * total / secs / 1e9,
-                    )
-                if POOL in p:
-                    secs = p[POOL]["us"] / 1e6
-                    row[POOL] = dict(p[POOL], busbw_gbps=op.bus_factor(world) * total / secs / 1e9)
-                    row["pool_gain"] = p["hsdp"]["us"] / p[POOL]["us"]
-                row["speedup"] = p["gloo"]["us"] / p["hsdp"]["us"]
-                row["spread"] = max(timing.spread(p[b]["rank0_samples_us"]) for b in BACKENDS)
-                mc = memcpy[p["bytes"]]
-                row["memcpy_gbps"] = mc["gbps"]
-                row["hsdp_memcpy_fraction"] = row["hsdp"]["busbw_gbps"] / mc["gbps"]
-                row["copy_floor_us"] = 3 * mc["us"] if p["op"].startswith("all_reduce") else None
-                table.append(row)
-            report.print_table(
-                TABLE_COLUMNS,
-                table,
-                title=f"world size {world} ({config['dtype']}; busbw in GB/s):",
-            )
-            rows += table
-        print(LEGEND)
-        return {
-            "dtype": config["dtype"],
-            "ops": config["ops"],
-            "sampling": dataclasses.asdict(config["sampling"]),
-            "sample_target_s": timing.SAMPLE_TARGET_S,
-            "memcpy": [{"bytes": n, **m} for n, m in sorted(memcpy.items())],
-            "results": rows,
-        }
-
-    def plot(self, section: dict, path: str) -> None:
-        ops = section["ops"]
-        worlds = sorted({r["world"] for r in section["results"]})
-        title = f"hsdp vs gloo, {section['dtype']}, busbw (nccl-tests convention)"
-        with report.figure(path, len(ops), title, panel_size=(5.5, 4.5)) as axes:
-            colors = report.colors()
-            for ax, op in zip(axes, ops, strict=True):
-                xs_all = set()
-                for k, world in enumerate(worlds):
-                    rows = [
-                        r
-                        for r in section["results"]
-                        if r["op"] == op and r["world"] == world and r["bytes_per_rank"] >= KIB
-                    ]
-                    xs = [r["bytes_per_rank"] for r in rows]
-                    xs_all.update(xs)
-                    color = colors[k % len(colors)]
-                    for b, style in (("hsdp", "o-"), ("gloo", "x--")):
-                        ax.plot(
-                            xs,
-                            [r[b]["busbw_gbps"] for r in rows],
-                            style,
-                            color=color,
-                            label=f"{b} W={world}",
-                        )
-                mc = [m for m in section["memcpy"] if m["bytes"] in xs_all]
-                ax.plot(
-                    [m["bytes"] for m in mc],
-                    [m["gbps"] for m in mc],
-                    ":",
-                    color="black",
-                    label="memcpy (1 thread)",
-                )
-                ax.set_title(op)
-                ticks = sorted(xs_all)
-                if not ticks:  # only the 8 B latency row: nothing to draw
-                    ax.set_axis_off()
-                    continue
-                ax.set_xscale("log", base=2)
-                ax.set_yscale("log")
-                ax.set_xticks(ticks, [report.short_size(t) for t in ticks])
-                ax.set_xlabel("bytes per rank")
-                ax.set_ylabel("bus bandwidth (GB/s)")
-                ax.grid(True, which="both", alpha=0.3)
-                ax.legend(fontsize="small")
+        gc.collect()
+    common.emit("collectives", args, ranks, COLUMNS, rows, extra={"dtype": args.dtype})
+    dist.destroy_process_group()
 
 
-SUITE = CollectivesSuite()
+if __name__ == "__main__":
+    main()

@@ -1,267 +1,171 @@
 """hsdp's cost per call on a device's route against that device's plain backend, in the same
-processes, interleaved: on CUDA, hsdp (its inner ProcessGroupNCCL) against a plain ``nccl``
-group over the same ranks; on CPU, hsdp against ``gloo`` (what a machine without a GPU can run).
+processes, interleaved: on CUDA (one rank per GPU: --ranks = the GPUs to use), hsdp (its inner
+ProcessGroupNCCL) against a plain group of that ProcessGroupNCCL over the same ranks, and against
+the user's default "nccl" beside it where that is another backend; on CPU, hsdp against gloo.
 
-One rank per GPU (``nccl`` runs a world of one on one GPU), or 2 ranks on CPU. For every op and
-message size, two pairs of contenders, measured interleaved as benchmarks/timing.py says:
-
-- ``host``: the time a call takes to return (on CUDA the kernel is only enqueued: what hsdp adds
-  on the host is the difference);
-- ``sync``: a call and then a wait for the device (``torch.cuda.synchronize``; on CPU the
-  call is synchronous already).
-
-Ops: all_reduce SUM and AVG, reduce_scatter_tensor, all_gather_into_tensor (FSDP2's forms),
-and a coalesced block of 16 reduce-scatters (``_coalescing_manager``). Sizes are bytes per rank
-(float32). Every point is checked first: hsdp's result must equal the plain backend's. The
-ratio columns are hsdp / plain (< 1: hsdp is faster); the target on CUDA is 1.05 at most.
+For every op and size (bytes per rank, float32), two pairs of contenders timed interleaved
+(common.measure): ``host``, the time a call takes to return (on CUDA the kernel is only enqueued:
+what hsdp adds on the host is the difference), and ``sync``, a call and then a wait for the device
+(torch.cuda.synchronize; on CPU the call is synchronous already). Ops: all_reduce SUM and AVG,
+reduce_scatter_tensor, all_gather_into_tensor (FSDP2's forms) and a coalesced block of 16
+reduce-scatters (_coalescing_manager). Every point is checked first: each backend's result must be
+the exact answer (hsdp's thus the plain one's). Ratios are hsdp / plain (< 1: hsdp is faster).
 """
 
 from __future__ import annotations
 
-import argparse
-from collections.abc import Callable
-from typing import Any
+import gc
+import os
 
-from benchmarks import report, timing
-from benchmarks.report import KIB, MIB, Column, format_size
-from benchmarks.suite import RankContext, Suite
+import torch
+import torch.distributed as dist
 
-DEFAULT_SIZES = [8, 1 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 256 * MIB]
-QUICK_SIZES = [8, 64 * KIB, 16 * MIB]
-COALESCED_BLOCK = 16
+from benchmarks import common
+
+SIZES = {False: "8,1K,64K,1M,16M,256M", True: "8,64K,16M"}
+BLOCK = 16
 OPS = ("all_reduce_sum", "all_reduce_avg", "reduce_scatter", "all_gather", "rs_coalesced16")
+AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _binders(device, world: int, nbytes: int) -> dict[str, Callable]:
-    """Per op: bind(group) -> (call, result): one synchronous call on buffers of
-    its own, and the tensor that holds its result."""
-    import torch
-    import torch.distributed as dist
+def data(numel: int, offset: float, device=None) -> torch.Tensor:
+    """Small integers: sums over ranks are exact in fp32."""
+    return torch.arange(numel, dtype=torch.float32, device=device).remainder_(7).add_(offset)
 
-    n = max(1, nbytes // 4)
 
-    def data(numel: int) -> torch.Tensor:
-        return (
-            torch.arange(numel, dtype=torch.float32, device=device)
-            .remainder_(7)
-            .add_(dist.get_rank())
-        )
+def bind(op: str, n: int, group, device, rank: int, world: int):
+    """One synchronous call of ``op`` on buffers of its own (``n`` elements a rank); returns the
+    call, the tensors holding its result and the exact value of each (on the CPU)."""
+    ranksum = world * (world - 1) / 2
+    if op.startswith("all_reduce"):
+        t, avg = data(n, rank, device), op == "all_reduce_avg"
+        redop = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+        want = (data(n, 0) * world + ranksum) / (world if avg else 1)
+        return (lambda: dist.all_reduce(t, op=redop, group=group)), [t], want
+    if op == "all_gather":
+        inp, out = data(n, rank, device), torch.empty(n * world, device=device)
+        want = torch.cat([data(n, s) for s in range(world)])
+        return (lambda: AG(out, inp, group=group)), [out], want
+    m = n if op == "reduce_scatter" else max(1, n // BLOCK)
+    ins = [data(m * world, rank, device) for _ in range(1 if op == "reduce_scatter" else BLOCK)]
+    outs = [torch.empty(m, device=device) for _ in ins]
+    want = data(m * world, 0)[rank * m : (rank + 1) * m] * world + ranksum
+    if op == "reduce_scatter":
+        return (lambda: RS(outs[0], ins[0], group=group)), outs, want
+    # On CUDA the block is NCCL's own group launch; gloo has none, so on CPU torch issues the
+    # block as one coalesced call.
+    block_device = device if device.type == "cuda" else None
 
-    def all_reduce(op):
-        def bind(group):
-            t = data(n)
-            return (lambda: dist.all_reduce(t, op=op, group=group)), t
+    def block() -> None:
+        with dist._coalescing_manager(group=group, device=block_device):
+            for o, i in zip(outs, ins, strict=True):
+                RS(o, i, group=group)
 
-        return bind
+    return block, outs, want
 
-    def reduce_scatter(group):
-        inp, out = data(n * world), torch.empty(n, device=device)
-        return (lambda: dist.reduce_scatter_tensor(out, inp, group=group)), out
 
-    def all_gather(group):
-        inp, out = data(n), torch.empty(n * world, device=device)
-        return (lambda: dist.all_gather_into_tensor(out, inp, group=group)), out
-
-    def rs_coalesced(group):
-        m = max(1, n // COALESCED_BLOCK)
-        ins = [data(m * world) for _ in range(COALESCED_BLOCK)]
-        outs = [torch.empty(m, device=device) for _ in range(COALESCED_BLOCK)]
-
-        # On CUDA the block is NCCL's own group launch (start/end coalescing);
-        # gloo has none, so on CPU torch issues the block as one coalesced call.
-        block_device = device if device.type == "cuda" else None
-
-        def call():
-            with dist._coalescing_manager(group=group, device=block_device):
-                for o, i in zip(outs, ins):
-                    dist.reduce_scatter_tensor(o, i, group=group)
-
-        return call, outs[-1]
-
-    return {
-        "all_reduce_sum": all_reduce(dist.ReduceOp.SUM),
-        "all_reduce_avg": all_reduce(dist.ReduceOp.AVG),
-        "reduce_scatter": reduce_scatter,
-        "all_gather": all_gather,
-        "rs_coalesced16": rs_coalesced,
+def point(op: str, nbytes: int, groups: dict, device, sync, ranks: common.Ranks, sampling):
+    calls = {}
+    for name, group in groups.items():
+        call, outs, want = bind(op, max(1, nbytes // 4), group, device, ranks.rank, ranks.world)
+        call()
+        sync()
+        # A fast wrong collective is no result (AVG may round its division: the tolerance).
+        for i, out in enumerate(outs):
+            if problem := common.mismatch(out.cpu(), want, tol=1e-6):
+                ranks.fail(f"{name} {op} of {common.format_size(nbytes)}, output {i}", problem)
+        if op.startswith("all_reduce"):
+            outs[0].zero_()  # in place: a sum of zeros stays finite however often it runs
+        calls[f"{name} host"] = call
+        calls[f"{name} sync"] = lambda call=call: (call(), sync())
+    times = common.measure(ranks, calls, sampling)
+    sync()
+    row = {
+        "op": op,
+        "bytes": nbytes,
+        **{k.replace(" ", "_") + "_us": t["us"] for k, t in times.items()},
     }
+    row["host_ratio"] = row["hsdp_host_us"] / row["plain_host_us"]
+    row["sync_ratio"] = row["hsdp_sync_us"] / row["plain_sync_us"]
+    row["spread"] = max(t["spread"] for t in times.values())
+    return row
 
 
-class DeviceCallsSuite(Suite):
-    name = "device_calls"
-    help = "per-call cost of hsdp's device route against the plain backend (nccl on CUDA)"
-    takes_ranks = False
-    default_ranks = (2,)
-    output_stem = "bench_device_calls"
-    default_timeout_s = (1800.0, 300.0)
-    quick_help = f"sizes {','.join(map(format_size, QUICK_SIZES))} and shorter samples"
-
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--device",
-            choices=("auto", "cuda", "cpu"),
-            default="auto",
-            help="cuda: one rank per GPU against nccl; cpu: 2 ranks against gloo "
-            "(default: cuda when torch sees a GPU)",
+def main() -> None:
+    p = common.parser(__doc__)
+    p.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cuda: one rank per GPU against nccl; cpu: against gloo "
+        "(default: cuda when torch sees a GPU)",
+    )
+    p.add_argument(
+        "--sizes",
+        type=common.sizes,
+        default=None,
+        help=f"bytes per rank (default {SIZES[False]}; --quick {SIZES[True]})",
+    )
+    p.add_argument("--ops", default=",".join(OPS), help=f"any of {','.join(OPS)}")
+    args = p.parse_args()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    world, gpus = int(os.environ["WORLD_SIZE"]), torch.cuda.device_count()
+    if cuda and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no GPU on this machine")
+    if cuda and world > gpus:
+        p.error(
+            f"--device cuda: one rank per GPU, {world} ranks but {gpus} GPU(s) (--ranks {gpus})"
         )
-        parser.add_argument(
-            "--sizes",
-            type=lambda text: [report.parse_size(s) for s in text.split(",")],
-            default=None,
-            metavar="S[,S...]",
-            help="bytes per rank (default: "
-            + ",".join(map(format_size, DEFAULT_SIZES))
-            + "; --quick: "
-            + ",".join(map(format_size, QUICK_SIZES))
-            + ")",
-        )
-        parser.add_argument(
-            "--ops",
-            type=lambda text: text.split(","),
-            default=list(OPS),
-            metavar="OP[,OP...]",
-            help=f"of {','.join(OPS)} (default: all)",
-        )
-        timing.add_sampling_arguments(parser, "0.5 s; --quick: 0.1 s")
+    ops = args.ops.split(",")
+    if unknown := [op for op in ops if op not in OPS]:
+        p.error(f"unknown ops {unknown}; known: {', '.join(OPS)}")
+    sizes = args.sizes or common.sizes(SIZES[args.quick])
+    sampling = common.Sampling.of(args, (0.5, 0.1))
+    if cuda:  # before the first collective: NCCL binds the current device
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    ranks = common.init(args)
+    if cuda:
+        from hsdp_backend import _torch_compat
 
-    def configure(self, args: argparse.Namespace) -> dict:
-        import torch
-
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: torch sees no GPU on this machine")
-        unknown = [op for op in args.ops if op not in OPS]
-        if unknown:
-            raise ValueError(f"unknown ops {unknown}; known: {', '.join(OPS)}")
-        world = torch.cuda.device_count() if device == "cuda" else 2
-        args.ranks = [world]
-        return {
-            "device": device,
-            "world": world,
-            "ops": list(args.ops),
-            "sizes": args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES),
-            "sampling": timing.sampling_from_args(args, (0.5, 0.1)),
-        }
-
-    def run_rank(self, ctx: RankContext, config: dict) -> Any:
-        import torch
-        import torch.distributed as dist
-
-        cuda = config["device"] == "cuda"
-        if cuda:
-            torch.cuda.set_device(ctx.rank)
-            device = torch.device("cuda", ctx.rank)
-            from hsdp_backend import _torch_compat
-
-            # Against the ProcessGroupNCCL hsdp wraps; the user's default
-            # "nccl" beside it where that is another backend (2.15's
-            # ProcessGroupNCCL2, or 2.14's with TORCH_DIST_USE_NCCL2=1).
-            plain = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)
-            default = dist.new_group(backend="nccl")
-            if type(default._get_backend(device)) is type(plain._get_backend(device)):
-                default = None
-            sync = torch.cuda.synchronize
-        else:
-            device = torch.device("cpu")
-            plain = ctx.gloo
-            default = None
-            sync = lambda: None  # noqa: E731
-        sampling = config["sampling"]
-        rows = []
-        for nbytes in config["sizes"]:
-            binders = _binders(device, ctx.world, nbytes)
-            for op in config["ops"]:
-                (hsdp_call, hsdp_out), (plain_call, plain_out) = (
-                    binders[op](ctx.hsdp),
-                    binders[op](plain),
-                )
-                hsdp_call()
-                plain_call()
-                sync()
-                # A fast wrong collective is not a result: hsdp's must be the plain one's.
-                torch.testing.assert_close(hsdp_out, plain_out, rtol=1e-6, atol=0.0)
-                if op.startswith("all_reduce"):
-                    # In place: a sum of zeros stays finite however often it runs.
-                    hsdp_out.zero_()
-                    plain_out.zero_()
-
-                def synced(call):
-                    return lambda: (call(), sync())
-
-                calls = {
-                    "hsdp host": hsdp_call,
-                    "plain host": plain_call,
-                    "hsdp sync": synced(hsdp_call),
-                    "plain sync": synced(plain_call),
-                }
-                if default is not None:
-                    default_call, _ = binders[op](default)
-                    calls["default host"] = default_call
-                    calls["default sync"] = synced(default_call)
-                per_sample = timing.calibrate(ctx.gloo, calls, sampling)
-                samples = timing.sample_interleaved(ctx.rank, ctx.gloo, calls, per_sample, sampling)
-                sync()
-                summary = timing.summarise(ctx.world, ctx.gloo, samples, per_sample)
-                rows.append(
-                    {
-                        "op": op,
-                        "bytes": nbytes,
-                        **{name.replace(" ", "_") + "_us": s["us"] for name, s in summary.items()},
-                        "spread": max(timing.spread(samples[n]) for n in samples),
-                    }
-                )
-                ctx.log(f"{op} {format_size(nbytes)}: {rows[-1]}")
-            del binders
-        return {
-            "device": str(device),
-            "plain": plain._get_backend(device).name() if cuda else "gloo",
-            "default": default._get_backend(device).name() if default is not None else None,
-            "rows": rows,
-        }
-
-    def report(self, config: dict, reference: dict, per_world: dict[int, Any]) -> dict:
-        [(world, result)] = per_world.items()
-        rows = result["rows"]
-        for row in rows:
-            row["host_ratio"] = row["hsdp_host_us"] / row["plain_host_us"]
-            row["sync_ratio"] = row["hsdp_sync_us"] / row["plain_sync_us"]
-        plain = result["plain"]
-        columns = [
-            Column("op", 15, lambda r: r["op"], left=True),
-            Column("size", 8, lambda r: format_size(r["bytes"])),
-            Column("hsdp host us", 12, lambda r: f"{r['hsdp_host_us']:.2f}"),
-            Column(f"{plain} host us", 12, lambda r: f"{r['plain_host_us']:.2f}"),
-            Column("ratio", 6, lambda r: f"{r['host_ratio']:.3f}"),
-            Column("hsdp sync us", 12, lambda r: f"{r['hsdp_sync_us']:.2f}"),
-            Column(f"{plain} sync us", 12, lambda r: f"{r['plain_sync_us']:.2f}"),
-            Column("ratio", 6, lambda r: f"{r['sync_ratio']:.3f}"),
-            Column("spread", 6, lambda r: f"{r['spread']:.2f}"),
-        ]
-        report.print_table(
-            columns,
-            rows,
-            title=f"hsdp against {plain} on {config['device']}, {world} rank(s) "
-            "(ratio: hsdp / plain; < 1: hsdp is faster)",
-        )
-        worst = max(max(r["host_ratio"], r["sync_ratio"]) for r in rows)
-        print(f"largest ratio: {worst:.3f}")
-        return {"world": world, "device": config["device"], "plain": plain, "rows": rows}
-
-    def plot(self, section: dict, path: str) -> None:
-        with report.figure(path, 2, f"hsdp / {section['plain']} per call") as axes:
-            for ax, metric in zip(axes, ("host_ratio", "sync_ratio"), strict=True):
-                for op in sorted({r["op"] for r in section["rows"]}):
-                    pts = [r for r in section["rows"] if r["op"] == op]
-                    ax.plot(
-                        [r["bytes"] for r in pts], [r[metric] for r in pts], marker="o", label=op
-                    )
-                ax.set_xscale("log", base=2)
-                ax.axhline(1.0, color="gray", linewidth=0.8)
-                ax.set_xlabel("bytes per rank")
-                ax.set_ylabel(metric.replace("_", " "))
-                ax.legend(fontsize=7)
+        device, sync = torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
+        # Against the ProcessGroupNCCL hsdp wraps; the user's default "nccl" beside it where that
+        # is another backend (2.15's ProcessGroupNCCL2, or 2.14's with TORCH_DIST_USE_NCCL2=1).
+        groups = {"hsdp": ranks.hsdp, "plain": dist.new_group(backend=_torch_compat.WRAPPED_NCCL)}
+        default = dist.new_group(backend="nccl")
+        if type(default._get_backend(device)) is not type(groups["plain"]._get_backend(device)):
+            groups["default"] = default
+        plain = groups["plain"]._get_backend(device).name()
+    else:
+        device, sync, plain = torch.device("cpu"), lambda: None, "gloo"
+        groups = {"hsdp": ranks.hsdp, "plain": ranks.gloo}
+    rows = []
+    for nbytes in sizes:
+        for op in ops:
+            rows.append(point(op, nbytes, groups, device, sync, ranks, sampling))
+            ranks.log(f"{op} {common.format_size(nbytes)}: {rows[-1]}")
+            gc.collect()
+    columns = [
+        common.Column("op", lambda r: r["op"]),
+        common.Column("size", lambda r: common.format_size(r["bytes"])),
+        common.Column("hsdp host us", lambda r: r["hsdp_host_us"]),
+        common.Column(f"{plain} host us", lambda r: r["plain_host_us"]),
+        common.Column("ratio", lambda r: f"{r['host_ratio']:.3f}"),
+        common.Column("hsdp sync us", lambda r: r["hsdp_sync_us"]),
+        common.Column(f"{plain} sync us", lambda r: r["plain_sync_us"]),
+        common.Column("ratio", lambda r: f"{r['sync_ratio']:.3f}"),
+        common.Column("spread", lambda r: f"{r['spread']:.2f}"),
+    ]
+    worst = max(max(r["host_ratio"], r["sync_ratio"]) for r in rows)
+    notes = [
+        f"hsdp against {plain} on {device.type} (ratio: hsdp / plain; < 1: hsdp is faster)",
+        f"largest ratio: {worst:.3f}",
+    ]
+    default = groups["default"]._get_backend(device).name() if "default" in groups else None
+    extra = {"device": device.type, "plain": plain, "default": default}
+    common.emit("device_calls", args, ranks, columns, rows, notes, extra)
+    dist.destroy_process_group()
 
 
-SUITE = DeviceCallsSuite()
+if __name__ == "__main__":
+    main()

@@ -168,7 +168,7 @@ per_call() {
   local what=$1 json=$2
   shift 2
   say "== per-call cost: hsdp against nccl, $what (python -m benchmarks device_calls)"
-  "$PY" -m benchmarks device_calls --device cuda "$@" --json "build/$json" --plot '' \
+  "$PY" -m benchmarks device_calls --ranks "$gpus" --device cuda "$@" --json "build/$json" \
     >> "$report" 2>&1 || { say "FAILED: the per-call benchmark, $what"; failed=1; }
   grep 'largest ratio' "$report" | tail -n 1 || true
 }

@@ -14,8 +14,8 @@ PY=$VENV/bin/python
 ensure_venv "$VENV"
 ensure_torch "$PY" torch==2.14.1
 # expecttest: torch's own test utilities (the DistributedTest conformance run) import it.
-ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,xdist,numpy,matplotlib,expecttest \
-  "scikit-build-core>=0.10" ninja pytest pytest-timeout pytest-xdist numpy matplotlib expecttest
+ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,xdist,numpy,expecttest \
+  "scikit-build-core>=0.10" ninja pytest pytest-timeout pytest-xdist numpy expecttest
 # ruff, pinned: scripts/test.sh's lint stage checks the formatting with it.
 RUFF_VERSION=0.17.6
 if [ "$("$VENV/bin/ruff" --version 2>/dev/null)" != "ruff $RUFF_VERSION" ]; then

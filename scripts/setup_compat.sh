@@ -40,7 +40,7 @@ export PIP_CONFIG_FILE=/dev/null
 mkdir -p "$CACHE"
 ensure_venv "$VENV"
 ensure_torch "$PY" "$TORCH_REQ"
-# scripts/setup.sh's tools less the benchmark's plotting and the formatter.
+# scripts/setup.sh's tools less pytest-xdist and the formatter.
 ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,expecttest \
   "scikit-build-core>=0.10" ninja pytest pytest-timeout numpy expecttest
 # Its own build tree (never the main venv's build/{wheel_tag}); the stamp in

@@ -266,3 +266,23 @@ def cmake_configure(
     )
     out = proc.stdout + proc.stderr
     return proc.returncode, out if folded else " ".join(out.split())
+
+
+def run_module(*argv: str, timeout: float = 240, env: dict[str, str] | None = None, ok=True):
+    """``python -m *argv`` from the repository root, as the docs run the benchmarks and tools (one
+    thread a rank unless ``env`` says otherwise); with ``ok``, it must exit 0. The finished
+    process (``stdout``, ``stderr``, ``returncode``)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", *argv]
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+    if ok:
+        assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc

@@ -20,7 +20,8 @@ from hsdp_backend.config import Var, parse_flag, parse_hosts, parse_int, parse_t
 
 SECTIONS = {
     "tests": "The test suite",
-    "peers": "Benchmarks against peers (`python -m benchmarks peers`)",
+    "benchmarks": "Benchmarks (`python -m benchmarks`)",
+    "peers": "Benchmarks against peers (`python -m tools.peers`)",
     "cpp": "C++ tests (`bash scripts/cpp_tests.sh`)",
     "build": "Builds (`scripts/setup.sh`, `scripts/setup_compat.sh`, `scripts/cpp_tests.sh`)",
 }
@@ -72,8 +73,11 @@ _TABLE = [
     Var("HSDP_PEERS_DIR", "peers", None, parse_text, str,
         "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
         "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),
+    Var("HSDP_BENCH_LOAD", "benchmarks", None, parse_int, str,
+        "set by `python -m benchmarks --load N` for the ranks: the CPU-bound processes beside "
+        "them, recorded with the results (`rank_env`)", "0"),
     Var("HSDP_PEERS_CONFIG", "peers", None, parse_text, str,
-        "set by the peers suite for its MPI launches: the file with the ranks' configuration"),
+        "set by `tools/peers.py` for its MPI launches: the file with the ranks' configuration"),
     Var("HSDP_FUZZ_TRIALS", "cpp", None, parse_int, str,
         "trials of the engine's C++ corruption fuzzer (`tests/cpp/corruption_test.cpp`)", "120"),
     Var("HSDP_FUZZ_SEED", "cpp", None, parse_int, str,

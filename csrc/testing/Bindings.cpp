@@ -118,7 +118,7 @@ PYBIND11_MODULE(hsdp_testing, m) {
   // The engine's own SUM kernel on private memory, out = rows[0] + rows[1] +
   // ... in one pass, storing as a reduce-scatter whose streamStoreBytes is
   // stream_from_bytes would: the reduce-scatter's zero-communication limit
-  // (benchmarks/peers.py).
+  // (tools/peers.py).
   m.def("reduce_rows", [](at::Tensor& out, const at::Tensor& rows, size_t streamFromBytes) {
     TORCH_CHECK_VALUE(
         rows.dim() == 2 && rows.size(0) >= 1 && rows.is_contiguous() && out.is_contiguous() &&

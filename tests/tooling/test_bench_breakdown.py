@@ -1,24 +1,20 @@
-"""The per-call breakdown (benchmarks/breakdown.py): perf samples sorted into a call's parts, and a
+"""The per-call breakdown (tools/breakdown.py): perf samples sorted into a call's parts, and a
 short real run.
 
-The per-call breakdown (benchmarks/breakdown.py): perf's samples sorted
-into the parts of a call by library and function, and a short real run whose
-parts add up to the samples perf took (or, where perf cannot sample, a run
-that says why and still times the call).
-
-The per-call breakdown's rules: samples of each library and function go to their part (27
-cases), a perf report is summed per part; a short 2-rank run of `python -m benchmarks breakdown`
-whose parts add up to the samples perf took (or that says why there is no breakdown)."""
+The rules: samples of each library and function go to their part (27 cases), and a perf report is
+summed per part. A short 2-rank run of `python -m tools.breakdown` whose parts add up to the
+samples perf took; where perf cannot sample (not installed, no permission, or made unusable
+here), the run still times each call and says why there is no breakdown."""
 
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+from harness import run_module
 
-from benchmarks.breakdown import PART_NAMES, parse_perf_report, part_of
+from tools.breakdown import PART_NAMES, parse_perf_report, part_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HSDP = "_C.cpython-311-x86_64-linux-gnu.so"
@@ -83,34 +79,47 @@ def test_a_report_is_summed_per_part():
     assert sum(shares.values()) == pytest.approx(100.0)
 
 
-def test_a_short_run_breaks_a_call_down(tmp_path):
-    out_json = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "breakdown", "--quick", "--ranks", "2"]
-        + ["--points", "all_reduce:8,all_gather_inplace:64K"]
-        + ["--json", str(out_json), "--plot", ""],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env=dict(os.environ),
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out_json.read_text())["breakdown"]["2"]
+def _short_run(tmp_path, env):
+    out_json = tmp_path / "breakdown.json"
+    points = "all_reduce:8,all_gather_inplace:64K"
+    proc = run_module("tools.breakdown", "--quick", "--ranks", "2", "--points", points, "--json",
+                      str(out_json), env=env)  # fmt: skip
+    doc = json.loads(out_json.read_text())
+    assert doc["suite"] == "breakdown" and doc["world"] == 2
+    rows = doc["rows"]
     assert [(r["op"], r["bytes"]) for r in rows] == [
         ("all_reduce", 8),
         ("all_gather_inplace", 65536),
     ]
     for r in rows:
-        assert r["us"] > 0 and r["iters"] > 0, r
-        if "percent" not in r:
-            assert "no breakdown (" in proc.stdout, proc.stdout
+        assert r["us"] > 0 and r["sampled_us"] > 0 and r["iters"] > 0, r
+    return proc.stdout, doc
+
+
+def test_a_short_run_breaks_a_call_down(tmp_path):
+    stdout, doc = _short_run(tmp_path, dict(os.environ))
+    rows = doc["rows"]
+    for r in rows:
+        if doc["perf_problem"]:
+            assert "percent" not in r, r
+            assert f"no breakdown ({doc['perf_problem']})" in stdout, stdout
             continue
         # Every sample perf took is in some part (each of perf's rows rounded
         # to 0.01%: under load, hundreds of rows); an all-gather moves data.
         rounding = max(1.0, 0.005 * r["perf_rows"])
         assert sum(r["percent"].values()) == pytest.approx(100.0, abs=rounding), r
         assert r["percent"]["python"] > 0 and r["percent"]["torch"] > 0, r
-    gather = rows[1]
-    if "percent" in gather:
-        assert gather["percent"]["engine copies"] > 0, gather
+    if not doc["perf_problem"]:
+        assert rows[1]["percent"]["engine copies"] > 0, rows[1]
+
+
+def test_without_perf_it_times_and_says_why(tmp_path):
+    """No perf on the PATH: the times, and why there are no parts."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)  # any tool the run may need but perf
+    env = {**os.environ, "PATH": str(bin_dir)}
+    stdout, doc = _short_run(tmp_path, env)
+    assert doc["perf_problem"] == "perf is not installed", doc["perf_problem"]
+    assert "no breakdown (perf is not installed)" in stdout, stdout
+    assert all("percent" not in r for r in doc["rows"])

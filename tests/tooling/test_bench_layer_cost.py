@@ -11,12 +11,10 @@ with NCCL's and with Gloo's capabilities): every contender's result checked agai
 answer, hsdp's own microseconds with their 10th-90th percentiles, gloo and memcpy beside them."""
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
+from harness import run_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -24,12 +22,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("like", ["nccl", "gloo"])
 def test_every_point_names_hsdps_own_cost(tmp_path, like):
     out = tmp_path / "layer.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.layer_cost", "--like", like, "--rounds", "3",
-         "--sample-ms", "0.2", "--ops", "all_reduce_async,reduce_scatter", "--json", str(out)],
-        capture_output=True, text=True, timeout=240, cwd=ROOT, env=dict(os.environ),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run_module("benchmarks.layer_cost", "--like", like, "--rounds", "3", "--sample-ms", "0.2",
+               "--ops", "all_reduce_async,reduce_scatter", "--json", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert result["like"] == like
     rows = result["rows"]

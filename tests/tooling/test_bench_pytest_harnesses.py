@@ -16,18 +16,13 @@ import pathlib
 import subprocess
 import sys
 
+from harness import run_module
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def bench(*args: str, timeout: float = 400) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "benchmarks.pytest_harnesses", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=dict(os.environ),
-    )
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return run_module("benchmarks.pytest_harnesses", *args, timeout=400, env={}, ok=False)
 
 
 def test_every_harness_runs_the_same_tests_and_is_compared(tmp_path):

@@ -1,148 +1,123 @@
-"""The benchmark's training suite in its quickest form: planned interleaving, consistent JSON,
-equal losses.
+"""The training suite in its quickest forms: checked losses, paired ratios and comm_stats in its JSON.
 
-The benchmark's ``training`` suite in its quickest form: the tiny model, 2
-ranks (FSDP) against its baseline (two 1-rank copies at once), 4 steps per
-run, one run per backend. Run as docs/benchmarks.md says: ``python -m benchmarks``
-from the repository root (the installed hsdp_backend is imported).
-
-`python -m benchmarks training --quick` on 2 ranks, tiny model: the runs interleaved as planned
-(hsdp with `--comm-buffers alternate` and `--fsdp-shim alternate` among them, paired step by
-step, with the same final loss as hsdp), the JSON's
-derived numbers consistent, equal final losses on both backends, hsdp's counters of the last
-step, the PNG written."""
+``python -m benchmarks training --ranks 2 --quick`` (tiny model, 1-D FSDP, a few rounds) and
+``--ranks 4`` (HSDP 2x2), run as docs/benchmarks.md says, from the repository root: every
+contender in the JSON, its losses as the suite checked them (hsdp_pool and, on 1-D, hsdp_native
+bit-equal to hsdp, gloo within rel 1e-5), every derived number recomputed from the raw per-rank
+step times (medians, paired ratios, speedup, overhead), and hsdp's counters of its last step (11
+FSDP groups: 11 reduce-scatters; under HSDP the shim's bucketed replicate all-reduces against
+hsdp_native's one per group). Also ``python -m benchmarks fsdp_copies --quick``: its rows."""
 
 import json
-import math
-import os
 import pathlib
-import subprocess
-import sys
+import statistics
 
 import pytest
+from harness import run_module
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONTENDERS = ["hsdp", "gloo", "fake", "hsdp_pool", "hsdp_native"]
+STEPS, WARMUP = 6, 2
 
 
-def test_training_suite_quick(tmp_path):
-    out_json = tmp_path / "training.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "benchmarks",
-        "training",
-        "--quick",
-        "--ranks",
-        "2",
-        "--models",
-        "tiny",
-        "--steps",
-        "4",
-        "--warmup",
-        "1",
-        "--seq-len",
-        "32",
-        "--timeout",
-        "150",
-        "--json",
-        str(out_json),
-        "--plot",
-        str(tmp_path / "training.png"),
-    ]
-    proc = subprocess.run(
-        cmd,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+def run(tmp_path, *args: str, timeout: float = 240) -> tuple[str, dict]:
+    out_json = tmp_path / "out.json"
+    proc = run_module(*args, "--json", str(out_json), timeout=timeout)
+    return proc.stdout, json.loads(out_json.read_text())
+
+
+def training(tmp_path, world: int) -> tuple[str, dict]:
+    flags = ["--quick", "--steps", str(STEPS), "--warmup", str(WARMUP), "--seq-len", "32"]
+    stdout, doc = run(
+        tmp_path, "benchmarks", "training", "--ranks", str(world), "--timeout", "200", *flags
     )
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}\n{proc.stderr[-4000:]}"
-    assert "gloo/hsdp exp" in proc.stdout, proc.stdout
-    assert (tmp_path / "training.png").stat().st_size > 0
+    assert doc["suite"] == "training" and doc["world"] == world
+    [row] = doc["rows"]
+    assert (row["model"], row["world"], row["steps"], row["warmup"]) == (
+        "tiny",
+        world,
+        STEPS,
+        WARMUP,
+    )
+    assert row["fsdp_groups"] == 11 and 50_000 < row["params"] < 80_000
+    for header in ("hsdp ms", "native/shim", "pool/off", "hsdp/fake", "overhead"):
+        assert header in stdout, stdout
+    check_times(row, world)
+    return stdout, row
 
-    doc = json.loads(out_json.read_text())
-    assert doc["suite"] == "training"
-    section = doc["training"]
-    assert section["models"]["tiny"]["fsdp_groups"] == 11
-    assert 50_000 < section["models"]["tiny"]["params"] < 80_000
 
-    # Six runs, interleaved: the baseline (two 1-rank copies), then hsdp,
-    # gloo, the fake backend (the no-communication limit), hsdp with
-    # FSDP2's buffers from the group on every other step (--comm-buffers
-    # alternate) and hsdp with its FSDP2 shim on every other step (--fsdp-shim
-    # alternate) on 2 ranks.
-    runs = section["runs"]
-    assert [(r["world"], r["copies"], r["backend"]) for r in runs] == [
-        (1, 2, "gloo"),
-        (2, 1, "hsdp"),
-        (2, 1, "gloo"),
-        (2, 1, "fake"),
-        (2, 1, "hsdp_pool"),
-        (2, 1, "hsdp_native"),
-    ]
-    by_backend = {r["backend"]: r for r in runs[1:]}
-    pool_cmd = by_backend["hsdp_pool"]["command"]
-    native_cmd = by_backend["hsdp_native"]["command"]
-    assert native_cmd[native_cmd.index("--fsdp-shim") + 1] == "alternate"
-    assert "--fsdp-shim" not in runs[1]["command"]
-    assert pool_cmd[pool_cmd.index("--comm-buffers") + 1] == "alternate"
-    assert "--comm-buffers" not in runs[1]["command"]
-    assert all("--flush-denormal" in r["command"] for r in runs)
-    for r in (r for r in runs if r["backend"] not in ("hsdp_pool", "hsdp_native")):
-        assert r["max_rss_mib"] > 0, r
-        assert len(r["step_ms"]) == 4 and len(r["measured_ms"]) == 3 * r["copies"]
-        assert r["comm_buffers"] == ["default"] * 4
-    for r in runs:
-        assert all(0 < f <= s for f, s in zip(r["fwd_bwd_ms"], r["step_ms"])), r
-    # The pool run: steps 2-4 measured (one warm-up step); step 3 on the
-    # group's buffers is the contender's sample, paired with step 4.
-    pool = by_backend["hsdp_pool"]
-    assert pool["comm_buffers"] == ["group", "fsdp", "group", "fsdp"]
-    assert pool["measured_ms"] == [pool["step_ms"][2]]
-    assert pool["pairs"] == [pool["step_ms"][2] / pool["step_ms"][3]]
-    # The native run: two steps each way; the first after a switch (steps 3
-    # and 5) settles. Step 4 without the shim is its sample; over step 6
-    # through the shim, the one pair.
-    native = by_backend["hsdp_native"]
-    assert native["fsdp_shim"] == ["on", "on", "off", "off", "on", "on"]
-    assert native["measured_ms"] == [native["step_ms"][3]]
-    assert native["pairs"] == [native["step_ms"][3] / native["step_ms"][5]]
-    assert by_backend["hsdp"]["fsdp_shim"] == ["on"] * 4
-    assert by_backend["gloo"]["fsdp_shim"] == ["off"] * 4
-
-    [row] = section["results"]
-    assert (row["mesh"], row["world"], row["model"]) == ("fsdp_2", 2, "tiny")
-    for key in ("baseline", "hsdp", "gloo", "fake", "hsdp_pool", "hsdp_native"):
-        for ms in (row[key]["step_ms"], row[key]["fwd_bwd_ms"]):
-            assert math.isfinite(ms) and ms > 0, (key, row)
-    for b in ("hsdp", "gloo"):
-        assert row[b]["exposed_ms"] == pytest.approx(
-            row[b]["fwd_bwd_ms"] - row["baseline"]["fwd_bwd_ms"]
-        )
-        assert row[b]["comm_share"] == pytest.approx(row[b]["exposed_ms"] / row[b]["step_ms"])
-    assert row["speedup"] == pytest.approx(row["gloo"]["step_ms"] / row["hsdp"]["step_ms"])
-    assert "exposed_ratio_gloo_over_hsdp" in row
-    h, g, f = (row[b]["step_ms"] for b in ("hsdp", "gloo", "fake"))
+def check_times(row: dict, world: int) -> None:
+    """Every derived number from the raw step times of every rank and round."""
+    rounds = {}
+    for c in CONTENDERS:
+        per_rank = row[c]["step_ms_per_rank"]
+        assert len(per_rank) == world and all(len(ms) == STEPS for ms in per_rank), (c, row[c])
+        assert all(ms > 0 for times in per_rank for ms in times), (c, per_rank)
+        counted = [r for r in range(WARMUP, STEPS) if c != "hsdp_pool" or r % 2 == 0]
+        assert row[c]["counted_rounds"] == counted, c
+        medians = [statistics.median(ms[r] for r in counted) for ms in per_rank]
+        assert row[c]["per_rank_median_ms"] == pytest.approx(medians), c
+        assert row[c]["step_ms"] == pytest.approx(max(medians)), c
+        assert row[c]["exposed_ms"] == pytest.approx(row[c]["step_ms"] - row["fake"]["step_ms"])
+        rounds[c] = [max(times) for times in zip(*per_rank)]
+    h, g, f = (row[c]["step_ms"] for c in ("hsdp", "gloo", "fake"))
+    assert row["speedup"] == pytest.approx(g / h)
     assert row["hsdp_over_fake"] == pytest.approx(h / f)
-    if g > f:
-        assert row["overhead_vs_gloo"] == pytest.approx((h - f) / (g - f))
-    assert [v["mesh"] for v in section["verdicts"]] == ["fsdp_2"]
-    assert "hsdp/fake" in proc.stdout and "overhead" in proc.stdout
-    # Same work on both backends: fp32 losses agree.
-    assert row["hsdp"]["final_loss"] == pytest.approx(row["gloo"]["final_loss"], rel=1e-5)
-    # Pool buffers change where bytes live, not the arithmetic.
-    assert row["hsdp_pool"]["final_loss"] == row["hsdp"]["final_loss"]
-    assert row["pool_over_off"] == pytest.approx(pool["step_ms"][2] / pool["step_ms"][3])
-    assert row["pool_over_off_pairs"] == 1
-    # 1-D FSDP: the shim leaves FSDP2's reduction as it is, so the same bits.
-    # (The native run's step 4: it runs 6 steps.)
-    assert native["losses"][3] == row["hsdp"]["final_loss"]
-    assert row["native_over_shim"] == pytest.approx(native["step_ms"][3] / native["step_ms"][5])
-    assert row["native_over_shim_per_run"] == [row["native_over_shim"]]
-    assert "native/shim" in proc.stdout
-    assert "pool/off" in proc.stdout
-    # hsdp's comm stats of the last step: 11 groups gathered, 11 reduce-scattered.
-    stats = row["hsdp_comm_stats_last_step"]["fsdp"]
-    assert stats["all_gather_into_tensor"]["calls"] >= 11, row
-    assert stats["reduce_scatter_tensor"]["calls"] == 11, row
+    assert row["overhead_vs_gloo"] == (pytest.approx((h - f) / (g - f)) if g > f else None)
+    # native/shim: hsdp_native's step over hsdp's in the same round, every counted round.
+    native = [rounds["hsdp_native"][r] / rounds["hsdp"][r] for r in range(WARMUP, STEPS)]
+    # pool/off: hsdp_pool on the group's buffers (even round) over FSDP2's own (the next round).
+    pool = [rounds["hsdp_pool"][r] / rounds["hsdp_pool"][r + 1] for r in (2, 4)]
+    for key, pairs in (("native_over_shim", native), ("pool_over_off", pool)):
+        assert row[key] == pytest.approx(statistics.median(pairs)), key
+        assert row[f"{key}_pairs"] == len(pairs), key
+        q1, q3 = row[f"{key}_quartiles"]
+        assert min(pairs) <= q1 <= row[key] <= q3 <= max(pairs), (key, pairs)
+
+
+def check_losses(row: dict, native_exact: bool) -> None:
+    """The losses the suite checked, on every rank."""
+    hsdp = row["hsdp"]["final_losses"]
+    assert row["hsdp_pool"]["final_losses"] == hsdp  # buffers move no arithmetic
+    if native_exact:  # 1-D: the shim leaves FSDP2's reduce-scatter as it is
+        assert row["hsdp_native"]["final_losses"] == hsdp
+    for c in ("gloo", "hsdp_native"):
+        assert row[c]["final_losses"] == pytest.approx(hsdp, rel=1e-5), c
+
+
+def test_training_fsdp_2_ranks(tmp_path):
+    _, row = training(tmp_path, 2)
+    assert (row["mesh"], row["mesh_label"]) == ("fsdp_2", "FSDP 2")
+    check_losses(row, native_exact=True)
+    for key in ("hsdp_comm_stats_last_step", "native_comm_stats_last_step"):
+        stats = row[key]["fsdp"]  # the mesh's one group: 11 groups gathered, 11 reduce-scattered
+        assert stats["reduce_scatter_tensor"]["calls"] == 11, (key, stats)
+        assert stats["all_gather_into_tensor"]["calls"] >= 11, (key, stats)
+
+
+def test_training_hsdp_2x2(tmp_path):
+    _, row = training(tmp_path, 4)
+    assert (row["mesh"], row["mesh_label"]) == ("hsdp_2x2", "HSDP 2x2")
+    check_losses(row, native_exact=False)
+    shim, native = row["hsdp_comm_stats_last_step"], row["native_comm_stats_last_step"]
+    for stats in (shim, native):
+        assert stats["shard"]["reduce_scatter_tensor"]["calls"] == 11, stats
+    # FSDP2's native path all-reduces each group's shard; the shim buckets them.
+    assert native["replicate"]["all_reduce"]["calls"] == 11, native
+    assert 1 <= shim["replicate"]["all_reduce"]["calls"] < 11, shim
+
+
+def test_fsdp_copies_quick(tmp_path):
+    _, doc = run(tmp_path, "benchmarks", "fsdp_copies", "--quick", "--steps", "2", "--warmup", "1")
+    assert [(r["model"], r["comm_buffers"]) for r in doc["rows"]] == [
+        ("tiny", "fsdp"),
+        ("tiny", "group"),
+    ]
+    for r in doc["rows"]:
+        assert r["step_ms"] > 0 and r["profiled_step_ms"] > 0, r
+        assert set(r["share_of_step"]) == {
+            "all_gather_copy_in",
+            "all_gather_copy_out",
+            "reduce_scatter_copy_in",
+        }
+        assert all(0 < s < 1 for s in r["share_of_step"].values()), r
