@@ -10,6 +10,7 @@ reports ratios. Not part of the installed package: it measures the installed ``h
 - ``training``: FSDP2 and HSDP training steps on hsdp, gloo, torch's fake backend (the zero-cost
   limit), hsdp without its FSDP2 shim and hsdp on pool buffers.
 - ``device_calls``: hsdp's cost per call on a device's route against its plain backend.
+- ``fsdp_copies``: FSDP2's own copies around its collectives, as shares of the step.
 - ``hosts``: collectives and training across simulated hosts (needs root).
 
 Beside them: ``layer_cost`` and ``pytest_harnesses`` (one process each), ``engine_bench.cpp``

@@ -21,9 +21,7 @@ import hsdp_backend
 from benchmarks import common
 
 LAYERS = 12
-# FSDP2 calls the *_single names where torch has them (>= 2.14; the others are deprecated).
-AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+AG, RS = common.collective("all_gather"), common.collective("reduce_scatter")
 OPS = {"all_gather_into_tensor": AG, "reduce_scatter_tensor": RS}
 VARIANTS = ("gloo_per_tensor", "gloo_coalesced", "hsdp_fused")
 BUDGET_S = (2.0, 0.5)  # per variant and op: a call moves the whole model
@@ -99,8 +97,7 @@ def point(op: str, numels: list[int], dtype, ranks: common.Ranks, sampling) -> d
     fused, (a, b, c) = next(counter), (times[v]["us"] for v in VARIANTS)
     return {"op": op, "tensors": len(numels), "bytes_per_rank": nbytes, **times,
             "a_over_c": a / c, "b_over_c": b / c,
-            # nccl-tests' busbw: (W-1)/W of the W x shard bytes each rank ends with or starts from
-            "hsdp_busbw_gbps": (ranks.world - 1) * nbytes / c / 1e3,
+            "hsdp_busbw_gbps": common.busbw_gbps(op, nbytes, ranks.world, c),
             "hsdp_fused_calls": fused, "hsdp_comm_stats": hsdp_backend.comm_stats(ranks.hsdp),
             "hsdp_collectives_per_call": collectives(ranks) / fused,
             "spread": max(times[v]["spread"] for v in VARIANTS)}  # fmt: skip

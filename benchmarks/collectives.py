@@ -8,8 +8,8 @@ exact answer (a wrong collective fails the run); then the contenders are timed i
 (benchmarks/common.py). For all-gather and reduce-scatter a third contender, ``hsdp_pool``, runs
 hsdp on buffers from the group's ``allocate_tensor`` (the shared-memory pool, as FSDP2 with
 ``set_allocate_memory_from_process_group_for_comm(True)``); every one of its calls must take
-the pooled path (``buffer_stats``), or none where the engine does not read peers' memory
-(``HSDP_SHM_DIRECT_READ_BYTES``), and then the row has no pool column. ``ar_async`` and ``ar_cb`` are all_reduce issued async and
+the pooled path (``buffer_stats``). It runs where one host's engine reads peers' pool buffers (from
+``HSDP_SHM_DIRECT_READ_BYTES`` a rank, 8 KiB unless set). ``ar_async`` and ``ar_cb`` are all_reduce issued async and
 waited for, bare or through a callback chained on its future, as DDP's comm hooks do.
 
 Columns: times are the slowest rank's median per call; busbw as nccl-tests (all-gather and
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import hsdp_backend
 from benchmarks import common
+from hsdp_backend import config
 
 OPS = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
 ASYNC_OPS = ("all_reduce_async", "all_reduce_callback")
@@ -45,20 +46,20 @@ POOLED = OPS[:2]  # the buffers FSDP2 allocates: the all-gather's output, the re
 SIZES, QUICK_MAX = [4 << (2 * i + 10) for i in range(8)], 1 << 20  # 4 KiB .. 64 MiB
 LATENCY_BYTES = 8
 BUDGET_S = (0.3, 0.1)  # per point and contender (full, --quick)
-# FSDP2 calls the *_single names where torch has them (>= 2.14, the others deprecated aliases).
-ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+ALL_GATHER, REDUCE_SCATTER = common.collective("all_gather"), common.collective("reduce_scatter")
 
 
-def buffers(op: str, numel: int, ranks: common.Ranks, dtype, comm=None) -> dict:
-    """FSDP2's forms (the all-gather in place); with ``comm`` the buffer FSDP2 would allocate
-    through ``allocate_tensor`` comes from that backend."""
+def buffers(op: str, numel: int, ranks: common.Ranks, dtype, comm=None, in_place=True) -> dict:
+    """FSDP2's forms (the all-gather in place, unless not ``in_place``); with ``comm`` the buffer
+    peers read (what FSDP2 allocates through ``allocate_tensor``) comes from that backend."""
 
     def zeros(n):
         if comm is None:
             return torch.zeros(n, dtype=dtype)
         return comm.allocate_tensor(n, dtype=dtype, device=torch.device("cpu")).zero_()
 
+    if op == OPS[0] and not in_place:
+        return {"out": torch.zeros(ranks.world * numel, dtype=dtype), "in": zeros(numel)}
     if op == OPS[0]:
         out = zeros(ranks.world * numel)
         return {"out": out, "in": out.narrow(0, ranks.rank * numel, numel)}
@@ -115,7 +116,15 @@ def point(op: str, nbytes: int, dtype, ranks: common.Ranks, sampling) -> dict:
     bufs = {"hsdp": plain, "gloo": plain}
     calls = {"hsdp": bind(op, plain, ranks.hsdp), "gloo": bind(op, plain, ranks.gloo)}
     comm = ranks.hsdp._get_backend(torch.device("cpu"))
-    if op in POOLED and comm.supports_tensor_alloc(torch.device("cpu")):
+    # One host's engine reads peers' pool buffers from HSDP_SHM_DIRECT_READ_BYTES a rank (8 KiB
+    # unless set: csrc/common/Config.hpp); below, and across hosts, the pool buys nothing to time.
+    pooled_from = config.resolve().direct_read_bytes or 8 << 10
+    if (
+        op in POOLED
+        and nbytes >= pooled_from
+        and hsdp_backend.cpu_engine(ranks.hsdp) == "shm"
+        and comm.supports_tensor_alloc(torch.device("cpu"))
+    ):
         bufs["hsdp_pool"] = buffers(op, numel, ranks, dtype, comm)
         calls["hsdp_pool"] = bind(op, bufs["hsdp_pool"], ranks.hsdp)
     for name, call in calls.items():
@@ -128,9 +137,7 @@ def point(op: str, nbytes: int, dtype, ranks: common.Ranks, sampling) -> dict:
     if "hsdp_pool" in times:
         t = times["hsdp_pool"]
         expected = max(sampling.warmup, 1) + t["reps"] * t["calls_per_sample"]  # warm-up, timed
-        if pooled == 0:  # below HSDP_SHM_DIRECT_READ_BYTES the engine copies through its slots
-            del times["hsdp_pool"]
-        elif pooled != expected:
+        if pooled != expected:
             ranks.fail(
                 f"hsdp_pool {op} of {common.format_size(nbytes)}",
                 f"{pooled} of {expected} calls took the pooled path, expected all",
@@ -140,8 +147,6 @@ def point(op: str, nbytes: int, dtype, ranks: common.Ranks, sampling) -> dict:
 
 def row(op: str, nbytes: int, world: int, times: dict, memcpy_us: float) -> dict:
     all_reduce = op.startswith("all_reduce")
-    total = nbytes if all_reduce else nbytes * world
-    factor = 2 * (world - 1) / world if all_reduce else (world - 1) / world
     out = {
         "op": op,
         "bytes_per_rank": nbytes,
@@ -149,7 +154,7 @@ def row(op: str, nbytes: int, world: int, times: dict, memcpy_us: float) -> dict
         "copy_floor_us": 3 * memcpy_us if all_reduce else None,
     }
     for name, t in times.items():
-        out[name] = dict(t, busbw_gbps=factor * total / t["us"] / 1e3)
+        out[name] = dict(t, busbw_gbps=common.busbw_gbps(op, nbytes, world, t["us"]))
     out["speedup"] = times["gloo"]["us"] / times["hsdp"]["us"]
     if "hsdp_pool" in times:
         out["pool_gain"] = times["hsdp"]["us"] / times["hsdp_pool"]["us"]

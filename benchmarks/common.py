@@ -14,7 +14,9 @@ contender of a round alike, so the ratios hold when absolute numbers drift.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import ctypes
 import datetime
 import io
 import itertools
@@ -23,7 +25,9 @@ import math
 import os
 import platform
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -54,8 +58,51 @@ def format_size(n: int) -> str:
     return f"{n} B"
 
 
-def parser(doc: str | None) -> argparse.ArgumentParser:
-    """The flags every script takes; the script adds its own."""
+def collective(name: str):
+    """``dist``'s all-gather or reduce-scatter by the name FSDP2 calls it: ``*_single`` where
+    torch has it (2.14+, whose ``*_into_tensor`` / ``*_tensor`` warn on every call)."""
+    import torch.distributed as dist
+
+    single = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
+    legacy = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
+    return getattr(dist, single[name], None) or getattr(dist, legacy[name])
+
+
+def busbw_gbps(op: str, bytes_per_rank: int, world: int, us: float) -> float:
+    """nccl-tests' bus bandwidth: all-gather and reduce-scatter move bytes x W x (W-1)/W, an
+    all-reduce bytes x 2(W-1)/W, per call (GB/s: 1e9 bytes a second)."""
+    if op.startswith("all_reduce"):
+        return 2 * (world - 1) / world * bytes_per_rank / us / 1e3
+    return (world - 1) * bytes_per_rank / us / 1e3
+
+
+def dies_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
+    """A ``preexec_fn``: the child gets ``sig`` when the process that started it dies, however
+    it dies (prctl PR_SET_PDEATHSIG), so no rank or load outlives its launcher."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return lambda: libc.prctl(1, sig)  # 1: PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def cpu_load(count: int):
+    """``count`` CPU-bound processes for the block, as data-loader workers beside the ranks."""
+    spin = [
+        subprocess.Popen(
+            [sys.executable, "-c", "while True: pass"], preexec_fn=dies_with_parent(signal.SIGKILL)
+        )  # fmt: skip
+        for _ in range(count)
+    ]
+    try:
+        yield
+    finally:
+        for s in spin:
+            s.kill()
+            s.wait()
+
+
+def parser(doc: str | None, sampling: bool = True) -> argparse.ArgumentParser:
+    """The flags every script takes (with ``sampling``, those of ``measure``); the script adds
+    its own."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -65,6 +112,8 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     )
     p.add_argument("--csv", action="store_true", help="the rows as CSV after the table")
     p.add_argument("-v", "--verbose", action="store_true", help="each point as it is measured")
+    if not sampling:
+        return p
     s = p.add_argument_group("sampling, per point and contender")
     s.add_argument("--time-per-point", type=float, default=None, metavar="S")
     s.add_argument("--iters", type=int, default=None, metavar="N", help="exactly N samples")
@@ -149,7 +198,7 @@ def mismatch(got, want, tol: float = 0.0) -> str | None:
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
     g, w = got.double().flatten(), want.double().flatten()
-    bad = (g - w).abs() > tol * w.abs()
+    bad = ~((g - w).abs() <= tol * w.abs())  # a NaN is bad too
     if not bad.any():
         return None
     i = int(bad.nonzero()[0])
@@ -163,14 +212,28 @@ def _time_calls(fn: Callable[[], Any], calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def measure(ranks: Ranks, calls: dict[str, Callable[[], Any]], sampling: Sampling) -> dict:
+def measure(
+    ranks: Ranks,
+    calls: dict[str, Callable[[], Any]],
+    sampling: Sampling,
+    settle: Callable[[], Any] | None = None,
+) -> dict:
     """Times the contenders interleaved; per contender ``{"us", "per_rank_us", "reps",
-    "calls_per_sample", "spread"}``, the same on every rank (see the module's docstring)."""
+    "calls_per_sample", "spread"}``, the same on every rank (see the module's docstring).
+    ``settle`` runs untimed after every sample (a device's synchronize: no sample pays for
+    the kernels another left queued)."""
     import torch
     import torch.distributed as dist
 
+    settle = settle or (lambda: None)
     names = list(calls)
-    warm = [min(_time_calls(f, 1) for _ in range(max(sampling.warmup, 1))) for f in calls.values()]
+
+    def warm_up(fn) -> float:
+        t = min(_time_calls(fn, 1) for _ in range(max(sampling.warmup, 1)))
+        settle()
+        return t
+
+    warm = [warm_up(f) for f in calls.values()]
     est = torch.tensor([min(warm)], dtype=torch.float64)
     dist.all_reduce(est, op=dist.ReduceOp.MAX, group=ranks.gloo)
     per_sample = max(1, min(MAX_CALLS_PER_SAMPLE, math.ceil(SAMPLE_S / max(est.item(), 1e-7))))
@@ -185,6 +248,7 @@ def measure(ranks: Ranks, calls: dict[str, Callable[[], Any]], sampling: Samplin
             if k:
                 dist.barrier(group=ranks.gloo)
             samples[n].append(_time_calls(calls[n], per_sample))
+            settle()
     mine = torch.tensor([[statistics.median(samples[n]) * 1e6] for n in names], dtype=torch.float64)
     every = [torch.empty_like(mine) for _ in range(ranks.world)]
     dist.all_gather(every, mine, group=ranks.gloo)

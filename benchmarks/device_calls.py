@@ -25,8 +25,7 @@ from benchmarks import common
 SIZES = {False: "8,1K,64K,1M,16M,256M", True: "8,64K,16M"}
 BLOCK = 16
 OPS = ("all_reduce_sum", "all_reduce_avg", "reduce_scatter", "all_gather", "rs_coalesced16")
-AG = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+AG, RS = common.collective("all_gather"), common.collective("reduce_scatter")
 
 
 def data(numel: int, offset: float, device=None) -> torch.Tensor:
@@ -44,12 +43,12 @@ def bind(op: str, n: int, group, device, rank: int, world: int):
         want = (data(n, 0) * world + ranksum) / (world if avg else 1)
         return (lambda: dist.all_reduce(t, op=redop, group=group)), [t], want
     if op == "all_gather":
-        inp, out = data(n, rank, device), torch.empty(n * world, device=device)
+        inp, out = data(n, rank, device), torch.full((n * world,), float("nan"), device=device)
         want = torch.cat([data(n, s) for s in range(world)])
         return (lambda: AG(out, inp, group=group)), [out], want
     m = n if op == "reduce_scatter" else max(1, n // BLOCK)
     ins = [data(m * world, rank, device) for _ in range(1 if op == "reduce_scatter" else BLOCK)]
-    outs = [torch.empty(m, device=device) for _ in ins]
+    outs = [torch.full((m,), float("nan"), device=device) for _ in ins]  # unwritten: wrong
     want = data(m * world, 0)[rank * m : (rank + 1) * m] * world + ranksum
     if op == "reduce_scatter":
         return (lambda: RS(outs[0], ins[0], group=group)), outs, want
@@ -79,7 +78,7 @@ def point(op: str, nbytes: int, groups: dict, device, sync, ranks: common.Ranks,
             outs[0].zero_()  # in place: a sum of zeros stays finite however often it runs
         calls[f"{name} host"] = call
         calls[f"{name} sync"] = lambda call=call: (call(), sync())
-    times = common.measure(ranks, calls, sampling)
+    times = common.measure(ranks, calls, sampling, settle=sync)
     sync()
     row = {
         "op": op,
@@ -88,6 +87,9 @@ def point(op: str, nbytes: int, groups: dict, device, sync, ranks: common.Ranks,
     }
     row["host_ratio"] = row["hsdp_host_us"] / row["plain_host_us"]
     row["sync_ratio"] = row["hsdp_sync_us"] / row["plain_sync_us"]
+    if "default_host_us" in row:  # the user's "nccl", where it is another backend
+        row["default_host_ratio"] = row["hsdp_host_us"] / row["default_host_us"]
+        row["default_sync_ratio"] = row["hsdp_sync_us"] / row["default_sync_us"]
     row["spread"] = max(t["spread"] for t in times.values())
     return row
 

@@ -76,13 +76,17 @@ COLUMNS = [
 
 
 def main() -> None:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, sampling=False)
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="untimed steps first (default %d)" % WARMUP_STEPS)  # fmt: skip
     p.add_argument("--models", metavar="M[,M...]", help="default: small,tiny (--quick: tiny)")
     p.add_argument("--steps", type=int, metavar="N", help="unprofiled, profiled (8, --quick 4)")
     p.add_argument(
         "--comm-buffers", default="fsdp,group", metavar="B[,B...]", help="FSDP2's own, the group's"
     )
     args = p.parse_args()
+    if unknown := set(args.comm_buffers.split(",")) - {"fsdp", "group"}:
+        p.error(f"--comm-buffers: unknown {sorted(unknown)}; fsdp, group")
     torch.set_flush_denormal(True)
     ranks = common.init(args)
     steps = args.steps or (4 if args.quick else 8)

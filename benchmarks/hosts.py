@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 
 from tools import simhosts
@@ -37,7 +38,13 @@ def launch(hosts: simhosts.SimHosts, module: str, flags: list[str], timeout_s: f
         raise SystemExit(f"hosts: {module} failed across hosts: torchrun exit codes {codes}")
 
 
+def _on_signal(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through SimHosts: namespaces and veths go
+
+
 def main() -> None:
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

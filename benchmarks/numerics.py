@@ -19,7 +19,7 @@ import torch.distributed as dist
 from benchmarks import common
 
 DTYPES = ("bfloat16", "float16")
-RS = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+RS = common.collective("reduce_scatter")
 NUMEL = {False: (1 << 20, 256 << 10), True: (64 << 10, 16 << 10)}  # (all_reduce, rs out) a rank
 SLACK = 1e-3  # hsdp divides in fp32 before its final rounding
 FLAGS = ("hsdp_within_half_ulp", "hsdp_max_le_gloo", "hsdp_mean_le_gloo")
@@ -97,7 +97,7 @@ COLUMNS = [
 
 
 def main() -> None:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, sampling=False)
     p.add_argument("--ar-numel", type=common.parse_size, help="all_reduce elements a rank (1M)")
     p.add_argument("--rs-numel", type=common.parse_size, help="reduce_scatter out a rank (256K)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the inputs")

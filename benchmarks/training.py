@@ -22,8 +22,8 @@ of equal ranks and names for one). Each round every contender makes one training
 round's batch, after a barrier, in the order above on even rounds and reversed on odd ones, so
 noise hits all alike. hsdp_native ends an even round and starts the next: the shim is disabled
 before that pair of steps and enabled after it (enable() proves it again), and after each switch
-the contender that runs next settles with an untimed forward and backward, its gradients dropped:
-every training step is timed and all contenders train alike. The first --warmup rounds are not
+one more hsdp copy of the model, never timed, makes a forward and backward (its gradients
+dropped), where the switch's first-step costs land: every contender's steps are timed alike. The first --warmup rounds are not
 counted.
 
 Checked on every rank after every round, before the next: round 0's losses of hsdp, gloo,
@@ -153,12 +153,13 @@ def train(ranks: common.Ranks, model: str, steps: int, args, meshes) -> dict:
     step times and losses, the model's parameter count, hsdp's and native's last comm_stats."""
     spec = argparse.Namespace(**MODELS[model], seed=SEED)
     cs = {c: Contender(meshes[c if c in ("gloo", "fake") else "hsdp"], spec) for c in CONTENDERS}
+    settler = Contender(meshes["hsdp"], spec)  # never timed: a switch's first step lands on it
     if not hsdp_backend.fsdp.is_enabled():
         ranks.fail("hsdp_backend.fsdp", "the FSDP2 shim is not installed (see its warning)")
     hsdp_mesh = meshes["hsdp"]
     stats_groups = {d: hsdp_mesh.get_group(d) for d in hsdp_mesh.mesh_dim_names}
     data = ex.SyntheticData(spec.vocab, args.seq_len, BATCH_SIZE, SEED, ranks.rank)
-    settle, stats = False, {}
+    stats = {}
     for r in range(steps):
         batch = data.next_batch()
         for name in CONTENDERS if r % 2 == 0 else CONTENDERS[::-1]:
@@ -167,10 +168,7 @@ def train(ranks: common.Ranks, model: str, steps: int, args, meshes) -> dict:
                 ex.set_comm_buffers(c.modules, "fsdp" if r % 2 else "group")
             if name == NATIVE and r % 2 == 0:  # a pair of native steps begins
                 hsdp_backend.fsdp.disable()
-                settle = True
-            if settle:  # the first step after a switch
-                c.settle(batch)
-                settle = False
+                settler.settle(batch)
             last = name in ("hsdp", NATIVE) and r == steps - 1
             for g in stats_groups.values() if last else ():
                 hsdp_backend.reset_comm_stats(g)
@@ -181,7 +179,7 @@ def train(ranks: common.Ranks, model: str, steps: int, args, meshes) -> dict:
             if name == NATIVE and (r % 2 or r == steps - 1):  # the pair ends
                 if not hsdp_backend.fsdp.enable():
                     ranks.fail("hsdp_backend.fsdp.enable()", "the shim did not install again")
-                settle = True
+                settler.settle(batch)
         check(ranks, model, r, cs, hsdp_mesh.ndim == 1)
     ranks.log(f"{model}: {steps} rounds, losses checked")
     mine = {n: {"ms": c.ms, "losses": c.losses} for n, c in cs.items()}
@@ -273,7 +271,9 @@ steps (< 1: the first is faster), with their quartiles."""
 
 
 def main() -> None:
-    p = common.parser(__doc__)
+    p = common.parser(__doc__, sampling=False)
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="rounds not counted (default %d)" % WARMUP_STEPS)  # fmt: skip
     p.add_argument(
         "--models",
         default=None,
@@ -291,9 +291,6 @@ def main() -> None:
     )
     p.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N", help="tokens per sample")
     args = p.parse_args()
-    sampling = ("time_per_point", "iters", "min_reps", "max_reps")
-    if unused := [k for k in sampling if getattr(args, k) != p.get_default(k)]:
-        p.error(f"--{unused[0].replace('_', '-')}: not for training (see --steps)")
     models = (args.models or ",".join(QUICK_MODELS if args.quick else MODELS)).split(",")
     if unknown := [m for m in models if m not in MODELS]:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")

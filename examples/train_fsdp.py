@@ -343,8 +343,8 @@ def apply_fsdp(
             reduce-scatter buffers itself), ``"group"`` (from the process
             group: ``set_allocate_memory_from_process_group_for_comm``; on
             hsdp, CPU buffers its peers read directly, NCCL's pool on CUDA)
-            or ``"default"`` (the backend's choice: on hsdp's CPU shared-
-            memory groups the group's, else FSDP2's). ``"alternate"``:
+            or ``"default"`` (no call: FSDP2's own unless the module asks).
+            ``"alternate"``:
             :func:`train` switches every step.
     """
     mp_policy = mixed_precision_policy(mixed_precision)
@@ -605,7 +605,7 @@ def get_parser(description: str = __doc__) -> argparse.ArgumentParser:
         default="default",
         help="where FSDP2's all-gather and reduce-scatter buffers come from: fsdp (its own), "
         "group (the process group's allocate_tensor; on hsdp, memory its peers read directly) or "
-        "default (the backend's choice: group on hsdp's CPU shared-memory groups); alternate: "
+        "default (no call: FSDP2's own); alternate: "
         "group on odd steps, fsdp on even ones (a paired comparison in one run)",
     )
     parser.add_argument(

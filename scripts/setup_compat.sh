@@ -10,7 +10,8 @@
 # and a minute or two to install, so a second run (or a second clone) reuses
 # it. The package is an editable install of the clone's sources, rebuilt in
 # the clone's build/torch<version> only when its native sources or the clone
-# differ from those the venv's copy was built from (scripts/venv_steps.sh).
+# differ from those the venv's copy was built from (scripts/venv_steps.sh), so
+# two clones must not run their compat stages at the same time.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/venv_steps.sh

@@ -42,9 +42,9 @@ ensure_modules() {
 build_package() {
   local py=$1 stamp_file=$2 root=$PWD native
   shift 2
-  # The build's options and the clone are part of its inputs.
+  # The build's options, the clone and the torch built against are part of its inputs.
   # tests/cpp/backend_test.cpp: the tests' build (HSDP_BUILD_TESTING) compiles it too.
-  native=$( (echo "$@" "$root"; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
+  native=$( (echo "$@" "$root"; "$py" -c 'import torch; print(torch.__version__)'; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
   local built=""
   read -r built 2> /dev/null < "$stamp_file" || true
   # Imported from elsewhere than the repository root, so that the installed
@@ -59,7 +59,7 @@ build_package() {
   fi
   echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (a minute or two on 2 cores)"
   # --no-build-isolation: build against the torch in the venv, never a second one.
-  "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" --editable .
+  "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" --editable . || return 1
   mkdir -p "$(dirname "$stamp_file")"
   echo "$native" > "$stamp_file"
 }

@@ -88,7 +88,7 @@ class Scenario:
 
 
 SCENARIOS: dict[str, Scenario] = {
-    # FSDP2's own buffers, chosen by the user over the shim's default.
+    # FSDP2's own buffers, chosen by the user (the same call with False).
     "fsdp_w2": Scenario(mesh=(2,), explicit_prefetch=True, pg_alloc=False),
     "fsdp_w2_bf16": Scenario(mesh=(2,), mp="bf16"),
     # vocab 127: the embedding and output rows do not split evenly (FSDP2 pads dim 0).

@@ -157,9 +157,9 @@ def rank_main(rank: int, world: int, config: dict) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="hsdp-breakdown-") as scratch:
         for op, nbytes in config["points"]:
-            bufs = peers.buffers(op, max(1, nbytes // 4), rank, world)
+            bufs = peers.buffers(op, max(1, nbytes // 4), ranks)
             call = peers.bind(op, bufs, ranks.hsdp)
-            wrong = peers.check(op, bufs, call, rank, world)
+            wrong = peers.check(op, bufs, call, ranks)
             if wrong:
                 ranks.fail(f"hsdp {op} {format_size(nbytes)}", f"wrong result: {wrong}")
             for _ in range(200):
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     cols = [Column("op", lambda r: r["op"]), Column("size", lambda r: format_size(r["bytes"]))]
     cols += [Column("us/call", lambda r: r["us"]), Column("sampled", lambda r: r["sampled_us"])]
     cols += [Column(part, _part_us(part)) for part in PART_NAMES]
-    with peers.loaded(args.load):
+    with common.cpu_load(args.load):
         for world in args.ranks:
             out = peers.launch(rank_main, world, env, deadline, config=config)
             notes = [f"no breakdown ({out['perf_problem']})"] if out["perf_problem"] else []

@@ -39,11 +39,10 @@ import functools
 import gc
 import os
 import pickle
-import subprocess
 import sys
 import time
 
-from benchmarks import common
+from benchmarks import collectives, common
 from benchmarks.common import Column, format_size
 from tools import peer_env
 from tools.ranks import RankFailure, free_port, run_ranks
@@ -58,66 +57,26 @@ TIMEOUT_S = (1800.0, 420.0)
 LABEL = {"gloo": "gloo", "ompi": "ompi", "mpich": "mpich", "deepspeed": "ds"}
 
 
-def buffers(op: str, numel: int, rank: int, world: int, comm=None) -> dict:
-    """The op's buffers; with ``comm`` (a c10d Backend), the ones peers read (the all-gather's
-    input, the reduce-scatter's input) come from its allocate_tensor."""
+# The peers' ops as the collectives suite's (its buffers, binders and exact check).
+AG, RS, AR = collectives.OPS
+AS_COLLECTIVE = {"all_gather": AG, "all_gather_inplace": AG, "reduce_scatter": RS, "all_reduce": AR}
+
+
+def buffers(op: str, numel: int, ranks, comm=None) -> dict:
+    """The op's fp32 buffers; with ``comm`` (a c10d Backend), the ones peers read (the
+    all-gather's input, the reduce-scatter's input) come from its allocate_tensor."""
     import torch
 
-    def zeros(n):
-        if comm is None:
-            return torch.zeros(n)
-        return comm.allocate_tensor(n, dtype=torch.float32, device=torch.device("cpu")).zero_()
-
-    if op == "all_gather":
-        return {"out": torch.zeros(world * numel), "in": zeros(numel)}
-    if op == "all_gather_inplace":
-        out = zeros(world * numel)
-        return {"out": out, "in": out.narrow(0, rank * numel, numel)}
-    if op == "reduce_scatter":
-        return {"out": torch.zeros(numel), "in": zeros(world * numel)}
-    return {"t": torch.zeros(numel)}
+    in_place = op != "all_gather"
+    return collectives.buffers(AS_COLLECTIVE[op], numel, ranks, torch.float32, comm, in_place)
 
 
 def bind(op: str, bufs: dict, group):
-    """One synchronous torch.distributed call of ``op`` on ``bufs`` over ``group``, resolved up
-    front (FSDP2 calls the *_single names where torch has them: the same backend entry points)."""
-    import torch.distributed as dist
-
-    sum_ = dist.ReduceOp.SUM
-    if op == "all_reduce":
-        t = bufs["t"]
-        return lambda: dist.all_reduce(t, op=sum_, group=group)
-    out, inp = bufs["out"], bufs["in"]
-    if op == "reduce_scatter":
-        fn = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        return lambda: fn(out, inp, op=sum_, group=group)
-    fn = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    return lambda: fn(out, inp, group=group)
+    return collectives.bind(AS_COLLECTIVE[op], bufs, group)
 
 
-def check(op: str, bufs: dict, call, rank: int, world: int) -> str | None:
-    """Runs ``call`` once on rank-dependent data: None when the result is exact, else what is
-    wrong. Leaves all_reduce's tensor zeroed, so timed sums stay finite."""
-    import torch
-
-    tri = world * (world + 1) // 2
-    if op == "all_reduce":
-        bufs["t"].fill_(rank + 1)
-        call()
-        wrong = common.mismatch(bufs["t"], torch.full_like(bufs["t"], tri))
-        bufs["t"].zero_()
-        return wrong
-    if op == "reduce_scatter":
-        for j, chunk in enumerate(bufs["in"].view(world, -1)):  # chunk j of rank r: (r+1)(j+1)
-            chunk.fill_((rank + 1) * (j + 1))
-        bufs["out"].fill_(-1)
-        call()
-        return common.mismatch(bufs["out"], torch.full_like(bufs["out"], (rank + 1) * tri))
-    bufs["out"].fill_(-1)
-    bufs["in"].fill_(rank + 1)
-    call()
-    got = bufs["out"].view(world, -1)
-    return common.mismatch(got, torch.arange(1.0, world + 1).unsqueeze(1).expand_as(got))
+def check(op: str, bufs: dict, call, ranks) -> str | None:
+    return collectives.check(AS_COLLECTIVE[op], bufs, call, ranks)
 
 
 def _mpi_binder(comm):
@@ -191,18 +150,18 @@ def measure_points(ranks: common.Ranks, config: dict, peers: dict, problems: dic
     out = []
     for op, nbytes in config["points"]:
         numel, where = nbytes // 4, f"{op} {format_size(nbytes)}"
-        bufs = buffers(op, numel, ranks.rank, ranks.world)
+        bufs = buffers(op, numel, ranks)
         calls = {"hsdp": bind(op, bufs, ranks.hsdp), "gloo": bind(op, bufs, ranks.gloo)}
         own = dict.fromkeys(calls, bufs)
         if pool and op in POOL_OPS:
-            own[POOL] = buffers(op, numel, ranks.rank, ranks.world, comm)
+            own[POOL] = buffers(op, numel, ranks, comm)
             calls[POOL] = bind(op, own[POOL], ranks.hsdp)
         for name, binder in peers.items():
             call = None if name in problems else binder(op, bufs)
             if call is not None:
                 calls[name], own[name] = call, bufs
         for name in list(calls):
-            wrong = check(op, own[name], calls[name], ranks.rank, ranks.world)
+            wrong = check(op, own[name], calls[name], ranks)
             if _anyone(ranks, wrong is not None):  # every rank drops the peer (or fails) at once
                 if name in ("hsdp", "gloo", POOL):
                     ranks.fail(f"{name} {where}", f"wrong result: {wrong or 'on another rank'}")
@@ -239,7 +198,7 @@ def _floors(ranks: common.Ranks, sampling: common.Sampling) -> dict:
     bufs = {"t": torch.zeros(LATENCY_BYTES // 4)}
     calls = {name: bind("all_reduce", bufs, g) for name, g in groups.items()}
     for name, call in calls.items():
-        wrong = check("all_reduce", bufs, call, ranks.rank, ranks.world)
+        wrong = check("all_reduce", bufs, call, ranks)
         if wrong:
             ranks.fail(f"{name} all_reduce 8 B", wrong)
     return common.measure(ranks, calls, sampling)
@@ -303,18 +262,6 @@ def launch_flags(p: argparse.ArgumentParser, ranks: list[int]) -> None:
     p.add_argument("--load", type=cores, default=0, metavar="N|cores", help="busy processes beside")
 
 
-@contextlib.contextmanager
-def loaded(n: int):
-    """``n`` CPU-bound processes beside the ranks, as data-loader workers would be."""
-    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for s in spin:
-            s.kill()
-            s.wait()
-
-
 def launch(fn, world: int, env: dict, deadline: float, **kwargs):
     """Rank 0's ``fn(rank, world, **kwargs)`` from ``world`` fresh ranks; exits on a failure."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
@@ -362,8 +309,7 @@ def rows_of(world: int, found: dict, launches: dict, mc1: dict, mc2: dict) -> tu
     rows = []
     for p in launches["main"]["points"]:
         op, n, us = p["op"], p["bytes"], p["us"]
-        bus_bytes = 2 * (world - 1) / world * n if op == "all_reduce" else (world - 1) * n
-        busbw = bus_bytes / us["hsdp"]["us"] / 1e3  # GB/s, as nccl-tests counts
+        busbw = common.busbw_gbps(op, n, world, us["hsdp"]["us"])
         row = {"world": world, "op": op, "bytes_per_rank": n, POOL: us.get(POOL)}
         row["hsdp"] = {**us["hsdp"], "busbw_gbps": busbw}
         row["peers"] = {peer: _cell(peer, op, n, st, points) for peer, st in status.items()}
@@ -465,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(kv.split("=", 1) for kv in args.env)
     deadline = time.monotonic() + (args.timeout or TIMEOUT_S[args.quick])
     torch.set_num_threads(1)
-    with loaded(args.load):
+    with common.cpu_load(args.load):
         print("looking for peers (DeepSpeed's shm op is built here if setup did not)...")
         found = peer_env.find_peers(args.peers)
         print("memcpy in 1 and 2 processes, 1 thread each...", flush=True)

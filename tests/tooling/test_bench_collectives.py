@@ -2,8 +2,8 @@
 the pool contender on the pooled path, the JSON's ratios its times' quotients, the loaded mode.
 
 Run as the docs say, ``python -m benchmarks collectives`` from the repository root, in its smallest
-form; and its exact check on its own, against a collective that answers right and one that does
-not."""
+form; a run past its --timeout, stopped with every process of it; and its exact check on its
+own, against a collective that answers right and one that does not, a NaN and a wrong shape."""
 
 import json
 import pathlib
@@ -114,3 +114,23 @@ def test_the_check_tells_a_right_collective_from_a_wrong_one(op):
         op, bufs, lambda: (right(), bufs.get("out", bufs.get("t"))[1:2].add_(1)), ranks
     )
     assert problem is not None and "element" in problem
+
+
+def test_a_run_past_its_timeout_is_stopped_with_every_process_of_it():
+    proc = run_module("benchmarks", "collectives", "--ranks", "2", "--sizes", "16M", "--load", "1",
+                      "--time-per-point", "60", "--json", "", "--timeout", "10", ok=False)  # fmt: skip
+    assert proc.returncode == 124, proc.stdout + proc.stderr[-3000:]
+    assert "passed --timeout; stopped" in proc.stderr
+    left = subprocess.run(["pgrep", "-f", "benchmarks.collectives|while True: pass"],
+                          capture_output=True, text=True).stdout.split()  # fmt: skip
+    assert not left, f"processes outlived the run: {left}"
+
+
+def test_the_check_calls_nan_and_a_wrong_shape_wrong():
+    import torch
+
+    from benchmarks import common
+
+    assert common.mismatch(torch.ones(3), torch.ones(3)) is None
+    assert "element 1" in common.mismatch(torch.tensor([1.0, float("nan"), 1.0]), torch.ones(3))
+    assert "shape" in common.mismatch(torch.ones(2), torch.ones(3))

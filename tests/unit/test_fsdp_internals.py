@@ -127,7 +127,8 @@ def _one_param_group():
 def test_the_adapter_reads_a_real_param_group():
     with _one_param_group() as (model, param_group):
         assert FSDP2.device(param_group) == torch.device("cpu")
-        assert FSDP2.param_group_of(model) is param_group
+        assert FSDP2.param_groups_of(model) == [param_group]
+        assert not FSDP2.has_custom_comms(param_group)
         groups = FSDP2.shard_groups(param_group)
         assert groups and all(dist.get_backend(g) == "hsdp" for g in groups)
         assert FSDP2.mesh_groups(param_group)

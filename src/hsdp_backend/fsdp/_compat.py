@@ -400,18 +400,21 @@ def _reset_iter_state(self, *args, **kwargs):
 
 def use_group_buffers(model, enable: bool) -> int:
     """``hsdp_backend.fsdp.use_group_buffers``: FSDP2's public setter, called
-    for each FSDP module whose groups all have a pool (or, to undo, every one)."""
+    for each FSDP module whose param groups all have pools (to undo: all
+    but those with a custom all-gather or reduce-scatter, which FSDP2's
+    setter refuses). Every module is chosen before any is set."""
     fsdp_module = FSDP2.fsdp_module_class()
-    count = 0
+    chosen = []
     for module in model.modules() if fsdp_module is not None else ():
         if not isinstance(module, fsdp_module):
             continue
-        param_group = FSDP2.param_group_of(module)
-        if param_group is None or (enable and not _groups_have_pools(param_group)):
-            continue
+        groups = FSDP2.param_groups_of(module)
+        if groups and not any(FSDP2.has_custom_comms(g) for g in groups):
+            if not enable or all(_groups_have_pools(g) for g in groups):
+                chosen.append(module)
+    for module in chosen:
         module.set_allocate_memory_from_process_group_for_comm(enable)
-        count += 1
-    return count
+    return len(chosen)
 
 
 def _groups_have_pools(param_group) -> bool:

@@ -93,9 +93,22 @@ class Fsdp2:
         return None
 
     @staticmethod
-    def param_group_of(fsdp_module):
-        """An FSDP module's param group (None: ``fully_shard`` gave it no parameters)."""
-        return fsdp_module._get_fsdp_state()._fsdp_param_group
+    def param_groups_of(fsdp_module) -> list:
+        """An FSDP module's param groups: FSDP2 keeps a list from 2.12 (one per
+        mesh of ``shard_placement_fn``), one or none before."""
+        state = fsdp_module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is not None:
+            return list(groups)
+        return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
+
+    @staticmethod
+    def has_custom_comms(param_group) -> bool:
+        """A ``set_custom_all_gather``/``set_custom_reduce_scatter`` of the user's,
+        with which FSDP2's process-group allocation cannot be set."""
+        names = (type(param_group._all_gather_comm).__name__,
+                 type(param_group._reduce_scatter_comm).__name__)  # fmt: skip
+        return any(not n.startswith(("Default", "ProcessGroupAlloc")) for n in names)
 
     # What the shim reads of a param group.
 
