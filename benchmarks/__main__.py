@@ -29,28 +29,22 @@ STOP_GRACE_S = 30.0  # for torchrun to stop its ranks after SIGTERM
 
 
 def _worlds(text: str) -> list[int]:
-    try:
-        worlds = [int(w) for w in text.split(",") if w.strip()]
-    except ValueError:
-        worlds = []
-    if not worlds or min(worlds) < 1:
+    worlds = [w.strip() for w in text.split(",") if w.strip()]
+    if not worlds or not all(w.isdigit() and int(w) >= 1 for w in worlds):
         raise argparse.ArgumentTypeError(f"world sizes >= 1, e.g. 2,4; got {text!r}")
-    return worlds
+    return [int(w) for w in worlds]
 
 
 def _load(text: str) -> int:
-    if text == "cores":
-        return len(os.sched_getaffinity(0))
-    if not text.isdigit():
+    if text != "cores" and not text.isdigit():
         raise argparse.ArgumentTypeError(f"a count >= 0 or 'cores'; got {text!r}")
-    return int(text)
+    return len(os.sched_getaffinity(0)) if text == "cores" else int(text)
 
 
 def _env(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
+    if "=" not in text[1:]:
         raise argparse.ArgumentTypeError(f"KEY=VALUE; got {text!r}")
-    return key, value
+    return tuple(text.split("=", 1))
 
 
 def _stop(proc: subprocess.Popen) -> None:

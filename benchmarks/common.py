@@ -63,9 +63,8 @@ def collective(name: str):
     torch has it (2.14+, whose ``*_into_tensor`` / ``*_tensor`` warn on every call)."""
     import torch.distributed as dist
 
-    single = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single"}
     legacy = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor"}
-    return getattr(dist, single[name], None) or getattr(dist, legacy[name])
+    return getattr(dist, f"{name}_single", None) or getattr(dist, legacy[name])
 
 
 def busbw_gbps(op: str, bytes_per_rank: int, world: int, us: float) -> float:
@@ -291,10 +290,8 @@ def memcpy_us(nbytes: int, dtype, sampling: Sampling) -> float:
 def machine() -> dict:
     import torch
 
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in _lines("/proc/cpuinfo") if ln.startswith("model")),
-        "unknown",
-    )
+    with open("/proc/cpuinfo") as f:  # Linux, as hsdp
+        cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "?")
     return {
         "cpu_model": cpu,
         "cpus": len(os.sched_getaffinity(0)),
@@ -303,14 +300,6 @@ def machine() -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
-
-
-def _lines(path: str) -> list[str]:
-    try:
-        with open(path) as f:
-            return f.readlines()
-    except OSError:
-        return []
 
 
 @dataclass(frozen=True)
