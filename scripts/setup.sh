@@ -43,5 +43,5 @@ fi
 source scripts/compiler_cache.sh
 # The tests' build: with the tests' module beside the package (hsdp_testing:
 # the NCCL-contract double, the engine's kernel for the benchmarks).
-build_package "$PY" build/.setup-stamp -C cmake.define.HSDP_BUILD_TESTING=ON
+build_package "$PY" build/.setup-stamp editable -C cmake.define.HSDP_BUILD_TESTING=ON
 echo "[setup] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -8,9 +8,9 @@
 # The venvs live outside the clone (HSDP_VENV_CACHE, default
 # ~/.cache/hsdp-backend): a CUDA build of torch with its libraries is 5 GB
 # and a minute or two to install, so a second run (or a second clone) reuses
-# it. The package is an editable install of the clone's sources, rebuilt in
-# the clone's build/torch<version> only when its native sources or the clone
-# differ from those the venv's copy was built from (scripts/venv_steps.sh), so
+# it. The package is a copy (not an editable install: the venv outlives the
+# clone), rebuilt in the clone's build/torch<version> when its sources or the
+# clone differ from those the venv's copy was built from (scripts/venv_steps.sh);
 # two clones must not run their compat stages at the same time.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -48,7 +48,7 @@ ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,expectt
 # the venv, which is what the build went into. A clone without this
 # release's C++ tests (scripts/test.sh runs them) builds, whatever the stamp.
 [ -x "build/torch$MINOR/backend_tests" ] || rm -f "$VENV/.hsdp-build-stamp"
-build_package "$PY" "$VENV/.hsdp-build-stamp" -C "build-dir=build/torch$MINOR" \
+build_package "$PY" "$VENV/.hsdp-build-stamp" wheel -C "build-dir=build/torch$MINOR" \
   -C cmake.define.HSDP_BUILD_TESTING=ON >&2
 echo "[setup-compat] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')" >&2
 echo "$PY"

@@ -33,18 +33,26 @@ ensure_modules() {
   fi
 }
 
-# build_package PY STAMP_FILE [PIP_ARGS...]: installs the package into PY's
-# venv as scikit-build-core's editable install (its Python files are this
-# clone's src/, so a change to them needs no step; the extension and the
-# tests' module are built into the venv), again when an input of the build
-# changed since the last install, the venv's install is another clone's, or
-# the installed extension does not import.
+# The set-up's own imports of torch must not load hsdp through torch's
+# device-backend autoload: a venv whose install is broken (a deleted clone's
+# editable install) must still be repairable.
+export TORCH_DEVICE_BACKEND_AUTOLOAD=0
+
+# build_package PY STAMP_FILE MODE [PIP_ARGS...]: installs the package into
+# PY's venv, again when an input of the build changed since the last install
+# or the installed extension does not import. MODE editable: scikit-build-core's
+# editable install, for a venv inside the clone (its Python files are the
+# clone's src/, so a change to them needs no step; the extension and the tests'
+# module are built into the venv). MODE wheel: a copy, for a venv that clones
+# share (scripts/setup_compat.sh), which must not point into one of them; its
+# Python files are inputs of the build too.
 build_package() {
-  local py=$1 stamp_file=$2 root=$PWD native
-  shift 2
-  # The build's options, the clone and the torch built against are part of its inputs.
+  local py=$1 stamp_file=$2 mode=$3 root=$PWD native python_files=""
+  shift 3
+  [ "$mode" = wheel ] && python_files=$(find src -type f -name '*.py' | sort | xargs sha256sum)
+  # The build's options, the torch built against and (for a copy) the Python files are inputs.
   # tests/cpp/backend_test.cpp: the tests' build (HSDP_BUILD_TESTING) compiles it too.
-  native=$( (echo "$@" "$root"; "$py" -c 'import torch; print(torch.__version__)'; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
+  native=$( (echo "$mode" "$@" "$root"; echo "$python_files"; "$py" -c 'import torch; print(torch.__version__)'; cat pyproject.toml CMakeLists.txt tests/cpp/backend_test.cpp $(find csrc cmake src -type f \( -name '*.cmake' -o -name '*.cpp' -o -name '*.hpp' -o -name CMakeLists.txt \) | sort)) | sha256sum | cut -d' ' -f1)
   local built=""
   read -r built 2> /dev/null < "$stamp_file" || true
   # Imported from elsewhere than the repository root, so that the installed
@@ -57,9 +65,11 @@ build_package() {
   if [ "$built" = "$native" ] && (cd /tmp && "$python" -c "import $modules") 2> /dev/null; then
     return 0
   fi
-  echo "[setup] building hsdp_backend against $("$py" -c 'import torch; print("torch", torch.__version__)') (a minute or two on 2 cores)"
+  local how=()
+  [ "$mode" = editable ] && how=(--editable)
+  echo "[setup] building hsdp_backend ($mode) against $("$py" -c 'import torch; print("torch", torch.__version__)') (a minute or two on 2 cores)"
   # --no-build-isolation: build against the torch in the venv, never a second one.
-  "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" --editable . || return 1
+  "$py" -m pip install --quiet --no-build-isolation --no-deps "$@" "${how[@]}" . || return 1
   mkdir -p "$(dirname "$stamp_file")"
   echo "$native" > "$stamp_file"
 }

@@ -60,7 +60,7 @@ def test_an_up_to_date_venv_is_left_alone_whichever_way_its_python_is_named():
             [
                 "bash",
                 "-c",
-                'source scripts/venv_steps.sh && build_package "$0" build/.setup-stamp '
+                'source scripts/venv_steps.sh && build_package "$0" build/.setup-stamp editable '
                 "-C cmake.define.HSDP_BUILD_TESTING=ON",
                 python,
             ],
