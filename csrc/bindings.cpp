@@ -98,6 +98,7 @@ void bindSettings(py::module& m) {
   checkedField(config, "pool_chunk_bytes", &hsdp::Config::poolChunkBytes);
   checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);
   checkedField(config, "trace_entries", &hsdp::Config::traceEntries);
+  checkedField(config, "nccl_bf16_premul_sum", &hsdp::Config::ncclBf16PremulSum);
   checkedField(config, "trace_dir", &hsdp::Config::traceDir);
   checkedField(config, "fsdp_shim", &hsdp::Config::fsdpShim);
   checkedField(config, "fsdp_bucket_bytes", &hsdp::Config::fsdpBucketBytes);
@@ -153,7 +154,8 @@ void bindGroups(py::module& m) {
          const hsdp::Config& config,
          std::optional<std::string> hostIdentity,
          std::optional<hsdp::InnerCaps> cpuCaps,
-         bool awaitReconfigure) -> c10::intrusive_ptr<c10d::Backend> {
+         bool awaitReconfigure,
+         std::optional<bool> cudaBf16PreMulSum) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         config.validate();
         // Gloo's, unless another inner CPU backend was injected with its own.
@@ -165,6 +167,7 @@ void bindGroups(py::module& m) {
         if (cudaBackend) {
           hsdp::InnerCaps nccl{"nccl", /*nativeScale=*/true, /*nativeCoalescing=*/true};
           nccl.streams = std::make_shared<hsdp::DeviceStreams>();
+          nccl.bf16PreMulSum = cudaBf16PreMulSum.value_or(nccl.bf16PreMulSum);
           cuda = std::make_unique<hsdp::InnerRoute>(retain(cudaBackend), std::move(nccl), rank);
         }
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
@@ -189,7 +192,10 @@ void bindGroups(py::module& m) {
       py::arg("host_identity") = py::none(),
       py::arg("cpu_caps") = py::none(),
       // init_process_group(enable_reconfigure=True): no members until reconfigure.
-      py::arg("await_reconfigure") = false);
+      py::arg("await_reconfigure") = false,
+      // Whether the inner NCCL keeps a bf16 PREMUL_SUM's factor (None: as
+      // this release's ProcessGroupNCCL: _torch_compat.nccl_bf16_premul_sum).
+      py::arg("cuda_bf16_premul_sum") = py::none());
 
   // The inner backend a group's route for `device_type` runs on (Gloo, NCCL,
   // or one injected in Gloo's place), as c10d's own Backend object.

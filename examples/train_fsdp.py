@@ -646,7 +646,8 @@ def init_distributed(args: argparse.Namespace, timeout: datetime.timedelta | Non
     if getattr(args, "fsdp_shim", "on") == "off":
         os.environ["HSDP_FSDP"] = "off"  # read when the first hsdp group is created
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # One GPU per rank; ranks beyond the GPUs share them (scripts/gpu_check.sh --ranks).
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     if args.backend == "fake":
         # Every rank does all of FSDP2's own work and no communication.
         from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -1,7 +1,13 @@
 #!/usr/bin/env bash
 # Everything hsdp can check only on a GPU, in one command, into one report.
 #
-#   bash scripts/gpu_check.sh [report path]   (default: gpu_check_report.txt)
+#   bash scripts/gpu_check.sh [--ranks N] [report path]
+#                      (default: 2 ranks, gpu_check_report.txt)
+#
+# --ranks N: the multi-rank checks and the example run on N ranks (HSDP
+# meshes on 4) whatever the number of GPUs: ranks beyond it share GPUs, each
+# with its own NCCL_HOSTID (src/pytest_hsdp/_placement.py says what such a
+# run proves: NCCL's semantics over its socket transport, not its speed).
 #
 # On a machine without a GPU it says so in one line and exits 0. With one or
 # more, the Python it checks with is, in this order: HSDP_GPU_CHECK_PYTHON (a
@@ -32,6 +38,27 @@ if [ "${1:-}" = "--cxx-refused" ]; then
   exit
 fi
 
+ranks=2
+report=gpu_check_report.txt
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --ranks)
+      ranks=${2:-}
+      shift
+      [ $# -eq 0 ] || shift
+      ;;
+    *)
+      report=$1
+      shift
+      ;;
+  esac
+done
+if ! [[ "$ranks" =~ ^[1-8]$ ]]; then
+  echo "gpu_check: --ranks takes a number of ranks from 1 to 8, got '${ranks}'" >&2
+  exit 2
+fi
+export HSDP_GPU_CHECK_RANKS=$ranks
+
 gpus=0
 if command -v nvidia-smi > /dev/null 2>&1; then
   gpus=$(nvidia-smi -L 2> /dev/null | grep -c '^GPU ' || true)
@@ -41,7 +68,6 @@ if [ "$gpus" -eq 0 ]; then
   exit 0
 fi
 
-report=${1:-gpu_check_report.txt}
 mkdir -p build
 : > "$report"
 say() { echo "$*" | tee -a "$report"; }
@@ -126,19 +152,25 @@ assert got["hsdp"] == [0.5] * 4, got
 EOF
 tail -n 2 "$report"
 
-say "== tests/integration/test_cuda.py ($gpus GPU(s); the two-GPU tests skip with fewer)"
+say "== tests/integration/test_cuda.py (1 and $ranks ranks, HSDP meshes on 4, on $gpus GPU(s))"
 "$PY" -m pytest tests/integration/test_cuda.py -v -rs --timeout 1200 >> "$report" 2>&1 || failed=1
 tail -n 1 "$report"
 
 # Against the ProcessGroupNCCL hsdp wraps ("nccl-legacy" from 2.14; on 2.15
 # plain "nccl" is ProcessGroupNCCL2), saved as gpu_check_nccl.
 wrapped=$("$PY" -c 'from hsdp_backend import _torch_compat; print(_torch_compat.WRAPPED_NCCL)')
-say "== FSDP2 example on one GPU rank: hsdp against $wrapped"
+say "== FSDP2 example on $ranks rank(s) of $gpus GPU(s): hsdp against $wrapped"
+# Ranks beyond the GPUs share them (the example takes LOCAL_RANK % GPUs), each
+# with an NCCL host identity of its own where they do.
+share=()
+if [ "$ranks" -gt "$gpus" ]; then
+  share=(--no-python sh -c 'NCCL_HOSTID=gpu-check-rank$LOCAL_RANK exec "$0" "$@"' "$PY")
+fi
 for backend in hsdp "$wrapped"; do
   label=$([ "$backend" = hsdp ] && echo hsdp || echo nccl)
-  "$PY" -m torch.distributed.run --nproc-per-node 1 examples/train_fsdp.py --device cuda \
-    --backend "$backend" --steps 10 --json > "build/gpu_check_$label.jsonl" 2>> "$report" ||
-    { say "FAILED: the example on $backend"; failed=1; }
+  "$PY" -m torch.distributed.run --nproc-per-node "$ranks" "${share[@]}" examples/train_fsdp.py \
+    --device cuda --backend "$backend" --steps 10 --json > "build/gpu_check_$label.jsonl" \
+    2>> "$report" || { say "FAILED: the example on $backend"; failed=1; }
 done
 "$PY" - >> "$report" 2>&1 << 'EOF' || failed=1
 import json, statistics
@@ -156,8 +188,9 @@ print(f"median step_ms (steps 2+): hsdp {med['hsdp']:.2f}, nccl {med['nccl']:.2f
       f"ratio hsdp/nccl {med['hsdp'] / med['nccl']:.3f}")
 worst = max(abs(h["loss"] - n["loss"]) for h, n in zip(runs["hsdp"], runs["nccl"]))
 print(f"largest loss difference: {worst:.3g}")
-# One rank: nothing is reduced across ranks and both run FSDP2's kernels, so
-# the losses agree to the last bits (the bound only absorbs a rounding step).
+# 1-D FSDP: hsdp hands NCCL the same reduce-scatters and all-gathers the plain
+# group runs and both run FSDP2's kernels, so the losses agree to the last
+# bits (the bound only absorbs a rounding step).
 scale = max(abs(m["loss"]) for m in runs["nccl"])
 assert worst <= 1e-6 * scale, "losses differ between hsdp and nccl"
 EOF
@@ -168,7 +201,7 @@ per_call() {
   local what=$1 json=$2
   shift 2
   say "== per-call cost: hsdp against nccl, $what (python -m benchmarks device_calls)"
-  "$PY" -m benchmarks device_calls --ranks "$gpus" --device cuda "$@" --json "build/$json" \
+  "$PY" -m benchmarks device_calls --ranks 1 --device cuda "$@" --json "build/$json" \
     >> "$report" 2>&1 || { say "FAILED: the per-call benchmark, $what"; failed=1; }
   grep 'largest ratio' "$report" | tail -n 1 || true
 }

@@ -56,6 +56,10 @@ class Scenario:
             reduce-scatter inputs come from the group's allocate_tensor;
             False: the same call with False (FSDP2's own buffers); None:
             neither (FSDP2's own).
+        own_rs_buffers: set_custom_reduce_scatter on every module with a comm
+            that refuses an output not from its own allocate(), as FSDP2's
+            symmetric-memory comm (NCCL's rendezvous) does: the shim must
+            not hand it a slice of its bucket.
     """
 
     mesh: tuple[int, ...]
@@ -73,6 +77,7 @@ class Scenario:
     bucket_bytes: int | None = None
     stream_ordered: bool = False
     pg_alloc: bool | None = None
+    own_rs_buffers: bool = False
     dim: int = 32
     layers: int = 3
     heads: int = 2
@@ -136,6 +141,7 @@ SCENARIOS: dict[str, Scenario] = {
     "fsdp_w2_pg_alloc": Scenario(mesh=(2,), pg_alloc=True, explicit_prefetch=True),
     "fsdp_w4_pg_alloc_bf16": Scenario(mesh=(4,), pg_alloc=True, mp="bf16", reshard=2),
     "hsdp_2x2_pg_alloc": Scenario(mesh=(2, 2), pg_alloc=True, reshard=False, clip=0.5),
+    "hsdp_2x2_own_reduce_scatter_buffers": Scenario(mesh=(2, 2), own_rs_buffers=True),
     "hsdp_2x2_shim_off": Scenario(mesh=(2, 2), shim="off"),
     "hsdp_2x2_shim_incompatible": Scenario(mesh=(2, 2), shim="incompatible"),
 }
@@ -255,7 +261,44 @@ def _build_sharded(s: Scenario, mesh, seed: int):
     if s.pg_alloc is not None:
         for module in [*blocks, model]:
             module.set_allocate_memory_from_process_group_for_comm(s.pg_alloc)
+    if s.own_rs_buffers:
+        for module in [*blocks, model]:
+            module.set_custom_reduce_scatter(_own_buffers_reduce_scatter())
     return model, make_optimizer(model.parameters(), s)
+
+
+OWN_BUFFER_CALLS = [0]  # reduce-scatters of _own_buffers_reduce_scatter's comms, this rank
+
+
+def _own_buffers_reduce_scatter():
+    """A reduce-scatter comm whose output must come from its own allocate() (FSDP2's
+    SymmMemReduceScatter's symm_mem.rendezvous refuses other memory); it raises otherwise."""
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+    class OwnBuffers(ReduceScatter):
+        def __init__(self):
+            self._handed = []
+
+        def allocate(self, size, *, dtype, device):
+            t = torch.empty(*size, dtype=dtype, device=device)
+            self._handed = [r for r in self._handed if r() is not None] + [weakref.ref(t)]
+            return t
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            ptr = output_tensor.untyped_storage().data_ptr()
+            if not any(r() is not None and r().untyped_storage().data_ptr() == ptr
+                       for r in self._handed):  # fmt: skip
+                raise RuntimeError("the reduce-scatter output is not from this comm's allocate()")
+            OWN_BUFFER_CALLS[0] += 1
+            return dist.reduce_scatter_tensor(
+                output_tensor, input_tensor, op=op, group=group, async_op=async_op
+            )
+
+    return OwnBuffers()
 
 
 def _comm_counts(groups: dict) -> dict:
@@ -447,6 +490,7 @@ def train_ranks(rank: int, world: int, name: str, checkpoint_dir: str | None = N
             if on_hsdp
             else None,
             "inner_allocations": _inner_allocations(groups) if on_hsdp else None,
+            "own_buffer_calls": OWN_BUFFER_CALLS[0],
         }
     finally:
         _buckets.ordered_by_streams = original_ordering

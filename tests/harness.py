@@ -46,8 +46,9 @@ KEPT_POOLS = 6
 _pools = None
 
 
-def _pool_for(world: int, backend: str, env: dict[str, str]):
-    """The session's warm pool of ``world`` ranks on ``backend`` with ``env``."""
+def _pool_for(world: int, backend: str, env: dict[str, str], device: str = "cpu"):
+    """The session's warm pool of ``world`` ranks on ``backend`` with ``env``, each rank's
+    current device placed by pytest_hsdp where ``device`` is "cuda"."""
     global _pools
     from pytest_hsdp import _pool
 
@@ -55,11 +56,11 @@ def _pool_for(world: int, backend: str, env: dict[str, str]):
         _pools = _pool.Pools(KEPT_POOLS)
     timeout = settings.read("HSDP_TEST_COLLECTIVE_TIMEOUT_S", {**os.environ, **env})
     return _pools.get(
-        (world, backend, tuple(sorted(env.items()))),
+        (world, backend, tuple(sorted(env.items())), device),
         lambda: _pool.Pool(
             world,
             backend,
-            "cpu",
+            device,
             env,
             start_timeout_s=LAUNCH_TIMEOUT_S,
             group_timeout_s=timeout,
@@ -76,13 +77,15 @@ def close_pools() -> None:
         _pools.close()
 
 
-def _run_on_pool(fn, world: int, backend: str, env, timeout_s: float, kwargs: dict):
+def _run_on_pool(
+    fn, world: int, backend: str, env, timeout_s: float, kwargs: dict, device: str = "cpu"
+):
     """``fn(rank, world, **kwargs)`` on every rank of a warm pool: their return values and
     the pool, or raises RankFailure."""
     from pytest_hsdp import _pool
 
     try:
-        pool = _pool_for(world, backend, dict(env or {}))
+        pool = _pool_for(world, backend, dict(env or {}), device)
     except _pool.PoolError as exc:
         raise RankFailure(str(exc)) from None
     body = (fn.__module__, sys.modules[fn.__module__].__file__, fn.__qualname__)
@@ -112,6 +115,7 @@ def run_ranks(
     timeout_s: float = LAUNCH_TIMEOUT_S,
     may_die: tuple[int, ...] = (),
     fresh: bool = False,
+    device: str = "cpu",
     **kwargs,
 ) -> list[Any]:
     """Runs ``fn(rank, world, **kwargs)`` on ``world`` ranks.
@@ -125,11 +129,13 @@ def run_ranks(
 
     The ranks are a warm pool with the default group on ``backend``, unless
     ``fresh`` or ``may_die`` ask for new processes or ``backend`` is None (the
-    body makes its own groups).
+    body makes its own groups). ``device="cuda"``: each rank's current CUDA
+    device set before its group is made, ranks beyond the device count
+    sharing devices (src/pytest_hsdp/_placement.py).
     """
     env = env or {}
     if backend is not None and not may_die and not fresh:
-        per_rank, _ = _run_on_pool(fn, world, backend, env, timeout_s, kwargs)
+        per_rank, _ = _run_on_pool(fn, world, backend, env, timeout_s, kwargs, device)
         return per_rank
     return _run_ranks(
         fn,
@@ -141,6 +147,7 @@ def run_ranks(
         may_die=may_die,
         kwargs=kwargs,
         setup=hooks.install,
+        device=device,
     )
 
 

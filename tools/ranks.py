@@ -70,6 +70,7 @@ def _rank_main(
     parent_pid,
     kwargs,
     results,
+    device,
 ):
     import faulthandler
 
@@ -93,6 +94,14 @@ def _rank_main(
         import hsdp_backend  # noqa: F401  registers "hsdp"
 
         torch.set_num_threads(1)
+        if device == "cuda":
+            # pytest_hsdp's placement: ranks beyond the device count share devices, each
+            # with its own NCCL host identity (set before NCCL reads it).
+            from pytest_hsdp import _placement
+
+            place = _placement.place(rank, world, torch.cuda.device_count(), os.environ)
+            os.environ.update(place.env)
+            torch.cuda.set_device(place.device)
         if setup is not None:
             setup()
         if backend is not None:
@@ -127,6 +136,7 @@ def run_ranks(
     may_die: tuple[int, ...] = (),
     kwargs: dict[str, Any] | None = None,
     setup: Callable[[], None] | None = None,
+    device: str = "cpu",
 ) -> list[Any]:
     """Runs ``fn(rank, world, **kwargs)`` on ``world`` fresh processes.
 
@@ -145,6 +155,8 @@ def run_ranks(
         setup: module-level function each rank calls once hsdp_backend is
             imported, before its default group is created (the tests'
             hooks: tests/hooks.py).
+        device: "cuda": each rank on its CUDA device as pytest_hsdp places
+            it (src/pytest_hsdp/_placement.py), before ``setup``.
 
     Returns the per-rank return values, or raises RankFailure.
     """
@@ -169,6 +181,7 @@ def run_ranks(
                 os.getpid(),
                 kwargs or {},
                 results,
+                device,
             ),
             name=f"rank{r}",
             daemon=True,

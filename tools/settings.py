@@ -70,6 +70,10 @@ _TABLE = [
     Var("HSDP_TEST_EVERY_TORCH_FULL", "tests", None, parse_flag, str,
         "`1`: the quick tier runs on every other supported torch release too "
         "(about 10-15 min more; `scripts/test.sh`'s compat stages)", "0"),
+    Var("HSDP_GPU_CHECK_RANKS", "tests", None, parse_int, str,
+        "ranks of tests/integration/test_cuda.py's multi-rank checks, placed on the machine's "
+        "GPUs and sharing them where fewer (each with its own `NCCL_HOSTID`); "
+        "`scripts/gpu_check.sh --ranks N` sets it", "2"),
     Var("HSDP_PEERS_DIR", "peers", None, parse_text, str,
         "where `scripts/setup_peers.sh` installs the benchmark's peers (mpi4py, MPICH, "
         "DeepSpeed) and the peers suite finds them (empty: `.venv/peers`)"),

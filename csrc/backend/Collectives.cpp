@@ -163,9 +163,14 @@ void ProcessGroupHSDP::releaseExtensionAfter(const Call& call, const WorkPtr& wo
   }
   if (work && !work->isCompleted()) {
     try {
-      work->getFuture()->addCallback([extension = timeoutExtension_, owned](c10::ivalue::Future&) {
-        extension->release(owned);
-      });
+      // Not uses_future: that would take the next stream of c10's pool per op
+      // and make it wait for the op (ivalue::Future::invokeCallback), for a
+      // callback that touches no tensor.
+      work->getFuture()->addCallback(
+          [extension = timeoutExtension_, owned](c10::ivalue::Future&) {
+            extension->release(owned);
+          },
+          /*uses_future=*/false);
       return;
     } catch (const c10::Error&) {
       // A Work without a future: released now, as a synchronous call's.

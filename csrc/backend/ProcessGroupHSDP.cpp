@@ -316,8 +316,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::shrink(
 
 #if HSDP_TORCH_HAS_IS_INITIALIZED
 bool ProcessGroupHSDP::isInitialized() {
-  return compat::isInitialized(cpu_->backend()) &&
-      (!cuda_ || compat::isInitialized(cuda_->backend()));
+  return compat::isInitialized(cpu_->backend());
 }
 #endif
 
@@ -434,7 +433,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::childOf(
     return nullptr;
   }
   const int rank = static_cast<int>(std::find(ranks.begin(), ranks.end(), rank_) - ranks.begin());
-  return c10::make_intrusive<ProcessGroupHSDP>(
+  auto child = c10::make_intrusive<ProcessGroupHSDP>(
       store,
       rank,
       static_cast<int>(ranks.size()),
@@ -443,6 +442,14 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupHSDP::childOf(
       std::move(cuda),
       config_,
       hostIdentity_);
+  // The members' global ranks, as torch gives a new group's (guessCudaDevice).
+  const auto& global = options_->global_ranks_in_group;
+  if (global.size() == static_cast<size_t>(size_)) {
+    for (int r : ranks) {
+      child->options_->global_ranks_in_group.push_back(global[r]);
+    }
+  }
+  return child;
 }
 
 #if HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT

@@ -105,8 +105,11 @@ class ProcessGroupHSDP final : public c10d::Backend {
       int shrinkFlags = 0,
       const c10::intrusive_ptr<Options>& optsOverride = nullptr) override;
 #if HSDP_TORCH_HAS_IS_INITIALIZED
-  // Whether every inner backend has its communicator (NCCL's appears at its
-  // first collective or an eager connect): split() callers check it.
+  // Whether the group can be split: torch 2.15's split_group asks each rank
+  // before it splits. The inner CPU backend's answer; not NCCL's, which
+  // counts point-to-point communicators that only some ranks have (those
+  // would enter a split the others refused): hsdp's split makes a missing
+  // NCCL communicator itself, on every rank alike.
   bool isInitialized() override;
 #endif
 #if HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT

@@ -56,6 +56,10 @@ struct Config {
   std::optional<int64_t> timeoutMs;
   int64_t traceEntries = 64;
   std::string traceDir = "/tmp/hsdp-trace";
+  // Whether the ProcessGroupNCCL hsdp wraps hands NCCL a bf16 PREMUL_SUM's
+  // factor intact (common/TorchCompat.hpp); unset: auto, decided per process
+  // by src/hsdp_backend/_torch_compat.py (the release, else a probe).
+  std::optional<bool> ncclBf16PremulSum;
   // Read by the Python side (the FSDP2 shim, the launcher, tests).
   bool fsdpShim = true;
   int64_t fsdpBucketBytes = 4 << 20;

@@ -519,6 +519,8 @@ WorkPtr NcclContractBackend::run(
   // point-to-point op makes one of its own, for the pair).
   if (!isPointToPoint(type)) {
     connected_ = true;
+  } else {
+    pairConnected_ = true;
   }
   bool inBlock;
   {

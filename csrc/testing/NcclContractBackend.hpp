@@ -45,8 +45,10 @@
 //     (size - list length), and the flags (SHRINK_ABORT) go to NCCL as given;
 //   * it has no communicator until its first collective or an eager connect
 //     (isInitialized() false: ProcessGroupNCCL::isInitialized, an empty
-//     devNCCLCommMap_; Backend::isInitialized from torch 2.15); a split's
-//     child has one from the start (ncclCommSplit builds it);
+//     devNCCLCommMap_; Backend::isInitialized from torch 2.15); a
+//     point-to-point op makes its pair's, which isInitialized() counts and
+//     neither a split nor the memory pool uses; a split's child has one from
+//     the start (ncclCommSplit builds it);
 //   * AVG and PREMUL_SUM are done inside the reduction: floating-point
 //     inputs are pre-multiplied by the factor, integer AVG sums and then
 //     divides with truncation; every other op unchanged. AVG's factor is
@@ -138,7 +140,10 @@ class NcclContractBackend final : public c10d::Backend {
 #else
   bool isInitialized() {
 #endif
-    return connected_;
+    // Any communicator in devNCCLCommMap_, a point-to-point pair's included
+    // (ProcessGroupNCCL::isInitialized, 2.15): not what a split or the
+    // memory pool needs, which is the group's own (connected_).
+    return connected_ || pairConnected_;
   }
   void eagerConnectSingleDevice(at::Device device) override {
     connected_ = true;
@@ -298,7 +303,8 @@ class NcclContractBackend final : public c10d::Backend {
   int shrinks_ = 0;
   int shrunkWithFlags_ = -1;
   std::mutex mutex_;
-  std::atomic<bool> connected_{false}; // a communicator exists (isInitialized)
+  std::atomic<bool> connected_{false};     // the group's communicator exists
+  std::atomic<bool> pairConnected_{false}; // a point-to-point pair's does
   bool coalescing_ = false;
   std::vector<WorkPtr> held_; // calls made while coalescing
   bool heldAsync_ = false;

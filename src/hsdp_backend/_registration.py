@@ -188,9 +188,28 @@ def _create_backend(opts, backend_options):
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
     host = hooks.host_identity(opts) if hooks.host_identity is not None else None
+    # None without CUDA: the C++ default (this release's), never asked.
+    bf16_premul_sum = None
+    if cuda is not None:
+        bf16_premul_sum = _torch_compat.nccl_bf16_premul_sum(
+            settings.nccl_bf16_premul_sum, _torch_compat.probe_nccl_bf16_premul_sum
+        )
     backend = _C.create_backend(
-        store, rank, size, timeout, cpu, cuda, settings, host, cpu_caps, reconfigurable
+        store,
+        rank,
+        size,
+        timeout,
+        cpu,
+        cuda,
+        settings,
+        host,
+        cpu_caps,
+        reconfigurable,
+        cuda_bf16_premul_sum=bf16_premul_sum,
     )
+    # As on torch's own groups: the barrier's guess of a rank's GPU reads its global rank
+    # (ProcessGroupNCCL::guessDeviceForRank), and a split maps ranks through it.
+    backend.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
     engine, why_not, _ = _C.cpu_engine(backend)
     if engine == "gloo" and settings.engine == "auto" and not reconfigurable:
         # One line: the group was meant for shared memory and did not get it.

@@ -79,6 +79,63 @@ BACKEND_COALESCED_CALLS_IN_PYTHON = _THIS >= (2, 14)
 # plugin's number is read from its Backend.
 SEQUENCE_NUMBERS_OF_ANY_BACKEND = _THIS >= (2, 14)
 
+# 2.14.0: ProcessGroupNCCL hands NCCL a bf16 PREMUL_SUM's factor intact; 2.11.0 to 2.13.0 lose
+# it (csrc/common/TorchCompat.hpp, docs/versions.md). Trusted only of a final release: a
+# nightly, a source or vendor build numbered 2.14 may predate the fix.
+BF16_PREMUL_SUM_FIXED_IN = (2, 14, 0)
+
+
+def final_release(text: str) -> tuple[int, int, int] | None:
+    """(major, minor, micro) of a final release's version (``2.14.1``, ``2.14.1+cu130``: a
+    local label names the wheel's CUDA), or None for anything else: a pre-release or nightly
+    (``2.14.0a0+git1234abc``, ``2.14.0.dev20260101``, ``2.14.0rc1``), a source build's
+    ``+git`` label, text that is no version."""
+    public, _, local = text.partition("+")
+    parts = public.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        return None
+    if local and not (local.startswith("cu") or local.startswith("rocm") or local == "cpu"):
+        return None  # a source or vendor build (+git..., +nv...): its code is not the release's
+    return int(parts[0]), int(parts[1]), int(parts[2])
+
+
+def nccl_bf16_premul_sum(setting: bool | None, probe, text: str | None = None) -> bool:
+    """Whether the ProcessGroupNCCL hsdp wraps keeps a bf16 PREMUL_SUM's factor: ``setting``
+    (HSDP_NCCL_BF16_PREMUL_SUM) where given; else what the release ``text`` (default: this
+    torch) is known to do; else ``probe()``'s answer (a one-rank PREMUL_SUM on the device)."""
+    if setting is not None:
+        return setting
+    release = final_release(text or torch.__version__)
+    if release is not None:
+        return release >= BF16_PREMUL_SUM_FIXED_IN
+    return probe()
+
+
+def probe_nccl_bf16_premul_sum() -> bool:
+    """Asks this process's ProcessGroupNCCL: a one-rank bf16 PREMUL_SUM(0.5) of ones on the
+    current device is 0.5 where the factor survives (0 where it is lost: its low half; an
+    error where the release reads it as a float). Run once a process, for builds whose
+    release says nothing (``final_release``)."""
+    global _probed
+    if _probed is None:
+        import torch.distributed as dist
+
+        one = dist.ProcessGroupNCCL(dist.HashStore(), 0, 1)
+        try:
+            t = torch.ones(4, dtype=torch.bfloat16, device=torch.cuda.current_device())
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist._make_nccl_premul_sum(0.5)
+            one.allreduce([t], opts).wait()
+            _probed = bool(torch.equal(t, torch.full_like(t, 0.5)))
+        except RuntimeError:
+            _probed = False
+        finally:
+            one.shutdown()
+    return _probed
+
+
+_probed: bool | None = None
+
 # The backend name of torch's own ProcessGroupNCCL, the one hsdp's CUDA route
 # wraps on every release (docs/gpu.md): 2.14 registers it as "nccl-legacy"
 # too, and 2.15 makes plain "nccl" ProcessGroupNCCL2 (torchcomms' engine)

@@ -138,10 +138,12 @@ def all_reduce(
     make small inputs subnormal or zero before the sum, a power-of-two part
     of the divisor (about its square root) goes into the reduction and the
     rest runs after it in fp32, rounded once, as FSDP2 splits its fp16
-    divisor. bf16 never reaches NCCL as a PREMUL_SUM: ProcessGroupNCCL hands
-    NCCL a bf16 factor as the low half of a float, which is zero for every
-    power of two (docs/versions.md). A division by the group size alone is
-    NCCL's AVG; any other is NCCL's SUM and one multiply after it, in fp32,
+    divisor. bf16 is NCCL's PREMUL_SUM too where ProcessGroupNCCL keeps its
+    factor (a final release from 2.14.0, or a build the probe found to;
+    ``HSDP_NCCL_BF16_PREMUL_SUM``). Where it does not (2.11 to 2.13 hand
+    NCCL a bf16 factor as the low half of a float, zero for every power of
+    two: docs/versions.md), a division by the group size alone is NCCL's
+    AVG and any other is NCCL's SUM and one multiply after it, in fp32,
     rounded once.
     This is the deferred division of a
     chain of SUM collectives over several groups: e.g. for HSDP gradients,

@@ -70,6 +70,15 @@ def _choice(true: str, false: str) -> Callable[[str], bool]:
     return parse
 
 
+def _optional_choice(unset: str, true: str, false: str) -> Callable[[str], bool | None]:
+    def parse(text: str) -> bool | None:
+        if text not in (unset, true, false):
+            raise ValueError(f"expected {unset}, {true} or {false}")
+        return None if text == unset else text == true
+
+    return parse
+
+
 def parse_flag(text: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError("expected 0 or 1")
@@ -86,6 +95,7 @@ def parse_text(text: str) -> str:
 
 SECTIONS = {
     "engine": "CPU collectives",
+    "cuda": "CUDA collectives",
     "trace": "Flight recorder",
     "fsdp": "FSDP2 shim",
     "launcher": "Launcher (`python -m hsdp_backend.run`; set by it, not by hand)",
@@ -144,6 +154,11 @@ _TABLE = [
     Var("HSDP_TRACE_DIR", "trace", "trace_dir", parse_text, str,
         "directory of the flight records, `hsdp-trace.<group>.rank<R>.json`; "
         "`python -m hsdp_backend.trace DIR` reads them"),
+    Var("HSDP_NCCL_BF16_PREMUL_SUM", "cuda", "nccl_bf16_premul_sum",
+        _optional_choice("auto", "intact", "lost"),
+        lambda v: "auto" if v is None else ("intact" if v else "lost"),
+        "whether the wrapped ProcessGroupNCCL keeps a bf16 PREMUL_SUM factor (2.11-2.13 lose "
+        "it); `auto`: a final release says, other builds are probed once on the GPU"),
     Var("HSDP_FSDP", "fsdp", "fsdp_shim", _choice("auto", "off"),
         lambda on: "auto" if on else "off",
         "`auto`: FSDP2 modules on hsdp meshes use `hsdp_backend.fsdp` (HSDP gradients divided "

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from pytest_hsdp import _pool, _worker
+from pytest_hsdp import _placement, _pool, _worker
 
 _MARKER = "world_size"
 _DEFAULT_TIMEOUT_S = 120.0
@@ -58,7 +58,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{_MARKER}(n, *, backend=None, device='cpu', timeout=None, env=None, mesh=None, "
-        "mesh_dim_names=None): run the test body on n ranks of a warm pool (pytest_hsdp)",
+        "mesh_dim_names=None, gpu_memory_gib=1.0): run the test body on n ranks of a warm "
+        "pool (pytest_hsdp); with device='cuda', rank r on cuda:(r % devices), ranks that "
+        "share a device each with its own NCCL_HOSTID",
     )
     config.stash[_POOLS] = _Pools(config)
 
@@ -114,7 +116,7 @@ class _Pools:
         atexit.register(self.close)  # also when pytest is interrupted before unconfigure
 
     def get(self, key: tuple) -> _pool.Pool:
-        world, backend, device, env = key
+        world, backend, device, env, gpu_memory_gib = key
         return self._pools.get(
             key,
             lambda: _pool.Pool(
@@ -124,6 +126,7 @@ class _Pools:
                 dict(env),
                 start_timeout_s=self._config.getoption("--hsdp-start-timeout"),
                 group_timeout_s=max(60.0, self._config.getoption("--hsdp-timeout")),
+                gpu_memory_gib=gpu_memory_gib,
             ),
         )
 
@@ -149,7 +152,7 @@ def _marker_arguments(item: pytest.Item) -> dict[str, Any]:
             f"{item.nodeid}: @pytest.mark.{_MARKER} takes the number of ranks, an int of at "
             f"least 1; got {marker.args!r}"
         )
-    known = {"backend", "device", "timeout", "env", "mesh", "mesh_dim_names"}
+    known = {"backend", "device", "timeout", "env", "mesh", "mesh_dim_names", "gpu_memory_gib"}
     unknown = set(marker.kwargs) - known
     if unknown:
         _refuse(
@@ -160,6 +163,10 @@ def _marker_arguments(item: pytest.Item) -> dict[str, Any]:
     args["world"] = marker.args[0]
     if args.get("device", "cpu") not in ("cpu", "cuda"):
         _refuse(f"{item.nodeid}: device must be 'cpu' or 'cuda', got {args['device']!r}")
+    memory = args.get("gpu_memory_gib", _placement.DEFAULT_GPU_MEMORY_GIB)
+    if not isinstance(memory, (int, float)) or memory <= 0:
+        _refuse(f"{item.nodeid}: gpu_memory_gib must be a positive number, got {memory!r}")
+    args["gpu_memory_gib"] = float(memory)
     return args
 
 
@@ -209,10 +216,15 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     backend = args.get("backend") or config.getoption("--hsdp-backend")
     env = tuple(sorted((str(k), str(v)) for k, v in (args.get("env") or {}).items()))
     pools = config.stash[_POOLS]
+    key = (args["world"], backend, args.get("device", "cpu"), env, args["gpu_memory_gib"])
     try:
-        pool = pools.get((args["world"], backend, args.get("device", "cpu"), env))
+        pool = pools.get(key)
+    except _pool.PoolUnavailable as exc:
+        pytest.skip(str(exc))
     except _pool.PoolError as exc:
         pytest.fail(str(exc), pytrace=False)
+    if pool.placement:
+        pyfuncitem.add_report_section("call", "placement", pool.placement)
     timeout_s = float(args.get("timeout") or config.getoption("--hsdp-timeout"))
     mesh_spec = None
     if args.get("mesh") is not None:

@@ -27,7 +27,7 @@ import tempfile
 import time
 from typing import Any
 
-from pytest_hsdp import _worker
+from pytest_hsdp import _placement, _worker
 
 # Once a rank failed or died, how long the others have to come back (they may be waiting
 # for it in a collective) before they count as hung.
@@ -38,6 +38,10 @@ STACKS_WAIT_S = 1.5
 
 class PoolError(RuntimeError):
     """The pool could not be started (a rank failed to import or initialise)."""
+
+
+class PoolUnavailable(PoolError):
+    """The pool cannot run on this machine (device='cuda' without CUDA): a reason to skip."""
 
 
 @dataclasses.dataclass
@@ -139,10 +143,12 @@ class Pool:
         group_timeout_s: float,
         setup: tuple[str, str, str] | None = None,
         env_at_import: bool = True,
+        gpu_memory_gib: float = _placement.DEFAULT_GPU_MEMORY_GIB,
     ):
         self.world = world
         self.backend = backend
         self.broken = False
+        self.placement = ""  # how the ranks share CUDA devices, from rank 0 (device='cuda')
         self._dir = tempfile.mkdtemp(prefix="pytest-hsdp-")
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(world)]
         # hsdp's flight records: where the ranks' environment says, else the pool's own.
@@ -160,6 +166,7 @@ class Pool:
             "trace_dir": self._trace_dir,
             "group_timeout_s": group_timeout_s,
             "setup": setup,
+            "gpu_memory_gib": gpu_memory_gib,
         }
         ctx = _context(env, env_at_import)
         port = free_port()
@@ -187,6 +194,7 @@ class Pool:
         deadline = time.monotonic() + self._start_timeout_s
         waiting = set(range(self.world))
         errors: dict[int, str] = {}
+        unavailable = ""
         while waiting and time.monotonic() < deadline:
             for r in self._ready(waiting, deadline - time.monotonic()):
                 message = self._receive(r)
@@ -195,8 +203,15 @@ class Pool:
                     errors[r] = f"rank {r} died ({_exit_text(self._procs[r].exitcode)})"
                 elif message[0] == "failed":
                     errors[r] = message[2]
+                elif message[0] == "unavailable":
+                    unavailable = errors[r] = message[2]
+                elif r == 0:
+                    self.placement = message[3]
             if errors:
                 break
+        if unavailable:
+            self.broken = True
+            raise PoolUnavailable(unavailable)
         if errors or waiting:
             lines = [f"could not {what} a pool of {self.world} ranks on {self.backend}"]
             lines += [f"--- rank {r} ---\n{text.rstrip()}" for r, text in sorted(errors.items())]

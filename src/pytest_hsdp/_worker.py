@@ -22,7 +22,15 @@ import traceback
 import types
 from typing import Any
 
+from pytest_hsdp import _placement
+
 RANK_SIDE = ("rank", "world_size", "group", "device", "mesh")
+
+
+class Unavailable(RuntimeError):
+    """The pool cannot run here (no CUDA for device='cuda'): its tests are skipped."""
+
+
 FORKED_MARK = "pytest_hsdp: the test body forked and its child returned from it, pid"
 # How long a rank waits, after its test body, for the children the body forked
 # and did not wait for (a child that returns from the body leaves the mark in
@@ -121,6 +129,7 @@ class _Rank:
         self.pid = os.getpid()
         self.meshes: dict[tuple, Any] = {}
         self.device = None
+        self.placement_note = ""  # how the ranks share devices, for the test's report
         # Every process forked from this rank writes its pid here (at fork, in the child),
         # and the rank counts its forks (in the parent): after a test body, the rank waits
         # for as many pids as it forked (a child may not have run yet), then for the children.
@@ -187,10 +196,8 @@ class _Rank:
             LOCAL_WORLD_SIZE=str(self.world),
         )
         # The device first: NCCL binds a group to the current device when it is made.
-        if self.spec["device"] == "cuda" and torch.cuda.is_available():
-            index = self.rank % torch.cuda.device_count()
-            torch.cuda.set_device(index)
-            self.device = torch.device("cuda", index)
+        if self.spec["device"] == "cuda":
+            self.device = self._place_on_cuda(torch)
         else:
             self.device = torch.device("cpu")
         dist.init_process_group(
@@ -200,6 +207,20 @@ class _Rank:
             world_size=self.world,
             timeout=datetime.timedelta(seconds=self.spec["group_timeout_s"]),
         )
+
+    def _place_on_cuda(self, torch: Any) -> Any:
+        """This rank's CUDA device (``_placement``), its NCCL host identity in the environment
+        where ranks share the device; ``Unavailable`` without CUDA."""
+        if not torch.cuda.is_available():
+            raise Unavailable("device='cuda': this machine has no CUDA device torch can use")
+        count = torch.cuda.device_count()
+        placement = _placement.place(self.rank, self.world, count, os.environ)
+        total = torch.cuda.get_device_properties(placement.device).total_memory
+        _placement.check_memory(placement, total, self.spec["gpu_memory_gib"])
+        os.environ.update(placement.env)
+        torch.cuda.set_device(placement.device)
+        self.placement_note = placement.describe(self.world, count)
+        return torch.device("cuda", placement.device)
 
     def _groups(self) -> set:
         # The groups c10d knows on this rank: its one registry (_world), read here only.
@@ -370,7 +391,10 @@ def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, pytest_pi
             module, path, name = spec["setup"]
             _resolve(_load_module(module, path), name)()
         me.init_group(port)
-        conn.send(("ready", rank, os.getpid()))
+        conn.send(("ready", rank, os.getpid(), me.placement_note))
+    except (Unavailable, _placement.PlacementError) as exc:
+        conn.send(("unavailable" if isinstance(exc, Unavailable) else "failed", rank, str(exc)))
+        return
     except BaseException:  # noqa: BLE001
         conn.send(("failed", rank, traceback.format_exc()))
         return
@@ -398,7 +422,7 @@ def _serve(me: _Rank, conn) -> None:
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 me.init_group(message[1])
-                conn.send(("ready", me.rank, os.getpid()))
+                conn.send(("ready", me.rank, os.getpid(), me.placement_note))
             except BaseException:  # noqa: BLE001
                 conn.send(("failed", me.rank, traceback.format_exc()))
                 return

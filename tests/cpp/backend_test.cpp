@@ -569,14 +569,32 @@ TEST(Split, ACommunicatorOfPointToPointPairsIsNotTheGroupsOwn) {
   EXPECT_TRUE(g.cuda->calls.empty());
 }
 
+#if HSDP_TORCH_HAS_IS_INITIALIZED
+TEST(Split, EveryRankAnswersIsInitializedAlikeWhateverNcclCounts) {
+  // torch 2.15's split_group asks isInitialized() on each rank first.
+  // ProcessGroupNCCL::isInitialized() is true once devNCCLCommMap_ holds any
+  // communicator, a send's pair included (ProcessGroupNCCL.cpp, 2.15): a
+  // rank that sent says true, its peers false. hsdp's own split makes the
+  // group's communicator (agreeing first), so its answer is NCCL's on none.
+  for (bool ncclSays : {false, true}) {
+    CudaGroup g;
+    g.cuda->initialized = ncclSays;
+    EXPECT_TRUE(g.pg->isInitialized()) << "NCCL says " << ncclSays;
+  }
+}
+#endif
+
 TEST(Split, OnceEveryRankHasTheCommunicatorEachInnerBackendIsSplit) {
   CudaGroup g;
   g.cpu->splits = g.cuda->splits = true;
   g.cudaRoute->markConnected(); // a CUDA collective ran on every rank
+  g.pg->getBackendOptions()->global_ranks_in_group = {10, 11, 12, 13};
   auto child = g.pg->split(c10::make_intrusive<c10d::HashStore>(), {0, 1}, nullptr);
   ASSERT_TRUE(child);
   EXPECT_EQ(child->getSize(), 2);
   EXPECT_EQ(child->getRank(), 1);
+  // The members' global ranks, read by the barrier's guess of a rank's GPU.
+  EXPECT_EQ(child->getBackendOptions()->global_ranks_in_group, (std::vector<uint64_t>{10, 11}));
   EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"split x2"}));
   EXPECT_EQ(g.cuda->calls, (std::vector<std::string>{"split x2"}));
 }

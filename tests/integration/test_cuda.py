@@ -1,14 +1,21 @@
 """The CUDA route on real GPUs: hsdp over an inner ProcessGroupNCCL.
 
-Split by what the hardware can check. One GPU (NCCL allows a world of 1 on
-one device): every chained op sync and async, GPU-aware Work, stream
-placement, memory, CUDA graphs, the CUDA sanitizer, FSDP2 on a 1-rank mesh.
-Two or more GPUs: parity with NCCL's own numerics and overlap. Each test
-skips, saying why, where the GPUs are missing; the route's logic is proven on
-CPU by the NCCL-contract double (``pytest tests -k nccl_contract``).
+Each check runs at one rank and at HSDP_GPU_CHECK_RANKS ranks (default 2; HSDP
+meshes at 4), whatever the number of GPUs: the ranks are placed by
+pytest_hsdp (src/pytest_hsdp/_placement.py), rank r on cuda:(r % devices),
+ranks that share a GPU each with its own NCCL_HOSTID, so that NCCL connects
+them over its socket transport as separate nodes. On one GPU that proves
+ProcessGroupNCCL's and NCCL's semantics at world > 1 (results, streams,
+communicators, splits), not NVLink, P2P or SHM transports and not speed.
+Every chained op sync and async, GPU-aware Work, stream placement, memory,
+CUDA graphs, the CUDA sanitizer, FSDP2 on 1-D and HSDP meshes, parity with
+NCCL's own numerics and overlap, bf16 scaling against fp64. Each test skips,
+saying why, without a GPU; the route's logic is proven on CPU by the
+NCCL-contract double (``pytest tests -k nccl_contract``).
 """
 
 import copy
+import datetime
 import os
 import subprocess
 import sys
@@ -20,10 +27,23 @@ import torch.distributed as dist
 from harness import run_ranks
 
 from hsdp_backend import _torch_compat
+from tools import settings
 
 GPUS = torch.cuda.device_count()
 one_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU; this machine has none")
-two_gpus = pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA GPUs; this machine has {GPUS}")
+# Ranks of the multi-rank checks (scripts/gpu_check.sh --ranks N); they share GPUs as needed.
+RANKS = settings.read("HSDP_GPU_CHECK_RANKS")
+WORLDS = sorted({1, RANKS})
+
+
+def _device(rank):
+    """Rank ``rank``'s GPU, as the launcher placed it (current already)."""
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def run_on_gpus(body, world, **kwargs):
+    """``body`` on ``world`` ranks placed on this machine's GPUs (shared where fewer)."""
+    return run_ranks(body, world, device="cuda", **kwargs)
 
 
 def _check(actual, expected, what):
@@ -38,7 +58,7 @@ def chained_ops_body(rank, world):
 
     import hsdp_backend
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
     assert hsdp_backend.get_hsdp_backend() is not None
     for async_op in (False, True):
@@ -111,7 +131,7 @@ def _gpu_with_communicator(rank):
     collective creates it (the harness binds no device_id, so creation is
     lazy), which takes far longer than any sleep in these checks: done
     first, outside what is asserted."""
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
     dist.all_reduce(torch.ones(1, device=dev))
     torch.cuda.synchronize()
@@ -153,7 +173,7 @@ def gpu_work_body(rank, world):
     # NCCL's (an all-reduce there, then a stream synchronize): when it
     # returns, the GPU work issued before it has run.
     torch.cuda._sleep(cycles // 10)
-    dist.barrier(device_ids=[rank])
+    dist.barrier(device_ids=[dev.index])
     assert torch.cuda.current_stream().query(), "the barrier did not wait for the device"
     # Kernels land on the stream that was current: a side stream stays busy,
     # the default stream does not wait for it.
@@ -365,13 +385,15 @@ def dump_beside_a_capture_body(rank, world):
 
 
 @one_gpu
-def test_one_gpu_dump_beside_a_capture(tmp_path):
-    run_ranks(dump_beside_a_capture_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_dump_beside_a_capture(tmp_path, world):
+    run_on_gpus(dump_beside_a_capture_body, world, env={"HSDP_TRACE_DIR": str(tmp_path)})
 
 
 @one_gpu
-def test_one_gpu_flight_record_follows_the_device(tmp_path):
-    run_ranks(trace_body, 1, env={"HSDP_TRACE_DIR": str(tmp_path)})
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_flight_record_follows_the_device(tmp_path, world):
+    run_on_gpus(trace_body, world, env={"HSDP_TRACE_DIR": str(tmp_path)})
 
 
 def _train_as_the_plain_module(model, ref, dev, what):
@@ -388,24 +410,13 @@ def _train_as_the_plain_module(model, ref, dev, what):
         _check(p.full_tensor(), q.detach(), f"{what} parameter {n}")
 
 
-def fsdp_one_rank_body(rank, world, comm=None):
-    """FSDP2 at world size 1 against a plain module; ``comm``: FSDP2's
-    buffers from the group's allocate_tensor ("pg_alloc": NCCL's pool through
-    hsdp) or from NCCL symmetric memory ("symm_mem": the inner NCCL is
-    registered under the hsdp group's name, and runs the collectives)."""
-    import torch.nn as nn
-    from torch.distributed.device_mesh import init_device_mesh
+def _shard_with_comm(model, mesh, comm):
+    """fully_shard on each Linear and the root; ``comm``: FSDP2's buffers from the group
+    ("pg_alloc") or NCCL symmetric memory ("symm_mem"), else FSDP2's own."""
     from torch.distributed.fsdp import fully_shard
 
-    dev = torch.device("cuda", rank)
-    torch.cuda.set_device(dev)
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
-    model.load_state_dict(ref.state_dict())
-    mesh = init_device_mesh("cuda", (1,))
     for layer in model:
-        if isinstance(layer, nn.Linear):
+        if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for m in model.modules():
@@ -413,14 +424,33 @@ def fsdp_one_rank_body(rank, world, comm=None):
             m.set_allocate_memory_from_process_group_for_comm(True)
         if comm == "symm_mem" and hasattr(m, "set_symm_mem_for_comm"):
             m.set_symm_mem_for_comm()
-    _train_as_the_plain_module(model, ref, dev, "FSDP2 1-rank")
 
 
-def buffers_one_rank_body(rank, world):
+def fsdp_body(rank, world, comm=None):
+    """FSDP2 on a 1-D mesh of every rank against a plain module (every rank
+    trains on the same batches, so the averaged gradient is the plain one's); ``comm``: FSDP2's
+    buffers from the group's allocate_tensor ("pg_alloc": NCCL's pool through
+    hsdp) or from NCCL symmetric memory ("symm_mem": the inner NCCL is
+    registered under the hsdp group's name, and runs the collectives)."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dev = _device(rank)
+    torch.cuda.set_device(dev)
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(dev)
+    model.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cuda", (world,))
+    _shard_with_comm(model, mesh, comm)
+    _train_as_the_plain_module(model, ref, dev, f"FSDP2 on {world} rank(s)")
+
+
+def buffers_body(rank, world):
     """allocate_tensor on CUDA is the inner NCCL's: hsdp answers
     supports_tensor_alloc as a plain nccl group does, and a collective on
     the buffer it hands out is right."""
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
     hsdp = dist.group.WORLD._get_backend(dev)
     # The ProcessGroupNCCL hsdp wraps (on 2.15 plain "nccl" is ProcessGroupNCCL2).
@@ -455,7 +485,7 @@ def pool_streams_body(rank, world):
 
     import hsdp_backend
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
 
     def ops():
@@ -473,10 +503,41 @@ def pool_streams_body(rank, world):
         cycle.append(next_id)
         assert len(cycle) <= 1024, "c10's stream pool did not cycle"
     rounds = 5  # coprime with the pool's size (32): d draws a round cannot add up to a cycle
-    for _ in range(rounds):
-        ops()
-    draws = (cycle.index(torch.cuda.Stream().stream_id) - 1) % len(cycle)
-    assert draws == 0, f"hsdp drew {draws} pool stream(s) (mod {len(cycle)}) in {rounds} rounds"
+    for extended in (False, True):
+        # An ephemeral timeout (torch.compile's) is released by a callback on each op's future.
+        if extended and _torch_compat.EPHEMERAL_TIMEOUT_ON_ANY_BACKEND:
+            dist.distributed_c10d._add_ephemeral_timeout_for_all_pgs(datetime.timedelta(seconds=30))
+        start = torch.cuda.Stream().stream_id
+        for _ in range(rounds):
+            ops()
+        draws = (cycle.index(torch.cuda.Stream().stream_id) - cycle.index(start) - 1) % len(cycle)
+        assert draws == 0, (
+            f"hsdp drew {draws} pool stream(s) (mod {len(cycle)}) in {rounds} rounds"
+            f"{' under an ephemeral timeout' if extended else ''}"
+        )
+
+
+def bf16_scaling_body(rank, world):
+    """bf16 divide_by and PREMUL_SUM(0.125) against the exact answer in fp64: hsdp's bf16
+    result is the fp64 one rounded once (a correct NCCL PREMUL_SUM multiplies each input
+    by the rounded factor before summing: exact here, as every value is a small dyadic),
+    on whatever this torch's ProcessGroupNCCL does with a bf16 factor (docs/versions.md)."""
+    assert world <= 4, "the values below are exact in bf16 up to 4 ranks"
+    import hsdp_backend
+
+    dev = _device(rank)
+    # Up to 16 x (1 + .. + 4) = 160: every partial sum, scaled or not, is exact in bf16.
+    values = torch.arange(1, 17, dtype=torch.float64) * (rank + 1)
+    exact = torch.arange(1, 17, dtype=torch.float64) * (world * (world + 1) / 2)
+    for what, call, scale in (
+        ("divide_by 8", lambda t: hsdp_backend.all_reduce(t, divide_by=8.0), 1 / 8),
+        ("PREMUL_SUM(0.125)", lambda t: dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.125)),
+         0.125),
+    ):  # fmt: skip
+        t = values.to(device=dev, dtype=torch.bfloat16)
+        call(t)
+        want = (exact * scale).to(torch.bfloat16)
+        assert torch.equal(t.cpu(), want), f"bf16 {what}: {t.cpu()[:4]} != {want[:4]}"
 
 
 @one_gpu
@@ -489,47 +550,51 @@ def pool_streams_body(rank, world):
         gpu_memory_body,
         gpu_graphs_body,
         gpu_bounded_wait_body,
-        fsdp_one_rank_body,
-        buffers_one_rank_body,
+        fsdp_body,
+        buffers_body,
+        bf16_scaling_body,
     ],
 )
-def test_one_gpu(body):
-    run_ranks(body, 1)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu(body, world):
+    run_on_gpus(body, world)
 
 
 @one_gpu
 @pytest.mark.parametrize("comm", ["pg_alloc", "symm_mem"])
-def test_one_gpu_fsdp_communication_buffers(comm):
-    run_ranks(fsdp_one_rank_body, 1, comm=comm)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_fsdp_communication_buffers(comm, world):
+    run_on_gpus(fsdp_body, world, comm=comm)
 
 
-def hsdp_mesh_one_rank_body(rank, world):
-    """FSDP2 on an HSDP (replicate x shard) mesh of 1 x 1 on the GPU with the
-    shim: its buckets and replicate all-reduces run on FSDP2's real streams,
-    the parameters equal a plain module's after three steps."""
+def hsdp_mesh_body(rank, world, comm=None):
+    """FSDP2 on an HSDP (replicate x shard) mesh (1 x 1 at one rank, 2 x
+    world/2 else) on the GPU with the shim: its buckets and replicate
+    all-reduces run on FSDP2's real streams, the parameters equal a plain
+    module's after three steps. ``comm``: FSDP2's buffers from the group
+    ("pg_alloc") or NCCL symmetric memory ("symm_mem", whose reduce-scatter
+    refuses an output not from its own allocate(): the shim must not hand it
+    a slice of its bucket)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
-    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    shape = (1, 1) if world == 1 else (2, world // 2)
+    mesh = init_device_mesh("cuda", shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).to(
         dev
     )
     model = copy.deepcopy(ref)
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    _train_as_the_plain_module(model, ref, dev, "HSDP 1x1")
+    _shard_with_comm(model, mesh, comm)
+    _train_as_the_plain_module(model, ref, dev, f"HSDP {shape[0]}x{shape[1]}")
 
 
 def staged_async_body(rank, world):
     """Async ops whose arguments hsdp stages (non-contiguous tensors), issued
     back to back and waited for together: the staged copies live until NCCL
     and the copy back are done (run under TORCH_CUDA_SANITIZER too)."""
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
     a = torch.arange(24.0, device=dev).view(4, 6).t()
     b = torch.arange(12.0, device=dev).view(3, 4).t()
@@ -552,7 +617,7 @@ def split_from_nccl_body(rank, world):
     collectives on it, then on the default group again, give NCCL's sums."""
     import hsdp_backend._registration as registration
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", device_id=dev)
     try:
@@ -585,14 +650,22 @@ def split_from_nccl_body(rank, world):
 
 
 @one_gpu
-def test_one_gpu_hsdp_group_split_from_a_bound_nccl_default():
-    run_ranks(split_from_nccl_body, 1, backend=None)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_hsdp_group_split_from_a_bound_nccl_default(world):
+    run_on_gpus(split_from_nccl_body, world, backend=None)
 
 
 @one_gpu
-@pytest.mark.parametrize("body", [hsdp_mesh_one_rank_body, staged_async_body])
-def test_one_gpu_more(body):
-    run_ranks(body, 1)
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_staged_async(world):
+    run_on_gpus(staged_async_body, world)
+
+
+@one_gpu
+@pytest.mark.parametrize("comm", [None, "pg_alloc", "symm_mem"])
+@pytest.mark.parametrize("world", sorted({1, 4}))
+def test_gpu_hsdp_mesh(world, comm):
+    run_on_gpus(hsdp_mesh_body, world, comm=comm)
 
 
 @one_gpu
@@ -600,7 +673,7 @@ def test_one_gpu_more(body):
 def test_one_gpu_under_cuda_sanitizer(body):
     code = (
         "import sys; sys.path[:0] = ['tests', 'tests/integration']; "
-        f"import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1)"
+        f"import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1, device='cuda')"
     )
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
     proc = subprocess.run(
@@ -620,7 +693,7 @@ def parity_body(rank, world):
 
     import hsdp_backend
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank)
     torch.cuda.set_device(dev)
     # The ProcessGroupNCCL hsdp wraps (on 2.15 plain "nccl" is ProcessGroupNCCL2).
     nccl = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)
@@ -647,11 +720,31 @@ def parity_body(rank, world):
     assert hsdp_backend.comm_stats()["all_reduce_coalesced"]["collectives"] == 4
 
 
-@two_gpus
-def test_two_gpus_parity_and_overlap():
-    run_ranks(parity_body, 2)
+@one_gpu
+def test_gpu_parity_and_overlap():
+    run_on_gpus(parity_body, max(2, RANKS))
 
 
-@two_gpus
-def test_two_gpus_chained_ops():
-    run_ranks(chained_ops_body, 2)
+def plain_nccl_bf16_body(rank, world):
+    """bf16 PREMUL_SUM(0.5) of ones on the plain ProcessGroupNCCL hsdp wraps, beside hsdp's:
+    hsdp must give world/2; the plain group's answer is returned (0 on a release that loses
+    the factor, torch 2.11-2.13)."""
+    dev = _device(rank)
+    plain = dist.new_group(backend=_torch_compat.WRAPPED_NCCL)
+    got = {}
+    for name, group in (("hsdp", None), ("nccl", plain)):
+        t = torch.ones(4, device=dev, dtype=torch.bfloat16)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=group)
+        got[name] = t.float().tolist()
+    assert got["hsdp"] == [world * 0.5] * 4, got
+    return got["nccl"]
+
+
+@one_gpu
+def test_gpu_bf16_premul_sum_beside_plain_nccl():
+    world = max(2, RANKS)
+    plain = run_on_gpus(plain_nccl_bf16_body, world)[0]
+    fixed = _torch_compat.final_release(torch.__version__)
+    if fixed is not None:  # a release says what its ProcessGroupNCCL does
+        keeps = fixed >= _torch_compat.BF16_PREMUL_SUM_FIXED_IN
+        assert (plain == [world * 0.5] * 4) == keeps, (torch.__version__, plain)

@@ -69,6 +69,7 @@ NCCL_CONTRACT = [
     "hsdp_2x2_stream_ordered",
     "fsdp_w2_pg_alloc",
     "hsdp_2x2_pg_alloc",
+    "hsdp_2x2_own_reduce_scatter_buffers",
 ]
 # bf16 gradient reductions through the double modelling torch 2.13's
 # ProcessGroupNCCL, which hands NCCL a bf16 PREMUL_SUM factor as the low half
@@ -235,6 +236,8 @@ def test_fsdp_parity(launches, name):
         # .grad is set (and the hooks run) by every backward that reduces fully.
         reducing = s.micro_batches if s.accumulate == "none" else 1
         assert hsdp["hook_calls"] == [s.steps * reducing], hsdp["hook_calls"]
+    if s.own_rs_buffers:  # every reduce-scatter went through the user's comm, on its buffers
+        assert hsdp["own_buffer_calls"] >= s.steps * fsdp_parity.num_param_groups(s), hsdp
     if s.shim == "incompatible":
         assert not hsdp["shim_enabled"]
         assert any("FSDP2 keeps its native reduction" in w for w in hsdp["warnings"]), hsdp[

@@ -33,6 +33,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -211,6 +212,18 @@ class TestInAClass:
         dist.barrier()
 
 
+@pytest.mark.world_size(2, device="cuda")
+def test_on_cuda(rank, device):
+    t = torch.full((4,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    assert t.tolist() == [3.0] * 4
+
+
+@pytest.mark.world_size(2, device="cuda", gpu_memory_gib=0)
+def test_no_gpu_memory(rank):
+    pass
+
+
 def test_not_marked():
     assert not dist.is_initialized()  # the body runs here, in pytest's own process
 """
@@ -372,6 +385,16 @@ def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
     assert pids(d, "own_mesh1") == pids(d, "own_mesh2") == pids(d, "environment")
     # Ranks out of step: a fresh pool.
     assert set(pids(d, "after_out_of_step")).isdisjoint(pids(d, "out_of_step"))
+
+    # device='cuda': skipped, saying why, without CUDA (ranks sharing a GPU where there is
+    # one are placed by src/pytest_hsdp/_placement.py, tested in tests/unit/test_placement.py).
+    state, text = outcome("test_on_cuda")
+    if torch.cuda.is_available():
+        assert state == "passed", text
+    else:
+        assert state == "skipped" and "no CUDA device" in text, (state, text)
+    state, text = outcome("test_no_gpu_memory")
+    assert state == "failure" and "gpu_memory_gib must be a positive number" in text, text
 
     state, text = outcome("test_zero_ranks")
     assert state == "failure" and "an int of at least 1" in text, text

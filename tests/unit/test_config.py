@@ -97,6 +97,7 @@ BAD = {
     "HSDP_SHM_POOL_CHUNK_BYTES": "4096",
     "HSDP_TIMEOUT_MS": "0",
     "HSDP_TRACE_ENTRIES": "1000001",
+    "HSDP_NCCL_BF16_PREMUL_SUM": "yes",
     "HSDP_TRACE_DIR": " ",
     "HSDP_FSDP": "on",
     "HSDP_FSDP_BUCKET_BYTES": "0",

@@ -129,6 +129,13 @@ def test_the_adapter_reads_a_real_param_group():
         assert FSDP2.device(param_group) == torch.device("cpu")
         assert FSDP2.param_groups_of(model) == [param_group]
         assert not FSDP2.has_custom_comms(param_group)
+        # FSDP2's default reduce-scatter takes any output; its process-group one (and any
+        # other) wants its own allocate()'s (the shim then copies into its bucket).
+        assert FSDP2.any_output_will_do(param_group._reduce_scatter_comm)
+        model.set_allocate_memory_from_process_group_for_comm(True)
+        assert not FSDP2.any_output_will_do(param_group._reduce_scatter_comm)
+        model.set_allocate_memory_from_process_group_for_comm(False)
+        assert FSDP2.any_output_will_do(param_group._reduce_scatter_comm)
         groups = FSDP2.shard_groups(param_group)
         assert groups and all(dist.get_backend(g) == "hsdp" for g in groups)
         assert FSDP2.mesh_groups(param_group)

@@ -29,3 +29,16 @@ def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
     lines = proc.stdout.splitlines()
     assert len(lines) == 1 and "no GPU" in lines[0], proc.stdout
     assert not (tmp_path / "report.txt").exists(), "nothing is checked, so no report"
+
+
+def test_a_bad_number_of_ranks_is_refused_before_anything_runs(tmp_path):
+    for bad in (["--ranks"], ["--ranks", "0"], ["--ranks", "two"], ["--ranks", "9"]):
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "gpu_check.sh"), *bad, str(tmp_path / "r.txt")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 2, (bad, proc.stdout, proc.stderr)
+        assert "--ranks takes a number of ranks from 1 to 8" in proc.stderr, (bad, proc.stderr)

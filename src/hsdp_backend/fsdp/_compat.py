@@ -316,7 +316,10 @@ def _foreach_reduce(*positional, **keywords):
         key, out = buckets.reserve(
             all_reduce_group, divide_by, reduce_dtype, sum(shard_numels), device, streams
         )
-        comm = _OutputInto(args["reduce_scatter_comm"], out)
+        comm = args["reduce_scatter_comm"]
+        if FSDP2.any_output_will_do(comm):
+            comm = _OutputInto(comm, out)
+        # else the output is the comm's own and is copied into the bucket below.
     else:  # accumulate-only micro-batch: FSDP2 keeps the (SUM) partial, as usual
         out, comm = None, args["reduce_scatter_comm"]
     # FSDP2's own copy-in and reduce-scatter with SUM and no division: the
@@ -341,7 +344,8 @@ def _foreach_reduce(*positional, **keywords):
         )
     if not all_reduce_grads:
         return result
-    if reduced.data_ptr() != out.data_ptr():  # accumulated into an earlier partial
+    # Accumulated into an earlier partial, or the output of a comm that allocates its own.
+    if reduced.data_ptr() != out.data_ptr():
         if reduced.shape != out.shape:
             raise RuntimeError(
                 f"hsdp_backend.fsdp: FSDP2 reduced {reduced.numel()} gradient elements where the shim "

@@ -110,6 +110,15 @@ class Fsdp2:
                  type(param_group._reduce_scatter_comm).__name__)  # fmt: skip
         return any(not n.startswith(("Default", "ProcessGroupAlloc")) for n in names)
 
+    @staticmethod
+    def any_output_will_do(reduce_scatter_comm) -> bool:
+        """Whether a reduce-scatter comm takes any output tensor: FSDP2's default does; its
+        process-group and symmetric-memory comms (``set_allocate_memory_from_process_group_for_comm``,
+        ``set_symm_mem_for_comm``) and a user's ``set_custom_reduce_scatter`` need the output
+        from their own ``allocate()`` (NCCL's symmetric-memory rendezvous refuses other
+        memory: "Pointer not within any SymmetricMemory allocation")."""
+        return type(reduce_scatter_comm).__name__ == "DefaultReduceScatter"
+
     # What the shim reads of a param group.
 
     @staticmethod
