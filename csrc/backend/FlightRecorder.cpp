@@ -12,6 +12,7 @@
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <sstream>
 #include <thread>
 
 namespace hsdp {
@@ -199,16 +200,17 @@ std::string FlightRecorder::dump(const std::string& reason) {
   if (!enabled()) {
     return "(no flight record: HSDP_TRACE_ENTRIES=0)";
   }
-  std::lock_guard<std::mutex> lock(mutex_);
-  // Every rank may create the directory at once: EEXIST is success.
-  if (mkdir(options_.dir.c_str(), 0777) != 0 && errno != EEXIST) {
-    return "(no flight record: cannot create " + options_.dir + ": " + std::strerror(errno) + ")";
-  }
-  const std::string path = pathLocked();
-  // Written beside, then renamed: a reader never sees half a file.
-  const std::string partial = path + ".partial." + std::to_string(getpid());
+  // The ring is read under the lock, the file written outside it: ops go on
+  // recording while a dump waits on a slow or full disk.
+  std::string path;
+  std::string partial;
+  std::ostringstream out;
   {
-    std::ofstream out(partial, std::ios::trunc);
+    std::lock_guard<std::mutex> lock(mutex_);
+    path = pathLocked();
+    // Written beside, then renamed: a reader never sees half a file. Each
+    // dump its own: two threads may dump at once.
+    partial = path + ".partial." + std::to_string(getpid()) + "." + std::to_string(++dumps_);
     char host[256] = {};
     gethostname(host, sizeof host - 1);
     out << "{\"format\": \"hsdp-trace-1\", \"group\": " << jsonString(group_)
@@ -237,7 +239,15 @@ std::string FlightRecorder::dump(const std::string& reason) {
       sep = ",\n  ";
     }
     out << "\n ]}\n";
-    if (!out) {
+  }
+  // Every rank may create the directory at once: EEXIST is success.
+  if (mkdir(options_.dir.c_str(), 0777) != 0 && errno != EEXIST) {
+    return "(no flight record: cannot create " + options_.dir + ": " + std::strerror(errno) + ")";
+  }
+  {
+    std::ofstream file(partial, std::ios::trunc);
+    file << out.str();
+    if (!file) {
       return "(no flight record: writing " + partial + " failed)";
     }
   }

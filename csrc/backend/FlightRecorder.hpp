@@ -129,6 +129,7 @@ class FlightRecorder {
   int size_;
   const TraceOptions options_;
   mutable std::mutex mutex_;
+  uint64_t dumps_ = 0; // under mutex_: each dump's own partial file
   std::vector<Entry> ring_;
   std::string group_ = "unnamed";
   std::function<std::string()> snapshot_;

@@ -1,6 +1,7 @@
 #include "fusion/ReducePlan.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/ScalarOps.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
 
 #include <cmath>
@@ -98,14 +99,18 @@ void DeferredScale::apply(const at::Tensor& t) const {
     t.div_(at::Scalar(static_cast<int64_t>(value_)), "trunc");
     return;
   }
-  const bool widen = dtype == at::kBFloat16 || dtype == at::kHalf;
-  at::Tensor work = widen ? t.to(at::kFloat) : t;
+  // bf16 and fp16 in place, in one kernel: torch computes a reduced float op
+  // in fp32 and rounds once, so this is bitwise the widened form without its
+  // fp32 copy of the data (backend_test.cpp: DeferredScale*). The value goes
+  // as a wrapped number, as Python's `t.mul_(0.5)` does: a plain scalar
+  // tensor would take the data's dtype (the factor rounded to bf16 first).
+  const bool reduced = dtype == at::kBFloat16 || dtype == at::kHalf;
   switch (kind_) {
     case Kind::Divide:
-      work.div_(value_);
+      t.div_(at::native::wrapped_scalar_tensor(value_));
       break;
     case Kind::Multiply:
-      work.mul_(value_);
+      t.mul_(at::native::wrapped_scalar_tensor(value_));
       break;
     case Kind::MultiplyTensor:
       if (!tensor_.is_cpu() && tensor_.has_storage()) {
@@ -115,15 +120,12 @@ void DeferredScale::apply(const at::Tensor& t) const {
         c10::impl::VirtualGuardImpl impl(tensor_.device().type());
         impl.recordDataPtrOnStream(tensor_.storage().data_ptr(), impl.getStream(tensor_.device()));
       }
-      // On the data's device (planReduce checked it) and in its dtype:
-      // enqueued, never read by the host.
-      work.mul_(tensor_.to(work.scalar_type()));
+      // On the data's device (planReduce checked it), enqueued, never read by
+      // the host; a reduced float's factor stays fp32 (not rounded to bf16).
+      t.mul_(tensor_.to(reduced ? at::kFloat : dtype));
       break;
     case Kind::None:
       break;
-  }
-  if (widen) {
-    t.copy_(work);
   }
 }
 

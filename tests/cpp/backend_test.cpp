@@ -365,6 +365,33 @@ TEST(Backend, ASplitBeforeTheInnerCommunicatorExistsRaisesNamingIt) {
 }
 #endif
 
+TEST(ReducePlan, DeferredScaleOfBf16AndFp16IsTheFp32ResultRoundedOnce) {
+  // The scale runs in place on the reduced dtype (no fp32 copy of the data):
+  // bitwise what widening to fp32, scaling and rounding once gives.
+  at::manual_seed(0);
+  for (auto dtype : {at::kBFloat16, at::kHalf}) {
+    const auto data = (at::randn({4099}) * 100).to(dtype);
+    for (double v : {3.0, 6.0, 8.0, 1.0 / 3, 0.125, 1e-3, 1234.5}) {
+      const auto factor = at::tensor({v}, at::kDouble);
+      for (const auto& scale :
+           {DeferredScale::divideBy(v),
+            DeferredScale::multiplyBy(v),
+            DeferredScale::multiplyBy(factor)}) {
+        auto got = data.clone();
+        scale.apply(got);
+        auto wide = data.to(at::kFloat);
+        if (scale.kind() == DeferredScale::Kind::Divide) {
+          wide.div_(v);
+        } else {
+          wide.mul_(static_cast<float>(v));
+        }
+        EXPECT_TRUE(at::equal(got, wide.to(dtype)))
+            << dtype << " " << v << " kind " << static_cast<int>(scale.kind());
+      }
+    }
+  }
+}
+
 TEST(ReducePlan, AtOneRankTheFactorIsHsdpsOwnMultiplyEvenOnANativeRoute) {
   // NCCL 2.28.9's one-rank reduce-scatter drops a PREMUL_SUM factor: at one
   // rank hsdp sends a SUM and scales the copy itself.

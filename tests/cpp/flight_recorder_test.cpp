@@ -4,12 +4,16 @@
 
 #include "backend/FlightRecorder.hpp"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <future>
 #include <memory>
 #include <sstream>
 #include <stdexcept>
@@ -87,6 +91,46 @@ TEST_F(FlightRecorderTest, AFailureIsKeptAndTheEventNotAsked) {
   const std::string e = entry(r.dump("t"), 1);
   EXPECT_NE(e.find("\"state\": \"failed\""), std::string::npos) << e;
   EXPECT_EQ(asked, 0);
+}
+
+TEST_F(FlightRecorderTest, OpsRecordWhileADumpWaitsOnItsFile) {
+  // The dump's partial file is a FIFO here: writing it blocks until a reader
+  // comes, as a slow or full disk would. The ops of the group must go on
+  // recording meanwhile (the ring is read under the lock, the file written
+  // outside it); before, they waited for the write.
+  hsdp::FlightRecorder r(0, 1, {8, dir_});
+  r.setGroup("g");
+  const std::string path = dir_ + "/hsdp-trace.g.rank0.json";
+  const std::string fifo = path + ".partial." + std::to_string(getpid()) + ".1";
+  ASSERT_EQ(mkfifo(fifo.c_str(), 0600), 0);
+  r.started(1, "all_reduce", 64, "inner");
+  // The snapshot is taken while the dump reads the ring: from then on the
+  // dump is under way, and its write is what blocks.
+  std::promise<void> reading;
+  r.setSnapshot([&] {
+    reading.set_value();
+    return std::string("here");
+  });
+  auto dumped = std::async(std::launch::async, [&] { return r.dump("t"); });
+  const bool dumpReading =
+      reading.get_future().wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  auto recorded = std::async(std::launch::async, [&] {
+    r.finished(1, "");
+    r.started(2, "broadcast", 8, "inner");
+  });
+  const bool inTime = recorded.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  // Let the dump finish either way, so that no thread is left blocked: a
+  // reader (O_RDWR never blocks on a FIFO) lets its open go on, and the pipe
+  // holds the whole dump.
+  const int fd = open(fifo.c_str(), O_RDWR | O_NONBLOCK);
+  ASSERT_GE(fd, 0);
+  const bool finished = dumped.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  close(fd);
+  EXPECT_TRUE(dumpReading) << "the dump opened its file before it read the ring";
+  EXPECT_TRUE(inTime) << "recording waited for a dump's write";
+  ASSERT_TRUE(finished) << "the dump did not finish once its file could be written";
+  recorded.wait();
+  EXPECT_EQ(dumped.get(), path);
 }
 
 TEST_F(FlightRecorderTest, AReusedSlotDropsTheEarlierOpsEvent) {

@@ -136,9 +136,11 @@ InnerRoute::WorkPtr InnerRoute::workFor(
     std::function<void()> post,
     std::vector<at::Tensor> keepAlive) {
   std::erase_if(works, [](const WorkPtr& w) { return !w; });
-  {
+  // Outside a block (most calls) no lock: a block is opened and filled on
+  // the thread that issues its calls, which sees its own store.
+  if (coalescing_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (coalescing_) {
+    if (coalescing_.load(std::memory_order_relaxed)) {
       // Nothing has been launched yet: the post-step waits for endCoalescing.
       auto& h = held_;
       h.works.insert(h.works.end(), works.begin(), works.end());
@@ -203,7 +205,7 @@ void InnerRoute::startCoalescing() {
   TORCH_INTERNAL_ASSERT(caps_.nativeCoalescing);
   backend_->startCoalescing();
   std::lock_guard<std::mutex> lock(mutex_);
-  coalescing_ = true;
+  coalescing_.store(true, std::memory_order_release);
   held_ = Held{};
 }
 
@@ -211,7 +213,7 @@ InnerRoute::WorkPtr InnerRoute::endCoalescing() {
   Held held;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    coalescing_ = false;
+    coalescing_.store(false, std::memory_order_release);
     std::swap(held, held_);
   }
   Inner inner{{}, backend_->endCoalescing(), std::move(held.works)};

@@ -177,7 +177,7 @@ class InnerRoute final : public Route {
   std::unique_ptr<AsyncCompletion> completion_; // chosen by caps_.streams
   std::mutex mutex_;                            // the coalescing block's state
   std::atomic<bool> connected_{false};
-  bool coalescing_ = false;
+  std::atomic<bool> coalescing_{false}; // written under mutex_
   struct Held {
     std::vector<WorkPtr> works; // of the calls inside the block
     std::vector<at::Tensor> outputs;
