@@ -8,7 +8,7 @@
 #
 # lint      clang-format and ruff, no drift (scripts/format.sh --check)
 # unit      pytest tests/unit: one process, no ranks
-# quick     pytest -m quick: tests/integration at two ranks
+# quick     pytest -m quick: tests/integration at two ranks, in a shuffled order
 # cpp       the C++ tests through ctest: the engine's plain, under TSan and
 #           under ASan+UBSan (scripts/cpp_tests.sh), the backend's (the
 #           tests' build of scripts/setup.sh), and the spin models
@@ -117,7 +117,11 @@ compat() {
 
 stage lint bash scripts/format.sh --check
 stage unit "$PYTEST" -q tests/unit
-stage quick "$PYTEST" -q tests -m quick --ignore=tests/unit
+# In an order of its own each run (tests/conftest.py: --shuffle): the suite must pass in any
+# order; the seed is printed, and --shuffle SEED repeats the order.
+seed=$((RANDOM * 32768 + RANDOM))
+echo "== the quick stage's order: --shuffle $seed"
+stage quick "$PYTEST" -q tests -m quick --ignore=tests/unit --shuffle "$seed"
 [ "$last" = quick ] && exit 0
 stage cpp cpp
 for tier in integration system tooling; do

@@ -1,5 +1,6 @@
 import glob
 import os
+import random
 import tempfile
 
 import pytest
@@ -83,6 +84,17 @@ EVERY_TORCH = (
 TIERS = ("unit", "integration", "system", "tooling")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--shuffle",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="run the selected tests in an order shuffled with SEED (scripts/test.sh's quick "
+        "stage prints the seed it took): the suite must pass in any order",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.parent.name in TIERS:
@@ -91,6 +103,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.quick)
         if item.nodeid.startswith(EVERY_TORCH):
             item.add_marker(pytest.mark.every_torch)
+    seed = config.getoption("--shuffle")
+    if seed is not None:
+        random.Random(seed).shuffle(items)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,10 +2,13 @@
 rank launcher of the benchmarks (benchmarks/) and of the tests' launches that
 need fresh processes (tests/harness.py; the others run on warm pools).
 
-Every rank gets the torchrun variables (MASTER_ADDR / MASTER_PORT on a free
-loopback port, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE) and, unless
-``backend`` is None, initialises the default group on it over the env://
-rendezvous (rank 0 hosts the TCPStore). The parent waits for all ranks with
+Rank 0 hosts the TCPStore on a port it binds itself (port 0: no port is
+chosen free and bound later, when another process may have taken it) and
+shares it; every rank then gets the torchrun variables (MASTER_ADDR /
+MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and
+TORCHELASTIC_USE_AGENT_STORE, as torchrun's agent store: env:// makes every
+rank a client of that store) and, unless ``backend`` is None, initialises
+the default group over env://. The parent waits for all ranks with
 one deadline; when a rank fails the others get a short grace period, then
 every process still alive is killed, so a hang costs seconds and no process
 outlives its launch. Each rank arms faulthandler to print its stacks and
@@ -43,10 +46,31 @@ class RankFailure(AssertionError):
 
 
 def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
+    """A loopback TCP port nobody listens on right now, for a program that takes a port
+    number only (torchrun's --master-port): another process may take it before that
+    program binds it. The launchers here bind port 0 instead."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _shared_store_port(rank: int, world: int, port: Any, deadline_epoch: float, timeout_s: float):
+    """(rank 0's store or None, its port): rank 0 binds port 0 and publishes it in ``port``
+    (a shared value); the others wait for it until the deadline."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True,
+            timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False,
+        )  # fmt: skip
+        port.value = store.port
+        return store, store.port
+    while port.value == 0:
+        if time.time() >= deadline_epoch:
+            raise TimeoutError(f"rank {rank} was not told rank 0's store port by the deadline")
+        time.sleep(0.01)
+    return None, port.value
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -62,7 +86,6 @@ def _rank_main(
     setup,
     rank,
     world,
-    port,
     backend,
     env,
     collective_timeout_s,
@@ -71,6 +94,7 @@ def _rank_main(
     kwargs,
     results,
     device,
+    port,
 ):
     import faulthandler
 
@@ -79,19 +103,25 @@ def _rank_main(
     faulthandler.enable()  # a crash prints every thread's Python stack
     faulthandler.dump_traceback_later(max(time_left_s - STACK_DUMP_MARGIN_S, 1.0), exit=True)
     os.environ.update(env)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-    )
     try:
         import torch
         import torch.distributed as dist
 
         import hsdp_backend  # noqa: F401  registers "hsdp"
+
+        # Rank 0's store lives as long as this process (the env:// clients' server).
+        _store, store_port = _shared_store_port(
+            rank, world, port, deadline_epoch, collective_timeout_s
+        )
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store_port),
+            TORCHELASTIC_USE_AGENT_STORE=str(True),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world),
+        )
 
         torch.set_num_threads(1)
         if device == "cuda":
@@ -162,7 +192,7 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = ctx.Value("i", 0)  # rank 0's store port, once bound
     deadline = time.monotonic() + timeout_s
     collective_timeout_s = max(1.0, min(collective_timeout_s, timeout_s))
     procs = [
@@ -173,7 +203,6 @@ def run_ranks(
                 setup,
                 r,
                 world,
-                port,
                 backend,
                 env or {},
                 collective_timeout_s,
@@ -182,6 +211,7 @@ def run_ranks(
                 kwargs or {},
                 results,
                 device,
+                port,
             ),
             name=f"rank{r}",
             daemon=True,

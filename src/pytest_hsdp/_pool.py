@@ -20,7 +20,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -96,12 +95,6 @@ class Pools:
             self._pools.pop(next(iter(self._pools))).close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _context(env: dict[str, str], env_at_import: bool):
     """How ranks are started. Forked from multiprocessing's fork server, which has imported
     torch once, so a pool's start costs no import of torch per rank; but spawned where the
@@ -167,9 +160,9 @@ class Pool:
             "group_timeout_s": group_timeout_s,
             "setup": setup,
             "gpu_memory_gib": gpu_memory_gib,
+            "start_timeout_s": start_timeout_s,
         }
         ctx = _context(env, env_at_import)
-        port = free_port()
         self._conns = []
         self._procs = []
         try:
@@ -177,7 +170,7 @@ class Pool:
                 parent_end, child_end = ctx.Pipe()
                 proc = ctx.Process(
                     target=_worker.main,
-                    args=(r, world, spec, port, child_end, os.getpid()),
+                    args=(r, world, spec, child_end, os.getpid()),
                     name=f"pytest-hsdp-rank{r}",
                     daemon=True,
                 )
@@ -205,6 +198,15 @@ class Pool:
                     errors[r] = message[2]
                 elif message[0] == "unavailable":
                     unavailable = errors[r] = message[2]
+                elif message[0] == "port":
+                    # Rank 0's store is bound: the others connect to it. Rank 0 is still
+                    # to say it is ready.
+                    waiting.add(r)
+                    for conn in self._conns[1:]:
+                        try:
+                            conn.send(("port", message[1]))
+                        except (BrokenPipeError, OSError):
+                            pass  # found dead when its message does not come
                 elif r == 0:
                     self.placement = message[3]
             if errors:
@@ -368,10 +370,9 @@ class Pool:
 
     def _reinit(self) -> None:
         """A test destroyed the default group on some rank: every rank makes a new one."""
-        port = free_port()
         try:
             for conn in self._conns:
-                conn.send(("reinit", port))
+                conn.send(("reinit",))
             self._await_ready("re-create the default group of")
         except (PoolError, BrokenPipeError, OSError):
             self.close()

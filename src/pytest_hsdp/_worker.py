@@ -179,13 +179,39 @@ class _Rank:
                     break
                 time.sleep(0.01)
 
-    def init_group(self, port: int) -> None:
+    def _rendezvous(self, conn, deadline_s: float):
+        """The default group's store: rank 0 binds port 0 (no port is chosen free and bound
+        later, when another process may have taken it) and tells the parent, which tells the
+        other ranks; they connect to it."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.spec["group_timeout_s"])
+        if self.rank == 0:
+            store = dist.TCPStore(
+                "127.0.0.1", 0, self.world, is_master=True, timeout=timeout,
+                wait_for_workers=False,
+            )  # fmt: skip
+            conn.send(("port", store.port))
+            return store, store.port
+        if not conn.poll(deadline_s):
+            raise TimeoutError(
+                f"rank {self.rank} was not told rank 0's store port within {deadline_s:g} s"
+            )
+        message = conn.recv()
+        if message[0] != "port":
+            raise RuntimeError(f"rank {self.rank} expected rank 0's store port, got {message!r}")
+        port = message[1]
+        store = dist.TCPStore("127.0.0.1", port, self.world, is_master=False, timeout=timeout)
+        return store, port
+
+    def init_group(self, conn, deadline_s: float) -> None:
         import torch
         import torch.distributed as dist
 
         if self.spec["backend"] == "hsdp":
             import hsdp_backend  # noqa: F401  registers "hsdp"
         self.meshes.clear()
+        store, port = self._rendezvous(conn, deadline_s)
         # torchrun's variables, for code that reads them (MASTER_PORT: this group's store).
         os.environ.update(
             MASTER_ADDR="127.0.0.1",
@@ -202,7 +228,7 @@ class _Rank:
             self.device = torch.device("cpu")
         dist.init_process_group(
             self.spec["backend"],
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=self.rank,
             world_size=self.world,
             timeout=datetime.timedelta(seconds=self.spec["group_timeout_s"]),
@@ -369,9 +395,10 @@ def _mesh_groups(mesh: Any) -> list:
         return []
 
 
-def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, pytest_pid: int) -> None:
-    """The rank's loop. Messages in: ("run", task), ("reinit", port), ("stop",). Out:
-    ("ready", rank, pid) once the default group is up, ("failed", rank, traceback) if it
+def main(rank: int, world: int, spec: dict[str, Any], conn, pytest_pid: int) -> None:
+    """The rank's loop. Messages in: ("run", task), ("reinit",), ("stop",), and before each
+    default group, on ranks but 0, ("port", rank 0's store port). Out: ("port", port) from
+    rank 0 before each default group, ("ready", rank, pid, placement) once it is up, ("failed", rank, traceback) if it
     could not be, ("done", task id, rank, failure text or None, the body's pickled return
     value, the default group's sequence number or None, whether the default group is still
     there) per test. ``spec["setup"]``: (module, path, name) of a function each rank calls
@@ -390,7 +417,7 @@ def main(rank: int, world: int, spec: dict[str, Any], port: int, conn, pytest_pi
         if spec.get("setup"):
             module, path, name = spec["setup"]
             _resolve(_load_module(module, path), name)()
-        me.init_group(port)
+        me.init_group(conn, spec["start_timeout_s"])
         conn.send(("ready", rank, os.getpid(), me.placement_note))
     except (Unavailable, _placement.PlacementError) as exc:
         conn.send(("unavailable" if isinstance(exc, Unavailable) else "failed", rank, str(exc)))
@@ -421,7 +448,7 @@ def _serve(me: _Rank, conn) -> None:
 
                 if dist.is_initialized():
                     dist.destroy_process_group()
-                me.init_group(message[1])
+                me.init_group(conn, me.spec["start_timeout_s"])
                 conn.send(("ready", me.rank, os.getpid(), me.placement_note))
             except BaseException:  # noqa: BLE001
                 conn.send(("failed", me.rank, traceback.format_exc()))
