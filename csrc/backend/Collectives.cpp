@@ -707,9 +707,10 @@ WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   auto call = begin("barrier", OpType::BARRIER, opts.asyncOp, opts.timeout);
   // NCCL's barrier is an all-reduce on the device followed by a host wait
   // for the current stream (ProcessGroupNCCL::barrier): when it returns,
-  // every rank's GPU work issued before it has run. On a group that serves
-  // CUDA the same holds here: this rank's current stream is waited for,
-  // then the processes meet on the CPU engine, which serves every barrier.
+  // every rank's GPU work issued before it on the current stream has run,
+  // and its NCCL work too (NCCL's stream orders the all-reduce after it).
+  // Here this rank's current stream is waited for, then the processes meet
+  // on the CPU: async NCCL work never waited for is not covered (gpu.md).
   checkUsable(call.ctx);
   if (cuda_) {
     const auto device = barrierDevice(opts);

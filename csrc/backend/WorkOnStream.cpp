@@ -38,9 +38,16 @@ class EventMark final : public PostStepMark {
   }
 
   // Querying an event recorded during graph capture is an error: a captured
-  // op has not run (it runs at each replay), so it is not complete.
+  // op has not run (it runs at each replay), so it is not complete. The
+  // query runs in ThreadLocal capture mode, as ProcessGroupNCCL's watchdog
+  // queries: in the default, global mode it would invalidate a capture
+  // another thread has in progress.
   bool done() const override {
-    return !captured_ && event_.query();
+    if (captured_) {
+      return false;
+    }
+    compat::ThreadLocalCaptureMode threadLocal;
+    return event_.query();
   }
   bool capturingNow() const override {
     return compat::isCapturing(stream_.device());

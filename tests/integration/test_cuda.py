@@ -338,33 +338,25 @@ def trace_body(rank, world):
     assert last_state() == "completed"
 
 
-def dump_beside_a_capture_body(rank, world):
-    """A flight-record dump queries the "done" events of pending entries; on
-    another thread than a CUDA graph capture in torch's default, global
-    mode, a query invalidates that capture unless the querying thread is in
-    ThreadLocal mode (as ProcessGroupNCCL's watchdog sets it)."""
+def _beside_a_capture(dev, action, what):
+    """Runs ``action()`` on another thread while this one captures a CUDA graph in torch's
+    default, global mode (which any thread's event query invalidates, unless that thread is in
+    ThreadLocal mode, as ProcessGroupNCCL's watchdog sets it); the capture must end and
+    replay."""
     import threading
 
-    import torch.distributed as dist
-
-    import hsdp_backend
-
-    dev = _gpu_with_communicator(rank)
-    cycles = _cycles_per_second(dev)
-    torch.cuda._sleep(cycles // 2)
-    work = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)  # pending: an event
-    capturing, dumped = threading.Event(), threading.Event()
+    capturing, acted = threading.Event(), threading.Event()
     errors = []
 
-    def dump():
+    def act():
         capturing.wait(timeout=60)
         try:
-            hsdp_backend.dump_trace("asked")
+            action()
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
-        dumped.set()
+        acted.set()
 
-    thread = threading.Thread(target=dump)
+    thread = threading.Thread(target=act)
     thread.start()
     graph = torch.cuda.CUDAGraph()
     x = torch.ones(256, device=dev)
@@ -373,15 +365,45 @@ def dump_beside_a_capture_body(rank, world):
         graph.capture_begin()
         y = x * 2
         capturing.set()
-        assert dumped.wait(timeout=60), "the dump did not finish"
+        assert acted.wait(timeout=60), f"{what} beside the capture did not return"
         y = y + 1
-        graph.capture_end()  # raises if the dump's query invalidated the capture
+        graph.capture_end()  # raises if a query invalidated the capture
     thread.join(timeout=60)
     assert not errors, errors
     graph.replay()
-    work.wait()
     torch.cuda.synchronize()
-    _check(y, torch.full((256,), 3.0), "the captured graph")
+    _check(y, torch.full((256,), 3.0), f"the graph captured beside {what}")
+
+
+def dump_beside_a_capture_body(rank, world):
+    """A flight-record dump queries the "done" events of pending entries."""
+    import hsdp_backend
+
+    dev = _gpu_with_communicator(rank)
+    torch.cuda._sleep(_cycles_per_second(dev) // 2)
+    work = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)  # pending: an event
+    _beside_a_capture(dev, lambda: hsdp_backend.dump_trace("asked"), "a dump")
+    work.wait()
+
+
+def op_beside_a_capture_body(rank, world):
+    """An op issued while a post-step is pending asks whether that post-step is done
+    (StreamOrdered::beforeIssue)."""
+    dev = _gpu_with_communicator(rank)
+    t = torch.ones(8, device=dev)  # allocated before the capture: the op allocates nothing
+    torch.cuda.synchronize()
+    torch.cuda._sleep(_cycles_per_second(dev) // 2)
+    pending = dist.all_reduce(torch.ones(4, 2, device=dev).t(), async_op=True)  # a post-step
+    _beside_a_capture(dev, lambda: dist.all_reduce(t), "an op")
+    pending.wait()
+    torch.cuda.synchronize()
+    _check(t, torch.full((8,), float(world)), "the op beside the capture")
+
+
+@one_gpu
+@pytest.mark.parametrize("world", WORLDS)
+def test_gpu_op_beside_a_capture(world):
+    run_on_gpus(op_beside_a_capture_body, world)
 
 
 @one_gpu
