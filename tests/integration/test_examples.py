@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch.distributed as dist
-from harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -27,7 +26,8 @@ def run_example(script: str, nproc: int, backend: str, *extra: str) -> str:
     cmd = [
         *TORCHRUN,
         f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
+        # torchrun's agent binds its store on a port of its own choosing (port 0).
+        "--standalone",
         str(ROOT / "examples" / script),
         "--backend",
         backend,

@@ -14,7 +14,6 @@ import sys
 import textwrap
 
 import pytest
-from harness import free_port
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(TESTS, "launcher_scripts")
@@ -39,7 +38,8 @@ def launch(launcher: list[str], script: str, *args, env=None, cwd=None):
         *launcher,
         "--nproc-per-node",
         "2",
-        f"--master-port={free_port()}",
+        # torchrun's agent binds its store on a port of its own choosing (port 0).
+        "--standalone",
         script,
         *args,
     ]

@@ -10,7 +10,6 @@ import textwrap
 
 import pytest
 import torch
-from harness import free_port
 
 from hsdp_backend import _torch_compat
 
@@ -67,7 +66,7 @@ TORCH_RESOLVES_DIST_ENTRY_POINTS = _torch_compat.LAZY_BACKEND_REGISTRATION
 INIT_AND_ALL_REDUCE = """
     import datetime, torch, torch.distributed as dist
     {imports}
-    dist.init_process_group("hsdp", init_method="tcp://127.0.0.1:{port}",
+    dist.init_process_group("hsdp", init_method="tcp://127.0.0.1:0",
                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
     t = torch.ones(3)
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
@@ -78,7 +77,7 @@ INIT_AND_ALL_REDUCE = """
 
 def init_process_group(tmp_path, imports="", env=None):
     return python(
-        INIT_AND_ALL_REDUCE.format(imports=imports, port=free_port()), env=env, cwd=tmp_path
+        INIT_AND_ALL_REDUCE.format(imports=imports), env=env, cwd=tmp_path
     )
 
 
@@ -153,7 +152,7 @@ def test_unknown_group_backend_is_rejected_by_comm_stats(tmp_path):
     proc = python(
         f"""
         import datetime, torch, torch.distributed as dist, hsdp_backend
-        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}",
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0",
                                 rank=0, world_size=1)
         try:
             hsdp_backend.comm_stats()
