@@ -76,9 +76,7 @@ INIT_AND_ALL_REDUCE = """
 
 
 def init_process_group(tmp_path, imports="", env=None):
-    return python(
-        INIT_AND_ALL_REDUCE.format(imports=imports), env=env, cwd=tmp_path
-    )
+    return python(INIT_AND_ALL_REDUCE.format(imports=imports), env=env, cwd=tmp_path)
 
 
 def test_init_process_group_finds_hsdp_without_import(tmp_path):
@@ -150,7 +148,7 @@ def test_failing_registration_never_breaks_import_torch(tmp_path):
 
 def test_unknown_group_backend_is_rejected_by_comm_stats(tmp_path):
     proc = python(
-        f"""
+        """
         import datetime, torch, torch.distributed as dist, hsdp_backend
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0",
                                 rank=0, world_size=1)
