@@ -155,7 +155,8 @@ void bindGroups(py::module& m) {
          std::optional<std::string> hostIdentity,
          std::optional<hsdp::InnerCaps> cpuCaps,
          bool awaitReconfigure,
-         std::optional<bool> cudaBf16PreMulSum) -> c10::intrusive_ptr<c10d::Backend> {
+         std::optional<bool> cudaBf16PreMulSum,
+         std::vector<uint64_t> globalRanks) -> c10::intrusive_ptr<c10d::Backend> {
         TORCH_CHECK_VALUE(cpuBackend != nullptr, "cpu_backend is required");
         config.validate();
         // Gloo's, unless another inner CPU backend was injected with its own.
@@ -171,7 +172,7 @@ void bindGroups(py::module& m) {
           cuda = std::make_unique<hsdp::InnerRoute>(retain(cudaBackend), std::move(nccl), rank);
         }
         py::gil_scoped_release nogil; // the rendezvous blocks on the store
-        return c10::make_intrusive<hsdp::ProcessGroupHSDP>(
+        auto group = c10::make_intrusive<hsdp::ProcessGroupHSDP>(
             store,
             rank,
             size,
@@ -181,6 +182,10 @@ void bindGroups(py::module& m) {
             config,
             std::move(hostIdentity),
             awaitReconfigure);
+        // As on torch's own groups: the barrier's guess of a rank's GPU reads
+        // its global rank (ProcessGroupNCCL::guessDeviceForRank).
+        group->getBackendOptions()->global_ranks_in_group = std::move(globalRanks);
+        return group;
       },
       py::arg("store"),
       py::arg("rank"),
@@ -195,7 +200,9 @@ void bindGroups(py::module& m) {
       py::arg("await_reconfigure") = false,
       // Whether the inner NCCL keeps a bf16 PREMUL_SUM's factor (None: as
       // this release's ProcessGroupNCCL: _torch_compat.nccl_bf16_premul_sum).
-      py::arg("cuda_bf16_premul_sum") = py::none());
+      py::arg("cuda_bf16_premul_sum") = py::none(),
+      // The members' global ranks (torch's opts.global_ranks_in_group).
+      py::arg("global_ranks") = std::vector<uint64_t>{});
 
   // The inner backend a group's route for `device_type` runs on (Gloo, NCCL,
   // or one injected in Gloo's place), as c10d's own Backend object.

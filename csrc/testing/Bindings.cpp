@@ -111,6 +111,10 @@ PYBIND11_MODULE(hsdp_testing, m) {
   m.def(
       "reductions", [](c10d::Backend* backend) { return asDouble(backend).receivedReductions(); });
   m.def("allocations", [](c10d::Backend* backend) { return asDouble(backend).allocations(); });
+  // A backend's options' global ranks (c10d's Backend binding has no `options` before 2.14).
+  m.def("global_ranks_in_group", [](c10d::Backend* backend) {
+    return backend->getBackendOptions()->global_ranks_in_group;
+  });
   m.def("shrunk_with_flags", [](c10d::Backend* backend) {
     return asDouble(backend).shrunkWithFlags();
   });

@@ -206,10 +206,8 @@ def _create_backend(opts, backend_options):
         cpu_caps,
         reconfigurable,
         cuda_bf16_premul_sum=bf16_premul_sum,
+        global_ranks=list(opts.global_ranks_in_group) or list(range(size)),
     )
-    # As on torch's own groups: the barrier's guess of a rank's GPU reads its global rank
-    # (ProcessGroupNCCL::guessDeviceForRank), and a split maps ranks through it.
-    backend.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
     engine, why_not, _ = _C.cpu_engine(backend)
     if engine == "gloo" and settings.engine == "auto" and not reconfigurable:
         # One line: the group was meant for shared memory and did not get it.
