@@ -388,8 +388,12 @@ def allocation_needs_the_communicator_a_barrier_makes(rank, world, ref):
     NCCL's does (an all-reduce on the device): FSDP2 calls one for that."""
     g = dist.new_group(backend="hsdp")
     backend = g._get_backend(torch.device("cpu"))
+    assert not hsdp_testing.is_initialized(double_of(backend))
     # A point-to-point exchange makes NCCL a communicator of the pair's own,
-    # not the group's: allocation still needs the group's.
+    # not the group's: allocation still needs the group's, though
+    # ProcessGroupNCCL::isInitialized (ProcessGroupNCCL.cpp: any entry of
+    # devNCCLCommMap_) now says true, which hsdp's answer must not follow
+    # (C++: Split.EveryRankAnswersIsInitializedAlikeWhateverNcclCounts).
     peer = rank ^ 1
     sent, got = torch.full((2,), float(rank)), torch.empty(2)
     for w in dist.batch_isend_irecv(
@@ -397,6 +401,7 @@ def allocation_needs_the_communicator_a_barrier_makes(rank, world, ref):
     ):
         w.wait()
     assert torch.equal(got, torch.full((2,), float(peer))), got
+    assert hsdp_testing.is_initialized(double_of(backend))
     raises(
         RuntimeError,
         "NCCL communicator has not been initialized before mem pool creation",

@@ -111,6 +111,8 @@ PYBIND11_MODULE(hsdp_testing, m) {
   m.def(
       "reductions", [](c10d::Backend* backend) { return asDouble(backend).receivedReductions(); });
   m.def("allocations", [](c10d::Backend* backend) { return asDouble(backend).allocations(); });
+  // The double's ProcessGroupNCCL::isInitialized (any communicator, a pair's included).
+  m.def("is_initialized", [](c10d::Backend* backend) { return asDouble(backend).isInitialized(); });
   // A backend's options' global ranks (c10d's Backend binding has no `options` before 2.14).
   m.def("global_ranks_in_group", [](c10d::Backend* backend) {
     return backend->getBackendOptions()->global_ranks_in_group;
