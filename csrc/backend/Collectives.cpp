@@ -706,22 +706,39 @@ WorkPtr ProcessGroupHSDP::recvAnysource(std::vector<at::Tensor>& tensors, int ta
 WorkPtr ProcessGroupHSDP::barrier(const c10d::BarrierOptions& opts) {
   auto call = begin("barrier", OpType::BARRIER, opts.asyncOp, opts.timeout);
   // NCCL's barrier is an all-reduce on the device followed by a host wait
-  // for the current stream (ProcessGroupNCCL::barrier): when it returns,
-  // every rank's GPU work issued before it on the current stream has run,
-  // and its NCCL work too (NCCL's stream orders the all-reduce after it).
-  // Here this rank's current stream is waited for, then the processes meet
-  // on the CPU: async NCCL work never waited for is not covered (gpu.md).
+  // for the current stream (ProcessGroupNCCL::barrier, WorkNCCL's
+  // isBarrierOp_): when it returns, every rank's GPU work issued before it
+  // on the current stream has run, and this group's NCCL work too, waited
+  // for or not (NCCL's stream orders the all-reduce after it). Once the
+  // ranks agree that the communicator exists, the inner NCCL's own barrier
+  // gives exactly that; then the processes meet on the CPU for the ops of
+  // the CPU route.
   checkUsable(call.ctx);
   if (cuda_) {
     const auto device = barrierDevice(opts);
     if (device) {
       cuda_->beforeIssue(); // a pending post-step on a side stream is GPU work before it too
-      c10::impl::VirtualGuardImpl impl(device->type());
-      impl.getStream(*device).synchronize();
     }
     if (!cudaAgreed_) {
+      const bool connectedBefore = cuda_->connected();
+      if (device) {
+        c10::impl::VirtualGuardImpl(device->type()).getStream(*device).synchronize();
+      }
       agreeOnCuda(call, device);
-      return WorkHSDP::completed(rank_, call.type, {});
+      if (!connectedBefore || !cudaAgreed_ || !device) {
+        // The agreement was the meeting; a communicator made by it has no
+        // NCCL work before its own all-reduce.
+        return WorkHSDP::completed(rank_, call.type, {});
+      }
+    }
+    if (device) {
+      c10d::BarrierOptions o = opts;
+      o.device_ids = {device->index()};
+      o.timeout = call.timeout;
+      o.asyncOp = false;
+      if (auto w = cuda_->backend().barrier(o)) {
+        w->wait(call.timeout);
+      }
     }
   }
   if (shm_) {

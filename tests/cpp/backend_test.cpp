@@ -191,8 +191,9 @@ class FakeInner : public c10d::Backend {
     }
     return work;
   }
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions&) override {
-    calls.push_back("barrier");
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& o) override {
+    calls.push_back(
+        o.device_ids.empty() ? "barrier" : "barrier on " + std::to_string(o.device_ids[0]));
     return c10::make_intrusive<DoneWork>(std::vector<at::Tensor>{});
   }
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -547,6 +548,20 @@ TEST(Barrier, OnceEveryRankHasTheCommunicatorBarriersOnlyMeet) {
   g.barrier();
   EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"allreduce MAX x1", "barrier"}));
   EXPECT_TRUE(g.cuda->calls.empty());
+}
+
+TEST(Barrier, OnceAgreedABarrierOnADeviceIsNcclsOwnThenTheCpuMeeting) {
+  // NCCL's barrier (an all-reduce on NCCL's stream, then a host wait for the
+  // current stream) covers this group's NCCL work never waited for; a CPU
+  // meeting alone would not.
+  CudaGroup g;
+  g.cudaRoute->markConnected();
+  g.barrier(); // the agreement, on no device
+  c10d::BarrierOptions onDevice;
+  onDevice.device_ids = {1};
+  waitFor(g.pg->barrier(onDevice));
+  EXPECT_EQ(g.cuda->calls, (std::vector<std::string>{"barrier on 1"}));
+  EXPECT_EQ(g.cpu->calls, (std::vector<std::string>{"allreduce MAX x1", "barrier on 1"}));
 }
 
 TEST(Barrier, RanksThatDisagreeOnTheCommunicatorAreToldSoOnEveryRank) {

@@ -185,6 +185,15 @@ def gpu_work_body(rank, world):
     assert torch.cuda.default_stream().query(), "the op blocked the default stream"
     side.synchronize()
     _check(u, torch.ones(16), "AVG on a side stream")
+    # NCCL work issued before a barrier and never waited for has run when
+    # it returns, as with NCCL's barrier (its all-reduce follows that work on
+    # NCCL's stream): here the work waits for a side stream the current
+    # stream knows nothing of.
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(cycles // 10)
+        pending = dist.all_reduce(torch.ones(16, device=dev), async_op=True)
+    dist.barrier(device_ids=[dev.index])
+    assert pending.is_completed(), "the barrier did not cover NCCL work never waited for"
 
 
 def gpu_memory_body(rank, world):
