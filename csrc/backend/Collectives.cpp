@@ -756,8 +756,8 @@ std::optional<at::Device> ProcessGroupHSDP::barrierDevice(const c10d::BarrierOpt
   if (auto bound = getBoundDeviceId(); bound && bound->is_cuda()) {
     return bound;
   }
-  if (opts.device && opts.device->is_cuda()) {
-    return opts.device;
+  if (opts.device && !opts.device->is_cpu()) {
+    return opts.device; // CUDA where NCCL serves it; any device with streams is waited alike
   }
   if (!cuda_) {
     return std::nullopt;

@@ -137,7 +137,9 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // them with plain loads; shm/Pool.hpp), on CUDA the inner NCCL's memory
   // pool, exactly as on a plain nccl group. c10d hands supportsTensorAlloc
   // only an index (FSDP2 always names a CUDA device's).
-  // getMemAllocator is NCCL's when the group has CUDA, else the pool's.
+  // getMemAllocator names no device: it is NCCL's when the group has CUDA
+  // (its one consumer is a torch.cuda.MemPool over a group's allocator),
+  // else the pool's; CPU buffers come from allocateTensor, which names one.
   bool supportsTensorAlloc(c10::DeviceIndex index) override;
   at::Tensor allocateTensor(long size, at::TensorOptions options = {}) override;
   std::shared_ptr<c10::Allocator> getMemAllocator() override;

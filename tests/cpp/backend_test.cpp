@@ -1095,6 +1095,7 @@ struct CountedEvents {
   std::atomic<int> destroyed{0};
   std::atomic<bool> reached{false};
   std::atomic<int64_t> lastStream{-1};
+  std::atomic<int> streamsSynchronized{0};
 };
 CountedEvents counted;
 
@@ -1130,6 +1131,9 @@ struct CountingGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   }
   bool queryEvent(void*) const override {
     return counted.reached;
+  }
+  void synchronizeStream(const c10::Stream&) const override {
+    ++counted.streamsSynchronized;
   }
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
     delete static_cast<int*>(event);
@@ -1180,6 +1184,23 @@ TEST(Recorder, AnOpOnADeviceRecordsItsSlotsEventNotANewOne) {
   }
   EXPECT_EQ(counted.destroyed, 5) << "the slots' events go with the recorder";
   std::system((std::string("rm -rf ") + dir).c_str());
+}
+
+TEST(Barrier, OnADeviceItWaitsForTheCurrentStreamUntilAgreedThenNcclsBarrierDoes) {
+  // Until the ranks agree on the communicator, the barrier waits for the
+  // device's current stream itself (GPU work issued before it), then meets;
+  // once agreed, the inner NCCL's barrier waits for it (WorkNCCL's wait on a
+  // barrier synchronizes the current stream), so hsdp adds no second wait.
+  counted.streamsSynchronized = 0;
+  CudaGroup g;
+  g.cudaRoute->markConnected();
+  c10d::BarrierOptions onDevice;
+  onDevice.device = c10::Device(c10::DeviceType::PrivateUse1, 0);
+  waitFor(g.pg->barrier(onDevice));
+  EXPECT_EQ(counted.streamsSynchronized, 1);
+  waitFor(g.pg->barrier(onDevice));
+  EXPECT_EQ(counted.streamsSynchronized, 1);
+  EXPECT_EQ(g.cuda->calls, (std::vector<std::string>{"barrier on 0", "barrier on 0"}));
 }
 
 } // namespace
