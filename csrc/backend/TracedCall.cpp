@@ -119,7 +119,11 @@ c10::intrusive_ptr<c10d::Work> TracedCall::follow(Completion done, bool inBlock)
           // getStreamFromGlobalPool) and make it wait for the op: the
           // group's own recorder stream waits (Future::wait on a completed
           // future: synchronizeWithCurrentStreams), and the "done" event
-          // follows the op there.
+          // follows the op there. That wait also records each output on
+          // the recorder stream (c10's Future has no wait without it), so
+          // their blocks are reused once that stream reaches the op
+          // (gpu.md's limits); Work::synchronize, which would not, releases
+          // WorkNCCL's stash of the inputs.
           c10::StreamGuard guard(streams->get(*device));
           f.wait();
           completeEntry(*trace, seq, device);
