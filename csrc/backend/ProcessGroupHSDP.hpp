@@ -27,9 +27,10 @@
 // The inner backends are built by the Python creator (torch wheels ship no
 // Gloo or NCCL headers) and reached only through c10d::Backend's virtual API.
 //
-// ProcessGroupHSDP.cpp holds the group's life (creation, splitting,
-// timeouts, abort and shutdown, coalescing blocks); Collectives.cpp the
-// ops, each as: validate, plan, issue on the route.
+// ProcessGroupHSDP.cpp holds the group's life (creation, timeouts, abort
+// and shutdown, coalescing blocks); membership/Membership.cpp the calls that
+// change its members (split, shrink, reconfigure); Collectives.cpp the ops,
+// each as: validate, plan, issue on the route.
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -39,6 +40,7 @@
 #include "backend/ShmRendezvous.hpp"
 #include "backend/TimeoutExtension.hpp"
 #include "backend/TracedCall.hpp"
+#include "backend/membership/Membership.hpp"
 #include "backend/routes/InnerRoute.hpp"
 #include "common/Config.hpp"
 #include "common/Errors.hpp"
@@ -104,33 +106,39 @@ class ProcessGroupHSDP final : public c10d::Backend {
       const std::vector<int64_t>& ranksToExclude,
       int shrinkFlags = 0,
       const c10::intrusive_ptr<Options>& optsOverride = nullptr) override;
-#if HSDP_TORCH_HAS_IS_INITIALIZED
+  // A default group bound to a GPU (init_process_group(device_id=...)):
+  // NCCL connects eagerly and splits from the bound device.
+  void eagerConnectSingleDevice(at::Device device) override;
+  // The virtuals c10d::Backend has from torch 2.14 (TorchCompat.hpp names
+  // each: HSDP_TORCH_HAS_...).
+#if HSDP_TORCH_AT_LEAST(2, 14)
+  // The inner NCCL is told the bound device too (not on 2.13, where this is
+  // not virtual).
+  void setBoundDeviceId(std::optional<at::Device> device) override;
+  // Every op issued from now until the first of them completes waits
+  // `timeout` longer, on every route (TimeoutExtension.hpp).
+  void addEphemeralTimeout(const std::chrono::milliseconds& timeout) override;
+  // Run when one of the group's ops fails and before abort() (AbortHooks.hpp).
+  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override;
+  void unregisterAbortHook(int64_t hookId) override;
+#endif
+  // The virtuals c10d::Backend has from torch 2.15.
+#if HSDP_TORCH_AT_LEAST(2, 15)
   // Whether the group can be split: torch 2.15's split_group asks each rank
   // before it splits. The inner CPU backend's answer; not NCCL's, which
   // counts point-to-point communicators that only some ranks have (those
   // would enter a split the others refused): hsdp's split makes a missing
   // NCCL communicator itself, on every rank alike.
   bool isInitialized() override;
-#endif
-#if HSDP_TORCH_HAS_EPHEMERAL_TIMEOUT
-  // Every op issued from now until the first of them completes waits
-  // `timeout` longer, on every route (TimeoutExtension.hpp).
-  void addEphemeralTimeout(const std::chrono::milliseconds& timeout) override;
-#endif
-#if HSDP_TORCH_HAS_TIME_ESTIMATE
   // Collective time estimation, where the inner CUDA backend (NCCL) has it:
   // the collectives issued between start and end are simulated, not run.
   bool supportsTimeEstimation() const override;
   void startTimeEstimate() override;
   float endTimeEstimate() override;
+  bool supportsAbortHooks() const override {
+    return true;
+  }
 #endif
-  // A default group bound to a GPU (init_process_group(device_id=...)):
-  // NCCL connects eagerly and splits from the bound device.
-// Virtual since torch 2.14; on 2.13 the inner NCCL backend is not told the bound device.
-#if HSDP_TORCH_HAS_VIRTUAL_SET_BOUND_DEVICE
-  void setBoundDeviceId(std::optional<at::Device> device) override;
-#endif
-  void eagerConnectSingleDevice(at::Device device) override;
   // Communication buffers (FSDP2's set_allocate_memory_from_process_group_for_comm
   // allocates its all-gather output and reduce-scatter input here), from the
   // route their collectives take: on CPU the shared-memory pool (peers read
@@ -150,16 +158,6 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // Counts this group's collectives (hsdp's own: most never reach an inner backend).
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
-#if HSDP_TORCH_HAS_ABORT_HOOKS
-  // Run when one of the group's ops fails and before abort() (AbortHooks.hpp).
-  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override;
-  void unregisterAbortHook(int64_t hookId) override;
-#endif
-#if HSDP_TORCH_HAS_SUPPORTS_ABORT_HOOKS
-  bool supportsAbortHooks() const override {
-    return true;
-  }
-#endif
   // The first failure this rank saw on the group, as ProcessGroupNCCL
   // reports its own: TIMEOUT (a shared-memory wait's deadline), REMOTE_ERROR
   // (another rank's failure broke the shared-memory group), COMM_ERROR
@@ -459,23 +457,6 @@ class ProcessGroupHSDP final : public c10d::Backend {
   void detachShm(const char* why);
 
   c10::intrusive_ptr<Options> options_;
-  const Config config_;                           // what a split child is built with
-  const std::optional<std::string> hostIdentity_; // tests: a pretended host
-#if !HSDP_TORCH_SPLITS_ONCE_PER_BACKEND
-  // torch 2.13's ProcessGroup::splitGroup calls split() once per device type
-  // the backend serves (cpu and cuda: the same backend), with the same store
-  // prefix and ranks; a second rendezvous there races with the first one's
-  // (gloo's connectFullMesh reads the other's addresses) and hangs. The
-  // second call gets the first one's result. (torch 2.14 splits each backend
-  // once.)
-  struct LastSplit {
-    std::string groupName;
-    std::vector<int> ranks;
-    c10::weak_intrusive_ptr<c10d::Backend> child;
-    bool none = false; // this rank got no child
-  };
-  std::optional<LastSplit> lastSplit_;
-#endif
   std::unique_ptr<InnerRoute> cpu_;
   std::unique_ptr<InnerRoute> cuda_; // null without CUDA
   // The device of this group's last CUDA op (-1: none yet): a barrier's
@@ -500,16 +481,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   std::shared_ptr<TimeoutExtension> timeoutExtension_ = std::make_shared<TimeoutExtension>();
   std::string shmWhyNot_;
   std::unique_ptr<ShmRoute> shm_; // null: no shared memory for this group
-  // The group's store: a reconfigure's rendezvous runs on it.
-  c10::intrusive_ptr<c10d::Store> store_;
-  // Set while the group has no members: created to await a reconfigure, or
-  // after one failed. checkUsable refuses every call then.
-  std::atomic<bool> awaitingMembers_{false};
-  // How many shrinks this rank made of this group: the ranks that stay count
-  // alike, and each shrink's rendezvous keys carry the count.
-  int shrinks_ = 0;
-  // The uuids of this group's reconfigurations, each used once (c10d's rule).
-  std::vector<int64_t> reconfigureUuids_;
+  Membership membership_;
   // getError's first answer other than SUCCESS, kept as the watchdog keeps
   // ProcessGroupNCCL's first failure.
   std::atomic<int> firstError_{static_cast<int>(c10d::ErrorType::SUCCESS)};

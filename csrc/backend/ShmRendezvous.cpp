@@ -1,6 +1,6 @@
 #include "backend/ShmRendezvous.hpp"
 
-#include "backend/routes/SplitInner.hpp"
+#include "backend/membership/SplitInner.hpp"
 #include "common/Errors.hpp"
 #include "shm/Crossover.hpp"
 

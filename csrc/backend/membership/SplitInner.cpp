@@ -1,4 +1,4 @@
-#include "backend/routes/SplitInner.hpp"
+#include "backend/membership/SplitInner.hpp"
 
 #include <c10/util/Exception.h>
 
