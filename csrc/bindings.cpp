@@ -142,7 +142,8 @@ void bindSettings(py::module& m) {
 }
 
 // Creating a group, and what a group says about itself.
-void bindGroups(py::module& m) {
+// hsdp_backend._registration's creator of a group's backend.
+void bindCreateBackend(py::module& m) {
   m.def(
       "create_backend",
       [](const c10::intrusive_ptr<c10d::Store>& store,
@@ -203,7 +204,10 @@ void bindGroups(py::module& m) {
       py::arg("cuda_bf16_premul_sum") = py::none(),
       // The members' global ranks (torch's opts.global_ranks_in_group).
       py::arg("global_ranks") = std::vector<uint64_t>{});
+}
 
+// What a group serves and has counted, and its flight record.
+void bindGroups(py::module& m) {
   // The inner backend a group's route for `device_type` runs on (Gloo, NCCL,
   // or one injected in Gloo's place), as c10d's own Backend object.
   m.def("inner_backend", [](c10d::Backend* backend, const std::string& deviceType) {
@@ -327,6 +331,7 @@ PYBIND11_MODULE(_C, m) {
   py::module::import("torch.distributed");
   bindErrors(m);
   bindSettings(m);
+  bindCreateBackend(m);
   bindGroups(m);
   bindCollectives(m);
 }

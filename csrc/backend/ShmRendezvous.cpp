@@ -230,6 +230,85 @@ std::string mapSegment(
   return error;
 }
 
+// Every rank's host identity, through the store ("?": a rank that could
+// not read its own, never equal to a real one).
+std::vector<std::string>
+hostIdentities(c10d::Store& store, const Keys& key, int rank, int size, const ShmOptions& options) {
+  const std::string me = options.hostIdentity.value_or(shm::hostIdentity());
+  store.set(key("host", rank), me.empty() ? "?" : me);
+  std::vector<std::string> identities;
+  for (int q = 0; q < size; ++q) {
+    identities.push_back(store.get_to_str(key("host", q)));
+  }
+  return identities;
+}
+
+// The first rank's failure to map its host's segment (`error`: this
+// rank's, empty if none), or empty: every rank of the group gets the same
+// answer, so all fall back to gloo together if any host failed.
+std::string
+firstFailure(c10d::Store& store, const Keys& key, int rank, int size, const std::string& error) {
+  store.set(key("ok", rank), error.empty() ? "1" : "0" + error);
+  std::string first;
+  for (int q = 0; q < size; ++q) { // every rank's answer: none leaves before all have mapped
+    const std::string ok = store.get_to_str(key("ok", q));
+    if (ok != "1" && first.empty()) {
+      first = "rank " + std::to_string(q) + ": " + ok.substr(1);
+    }
+  }
+  return first;
+}
+
+// Why shared memory cannot serve a group across these hosts (within each,
+// Gloo between them), or empty if it can or the group is on one host.
+// HSDP_ENGINE=shm across hosts is refused: it cannot reach across them.
+std::string whyNotAcrossHosts(
+    const Hosts& hosts,
+    const ShmOptions& options,
+    c10d::Backend& cpuInner,
+    const OpContext& c) {
+  if (hosts.members.size() <= 1) {
+    return {};
+  }
+  TORCH_CHECK(
+      options.mode != ShmOptions::Mode::Required,
+      c.prefix(),
+      "HSDP_ENGINE=shm, but the group spans ",
+      hosts.members.size(),
+      " hosts (",
+      hosts.describe(),
+      ") and shared memory cannot reach across hosts; HSDP_ENGINE=auto uses it within each "
+      "host and gloo between hosts");
+  if (!hosts.even()) {
+    return "its hosts hold different numbers of its ranks (" + hosts.describe() +
+        "); shared memory within hosts needs the same number on every host";
+  }
+  if (!cpuInner.supportsSplitting()) {
+    return "the inner CPU backend cannot be split into inter-host groups";
+  }
+  return {};
+}
+
+// The ranks with my local index, one per host, as a group of the inner
+// Gloo's: its split builds a new context among them (only they take part).
+Column columnOf(
+    c10d::Store& store,
+    const Keys& key,
+    const HostLayout& layout,
+    c10d::Backend& cpuInner,
+    std::chrono::milliseconds timeout,
+    const OpContext& c) {
+  auto group = splitWithOwnOptions(
+      cpuInner,
+      c10::make_intrusive<c10d::PrefixStore>(
+          key.prefix() + "column" + std::to_string(layout.local) + "/",
+          c10::intrusive_ptr<c10d::Store>::unsafe_reclaim_from_nonowning(&store)),
+      layout.columnRanks(layout.local),
+      timeout);
+  TORCH_CHECK(group, c.prefix(), "the inner CPU backend returned no inter-host group");
+  return Column{std::move(group), timeout};
+}
+
 } // namespace
 
 std::unique_ptr<ShmRoute> connectShm(
@@ -257,13 +336,7 @@ std::unique_ptr<ShmRoute> connectShm(
   };
   const Keys key(store, size);
 
-  // "?": this rank could not read its identity (never equal to a real one).
-  const std::string me = options.hostIdentity.value_or(shm::hostIdentity());
-  store.set(key("host", rank), me.empty() ? "?" : me);
-  std::vector<std::string> identities;
-  for (int q = 0; q < size; ++q) {
-    identities.push_back(store.get_to_str(key("host", q)));
-  }
+  const auto identities = hostIdentities(store, key, rank, size, options);
   for (int q = 0; q < size; ++q) {
     if (identities[q] == "?") {
       return give_up(
@@ -273,24 +346,9 @@ std::unique_ptr<ShmRoute> connectShm(
     }
   }
   const Hosts hosts(identities);
-  if (hosts.members.size() > 1) {
-    TORCH_CHECK(
-        options.mode != ShmOptions::Mode::Required,
-        OpContext{rank, size, "init"}.prefix(),
-        "HSDP_ENGINE=shm, but the group spans ",
-        hosts.members.size(),
-        " hosts (",
-        hosts.describe(),
-        ") and shared memory cannot reach across hosts; HSDP_ENGINE=auto uses it within each "
-        "host and gloo between hosts");
-    if (!hosts.even()) {
-      return give_up(
-          "its hosts hold different numbers of its ranks (" + hosts.describe() +
-          "); shared memory within hosts needs the same number on every host");
-    }
-    if (!cpuInner.supportsSplitting()) {
-      return give_up("the inner CPU backend cannot be split into inter-host groups");
-    }
+  if (const auto why = whyNotAcrossHosts(hosts, options, cpuInner, OpContext{rank, size, "init"});
+      !why.empty()) {
+    return give_up(why);
   }
   const HostLayout layout = hosts.layout(rank);
   adoptRankZeroSettings(store, key, rank, options);
@@ -300,17 +358,7 @@ std::unique_ptr<ShmRoute> connectShm(
   std::string name;
   const std::string error =
       mapSegment(store, hostKey, layout.local, layout.perHost, options.slotBytes, segment, name);
-  // Every rank of the group agrees, so all fall back to gloo together if
-  // any host failed.
-  store.set(key("ok", rank), error.empty() ? "1" : "0" + error);
-  std::string firstError;
-  for (int q = 0; q < size; ++q) {
-    const std::string ok = store.get_to_str(key("ok", q));
-    if (ok != "1" && firstError.empty()) {
-      firstError = "rank " + std::to_string(q) + ": " + ok.substr(1);
-    }
-  }
-  if (!firstError.empty()) {
+  if (const auto firstError = firstFailure(store, key, rank, size, error); !firstError.empty()) {
     if (layout.local == 0 && segment) {
       shm::Segment::unlink(name); // not every rank of the host mapped it
     }
@@ -321,20 +369,7 @@ std::unique_ptr<ShmRoute> connectShm(
   if (layout.hosts > 1) {
     config.groupRanks = layout.hostRanks(layout.host);
     config.groupSize = size;
-    // The ranks with my local index, one per host: Gloo's split builds a
-    // new context among them (only they take part).
-    auto group = splitWithOwnOptions(
-        cpuInner,
-        c10::make_intrusive<c10d::PrefixStore>(
-            key.prefix() + "column" + std::to_string(layout.local) + "/",
-            c10::intrusive_ptr<c10d::Store>::unsafe_reclaim_from_nonowning(&store)),
-        layout.columnRanks(layout.local),
-        timeout);
-    TORCH_CHECK(
-        group,
-        OpContext{rank, size, "init"}.prefix(),
-        "the inner CPU backend returned no inter-host group");
-    column = Column{std::move(group), timeout};
+    column = columnOf(store, key, layout, cpuInner, timeout, OpContext{rank, size, "init"});
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
   if (options.engine.wantsDirectReads() &&

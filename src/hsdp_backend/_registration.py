@@ -136,9 +136,6 @@ def _create_backend(opts, backend_options):
     """
     import logging
 
-    import torch
-    import torch.distributed as dist
-
     from hsdp_backend import _torch_compat
 
     problem = _torch_compat.unsupported()
@@ -158,33 +155,10 @@ def _create_backend(opts, backend_options):
     # init_process_group(enable_reconfigure=True), torch 2.14+: the group gets its members
     # from dist._reconfigure, and so does its inner Gloo.
     reconfigurable = bool(getattr(opts, "enable_reconfigure", False))
-    gloo_options = {"enable_reconfigure": True} if reconfigurable else {}
-    cpu = dist.ProcessGroupGloo(
-        dist.PrefixStore("hsdp/gloo/", store), rank, size, timeout, **gloo_options
-    )
-    # As torch does for its own Gloo groups: splitting (what builds the
-    # inter-host groups) maps the new group's ranks through this list.
-    cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(range(size))
-    cpu_caps = None
-    if hooks.inner_cpu is not None:
-        cpu, cpu_caps = hooks.inner_cpu(opts, cpu)
+    cpu, cpu_caps = _inner_cpu(opts, reconfigurable)
     settings = config.resolve()
     _wrap_nccl_creators()
-    parent = _split_parent(opts)
-    cuda = None
-    if torch.cuda.is_available() and dist.is_nccl_available():
-        if reconfigurable:
-            raise RuntimeError(
-                f"[rank {rank}/{size}] init_process_group: enable_reconfigure=True is served "
-                "on CPU only, and this process sees a GPU: the ProcessGroupNCCL hsdp wraps for "
-                "CUDA tensors cannot be reconfigured (CUDA_VISIBLE_DEVICES= hides the GPU)"
-            )
-        cuda = dist.ProcessGroupNCCL(
-            dist.PrefixStore("hsdp/nccl/", store),
-            rank,
-            size,
-            _inner_nccl_options(opts, backend_options, parent),
-        )
+    cuda = _inner_cuda(opts, backend_options, reconfigurable)
     fsdp.install_automatically(settings)
     _collect_cycles_before_finalization()
     host = hooks.host_identity(opts) if hooks.host_identity is not None else None
@@ -219,6 +193,51 @@ def _create_backend(opts, backend_options):
             why_not,
         )
     return backend
+
+
+def _inner_cpu(opts, reconfigurable):
+    """The group's inner Gloo (or the backend the tests inject in its place) and its caps."""
+    import torch.distributed as dist
+
+    gloo_options = {"enable_reconfigure": True} if reconfigurable else {}
+    cpu = dist.ProcessGroupGloo(
+        dist.PrefixStore("hsdp/gloo/", opts.store),
+        opts.group_rank,
+        opts.group_size,
+        opts.timeout,
+        **gloo_options,
+    )
+    # As torch does for its own Gloo groups: splitting (what builds the
+    # inter-host groups) maps the new group's ranks through this list.
+    cpu.options.global_ranks_in_group = list(opts.global_ranks_in_group) or list(
+        range(opts.group_size)
+    )
+    if hooks.inner_cpu is not None:
+        return hooks.inner_cpu(opts, cpu)
+    return cpu, None
+
+
+def _inner_cuda(opts, backend_options, reconfigurable):
+    """The group's inner ProcessGroupNCCL, or None where this process has no CUDA."""
+    import torch
+    import torch.distributed as dist
+
+    parent = _split_parent(opts)
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return None
+    if reconfigurable:
+        raise RuntimeError(
+            f"[rank {opts.group_rank}/{opts.group_size}] init_process_group: "
+            "enable_reconfigure=True is served on CPU only, and this process sees a GPU: the "
+            "ProcessGroupNCCL hsdp wraps for CUDA tensors cannot be reconfigured "
+            "(CUDA_VISIBLE_DEVICES= hides the GPU)"
+        )
+    return dist.ProcessGroupNCCL(
+        dist.PrefixStore("hsdp/nccl/", opts.store),
+        opts.group_rank,
+        opts.group_size,
+        _inner_nccl_options(opts, backend_options, parent),
+    )
 
 
 def _split_parent(opts):

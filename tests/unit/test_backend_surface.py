@@ -15,7 +15,9 @@ HEADER = pathlib.Path(torch.__file__).parent / "include/torch/csrc/distributed/c
 
 
 def _code(text: str) -> str:
+    """Declarations only: comments and preprocessor lines (an `#if X(2, 14)` is no call) dropped."""
     text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"^\s*#[^\n]*", "", text, flags=re.M)
     return re.sub(r"/\*.*?\*/", "", text, flags=re.S)
 
 

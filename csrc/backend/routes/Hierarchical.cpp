@@ -271,6 +271,23 @@ void Hierarchical::allGather(const char* op, const void* input, void* output, si
   }
 }
 
+namespace {
+
+// `in` (rank r's chunk at r) reordered column by column: local rank q's
+// piece is the chunks of column q, host by host.
+void packByColumn(char* packed, const char* in, const HostLayout& L, size_t chunk) {
+  for (int q = 0; q < L.perHost; ++q) {
+    for (int h = 0; h < L.hosts; ++h) {
+      std::memcpy(
+          packed + (static_cast<size_t>(q) * L.hosts + h) * chunk,
+          in + static_cast<size_t>(L.rankOf(h, q)) * chunk,
+          chunk);
+    }
+  }
+}
+
+} // namespace
+
 void Hierarchical::reduceScatter(
     const char* op,
     const void* input,
@@ -321,17 +338,9 @@ void Hierarchical::reduceScatter(
       ship(h);
     }
   } else {
-    // Column-ordered input (local rank q's piece: the chunks of column q,
-    // host by host), one reduce-scatter.
+    // Column-ordered input, one reduce-scatter.
     Staged packed(*staging_, chunk * size_);
-    for (int q = 0; q < L.perHost; ++q) {
-      for (int h = 0; h < L.hosts; ++h) {
-        std::memcpy(
-            packed.data() + (static_cast<size_t>(q) * L.hosts + h) * chunk,
-            in + static_cast<size_t>(L.rankOf(h, q)) * chunk,
-            chunk);
-      }
-    }
+    packByColumn(packed.data(), in, L, chunk);
     withinHost(chunk * size_);
     local_.reduceScatter(op, packed.data(), partial.data(), count * L.hosts, dtype, redop, {});
     for (int h = 0; h < L.hosts; ++h) {
