@@ -79,8 +79,8 @@ cpp() {
 }
 
 # One other torch release: its venv, its build's C++ backend tests, then
-# what meets the differences between releases (tests/conftest.py:
-# EVERY_TORCH; HSDP_TEST_EVERY_TORCH_FULL=1: the quick tier too). At least
+# what meets the differences between releases (the tests marked
+# every_torch; HSDP_TEST_EVERY_TORCH_FULL=1: the quick tier too). At least
 # MIN_PASSED tests must pass, so that the subset cannot shrink unnoticed.
 if [ "${HSDP_TEST_EVERY_TORCH_FULL:-0}" = 1 ]; then
   MARKS="quick or every_torch" MIN_PASSED=330

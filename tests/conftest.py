@@ -46,41 +46,6 @@ def is_quick(item) -> bool:
     return item.path.parent.name == "integration" and world_of(item) == QUICK_WORLD
 
 
-# What runs on every supported torch besides the main venv's (scripts/test.sh's
-# compat stages, with that release's C++ backend tests), beyond the quick tier (every route,
-# every case at two ranks): what meets what differs between releases:
-# registration and settings, FSDP2 parity and the shim (whose contact with
-# FSDP2's internals differs most), the version contracts, splits under
-# device-bound defaults (how torch hands split sources), the launcher.
-# Prefixes of test ids. HSDP 2x2 parity runs through
-# the NCCL-contract double here (the plain form, at 4 ranks, takes 40 s a
-# release: the main venv runs it).
-EVERY_TORCH = (
-    "tests/unit/test_registration.py::test_import_torch_registers_hsdp_lazily",
-    "tests/unit/test_config.py",
-    "tests/unit/test_backend_surface.py",
-    "tests/unit/test_docs.py",
-    "tests/unit/test_fsdp_buckets.py",
-    "tests/unit/test_torch_contracts.py",
-    "tests/unit/test_fsdp_internals.py",
-    "tests/integration/test_fsdp.py::test_fsdp_parity[fsdp_w2]",
-    "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2]",
-    "tests/integration/test_fsdp_selfproof.py",
-    "tests/integration/test_fsdp.py::test_fsdp_parity_nccl_contract[hsdp_2x2_bf16_reduce_divide_factor]",
-    "tests/integration/test_nccl_contract.py::test_nccl_contract_splits",
-    # how each release's ProcessGroupNCCL marshals a bf16 PREMUL_SUM factor
-    "tests/integration/test_nccl_contract.py::test_nccl_contract[bf16_factors_never_reach_nccl",
-    "tests/integration/test_nccl_contract.py::test_nccl_contract[allocation_needs_the_communicator",
-    "tests/integration/test_nccl_contract.py::test_nccl_contract[the_double_loses_a_bf16_factor",
-    "tests/integration/test_launcher.py::test_group_really_runs_on_hsdp_and_chains_sitecustomize",
-    # hsdp's Work as a Python subclass of the Work this release's c10d binds
-    "tests/integration/test_ops.py::test_op[work_gives_up_the_gil_while_its_op_is_pending-shm-2]",
-    # reconfigure: torch 2.14's Backend surface (skips, saying so, before it)
-    "tests/integration/test_reconfigure.py",
-    "tests/integration/test_examples.py::test_a_lost_replica_is_dropped_and_training_goes_on_as_on_gloo",
-)
-
-
 # The tiers, one folder each (docs/testing.md): a test's folder is its marker.
 TIERS = ("unit", "integration", "system", "tooling")
 
@@ -102,8 +67,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, item.path.parent.name))
         if is_quick(item):
             item.add_marker(pytest.mark.quick)
-        if item.nodeid.startswith(EVERY_TORCH):
-            item.add_marker(pytest.mark.every_torch)
     seed = config.getoption("--shuffle")
     if seed is not None:
         random.Random(seed).shuffle(items)

@@ -46,6 +46,23 @@ KEPT_POOLS = 6
 _pools = None
 
 
+def every_torch(fn):
+    """Marks a case body to run on every supported torch release too (the
+    `every_torch` marker: scripts/test.sh's compat stages), through case_params."""
+    fn.every_torch = True
+    return fn
+
+
+def case_params(cases: dict[str, Callable]) -> list:
+    """A case module's CASES as pytest parameters, each carrying its body's markers."""
+    import pytest
+
+    return [
+        pytest.param(name, id=name, marks=[pytest.mark.every_torch] * hasattr(fn, "every_torch"))
+        for name, fn in cases.items()
+    ]
+
+
 def _pool_for(world: int, backend: str, env: dict[str, str], device: str = "cpu"):
     """The session's warm pool of ``world`` ranks on ``backend`` with ``env``, each rank's
     current device placed by pytest_hsdp where ``device`` is "cuda"."""

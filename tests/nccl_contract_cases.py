@@ -11,6 +11,7 @@ import hsdp_testing
 import torch
 import torch.distributed as dist
 from error_cases import raises, work_error
+from harness import every_torch
 from hooks import double_of
 from ops_cases import check, data, reduce_ref, rs_expected, rs_input
 
@@ -79,6 +80,7 @@ def loses_bf16_factors(group=None) -> bool:
 
 
 @case
+@every_torch
 def bf16_factors_never_reach_nccl_where_torch_loses_them(rank, world, ref):
     """Torch 2.11 to 2.13 build a bf16 PREMUL_SUM's host factor as a float,
     of which NCCL reads the low half (0 for 0.5), and refuse a bf16 factor
@@ -184,6 +186,7 @@ def _plain_double_group(release: int):
 
 
 @case
+@every_torch
 def the_double_loses_a_bf16_factor_as_torch_2_13_does(rank, world, ref):
     """The double's clause behind bf16_factors_never_reach_nccl_where_torch_loses_them,
     on a plain group of the double: as torch 2.13's ProcessGroupNCCL hands
@@ -381,6 +384,7 @@ def a_block_keeps_hsdps_staged_copies_until_it_ran(rank, world, ref):
 
 
 @case
+@every_torch
 def allocation_needs_the_communicator_a_barrier_makes(rank, world, ref):
     """NCCL's memory pool needs the communicator, which NCCL makes at the
     first collective: allocate_tensor before one raises NCCL's own error

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from harness import every_torch
 from hooks import engine_under_test
 
 import hsdp_backend
@@ -655,6 +656,7 @@ def a_synchronous_call_returns_no_work(rank, world, ref):
 
 
 @case
+@every_torch
 def work_gives_up_the_gil_while_its_op_is_pending(rank, world, ref):
     """wait() gives up the GIL while the op is pending, as c10d's own
     Work.wait does: another Python thread of the waiting rank runs meanwhile

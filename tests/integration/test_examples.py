@@ -78,6 +78,7 @@ def test_example_matches_gloo(script, nproc):
         assert a == pytest.approx(b, rel=1e-5), (hsdp, gloo)
 
 
+@pytest.mark.every_torch
 @pytest.mark.skipif(
     not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
 )

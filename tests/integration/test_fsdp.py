@@ -206,7 +206,14 @@ def assert_shim_memory_bounded(s, result):
     assert 0 < peak <= model / 2, (peak, model)
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+def _on_every_torch(*names: str) -> list:
+    """The every_torch marker (scripts/test.sh's compat stages) for the scenarios named."""
+    return [
+        pytest.param(n, id=n, marks=[pytest.mark.every_torch] * (n in names)) for n in SCENARIOS
+    ]
+
+
+@pytest.mark.parametrize("name", _on_every_torch("fsdp_w2"))
 def test_fsdp_parity(launches, name):
     s = SCENARIOS[name]
     hsdp = launches.result(name, "hsdp")
@@ -251,7 +258,16 @@ def test_fsdp_parity(launches, name):
 
 @pytest.mark.parametrize(
     "name,release",
-    [pytest.param(n, None, id=n) for n in NCCL_CONTRACT]
+    [
+        pytest.param(
+            n,
+            None,
+            id=n,
+            marks=[pytest.mark.every_torch]
+            * (n in ("hsdp_2x2", "hsdp_2x2_bf16_reduce_divide_factor")),
+        )
+        for n in NCCL_CONTRACT
+    ]
     + [
         pytest.param(n, NCCL_LOSSY_RELEASE, id=f"{n}-as-torch2.{NCCL_LOSSY_RELEASE}")
         for n in NCCL_BF16_REDUCE

@@ -27,6 +27,9 @@ import torch
 from harness import run_ranks
 from hooks import ENGINES, NCCL_CONTRACT, engine_env, nccl_contract_inner
 
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
+
 # The shim's tail runs once per param group and backward: three groups, two backwards.
 FINISHES_PER_CASE = 3 * 2
 

@@ -24,7 +24,7 @@ never joins fails at the timeout. `test_ops.py`, `test_fusion.py`, `test_errors.
 import nccl_contract_cases
 import pytest
 from conftest import NCCL_CONTRACT_WORLDS
-from harness import run_ranks
+from harness import case_params, run_ranks
 from hooks import NCCL_CONTRACT, engine_env
 
 from hsdp_backend import _torch_compat
@@ -33,7 +33,7 @@ NAMES = list(nccl_contract_cases.CASES)
 
 
 @pytest.mark.parametrize("world", NCCL_CONTRACT_WORLDS)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", case_params(nccl_contract_cases.CASES))
 def test_nccl_contract(launcher, name, world):
     launcher.check("nccl_contract_cases", NAMES, name, world, env=engine_env(NCCL_CONTRACT))
 
@@ -56,6 +56,7 @@ def test_nccl_contract_factors_of_release(launcher, name, release):
     launcher.check("nccl_contract_cases", NAMES, name, 2, env=env)
 
 
+@pytest.mark.every_torch
 @pytest.mark.parametrize(
     "body",
     [

@@ -35,9 +35,13 @@ import torch.distributed as dist
 from conftest import hsdp_segments
 from harness import run_ranks
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
-)
+pytestmark = [
+    # Runs on every supported torch release too: skipped, saying so, before 2.14.
+    pytest.mark.every_torch,
+    pytest.mark.skipif(
+        not hasattr(dist, "_reconfigure"), reason="torch before 2.14 has no reconfigure"
+    ),
+]
 
 WORLD = 4
 LOST = WORLD - 1  # shrink_group's tests lose the last rank

@@ -8,7 +8,11 @@ column is what csrc/backend/ProcessGroupHSDP.hpp overrides."""
 import pathlib
 import re
 
+import pytest
 import torch
+
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HEADER = pathlib.Path(torch.__file__).parent / "include/torch/csrc/distributed/c10d/Backend.hpp"

@@ -23,6 +23,9 @@ import pytest
 from hsdp_backend import _C, config
 from tools import settings
 
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 FIELD_VARS = list(config.VARS.values())
 

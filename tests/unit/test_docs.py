@@ -16,6 +16,9 @@ import sys
 
 import pytest
 
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

@@ -4,7 +4,11 @@ The FSDP2 shim's bucket planner on plain tensors (no FSDP2): when a bucket close
 backward sizing its buckets exactly, a bucket that must grow, the division once, at most two
 buckets in flight, `abandon()`."""
 
+import pytest
 from harness import run_ranks
+
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
 
 
 class _Grad:

@@ -10,7 +10,7 @@ param group's shard groups, a parameter's strides). Here each is asked of a
 real param group through the adapter, and each wrapped function is looked
 for with the release that brought it, so that a torch that moves one fails
 here, by name, before a user's run does. Runs on every supported release
-(tests/conftest.py: EVERY_TORCH)."""
+(the every_torch marker)."""
 
 import contextlib
 import inspect
@@ -27,6 +27,9 @@ from torch.distributed.fsdp import fully_shard
 from hsdp_backend import _torch_compat
 from hsdp_backend.fsdp import _fsdp2, _proof
 from hsdp_backend.fsdp._fsdp2 import FSDP2
+
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
 
 RELEASE = _torch_compat.version()
 

@@ -28,6 +28,7 @@ def python(code: str, env: dict | None = None, cwd=None, timeout=120):
     return proc
 
 
+@pytest.mark.every_torch
 def test_import_torch_registers_hsdp_lazily(tmp_path):
     proc = python(
         """

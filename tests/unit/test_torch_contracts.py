@@ -6,7 +6,7 @@ a user meets it: a torch outside the range is refused clearly at build and
 at group creation; torch 2.15's contracts (a split checks that the parent's
 communicator exists; torch's own flight-recorder hook stays off a backend
 that records itself) are honoured. Runs on every supported release
-(tests/conftest.py: EVERY_TORCH); the 2.15 contracts are skipped, saying
+(the every_torch marker); the 2.15 contracts are skipped, saying
 so, on the releases that do not have them.
 
 What differs between releases as a user meets it: a torch outside 2.11-2.15 or without
@@ -25,6 +25,9 @@ from harness import cmake_configure, run_ranks
 from hooks import NCCL_CONTRACT, engine_env
 
 from hsdp_backend import _torch_compat
+
+# Runs on every supported torch release too (scripts/test.sh's compat stages).
+pytestmark = pytest.mark.every_torch
 
 ROOT = Path(__file__).resolve().parents[2]
 AT_LEAST_2_15 = _torch_compat.version() >= (2, 15)
