@@ -12,13 +12,7 @@ to rounding.
 from __future__ import annotations
 
 import math
-import pathlib
-import sys
 from dataclasses import dataclass
-
-EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
 
 
 @dataclass(frozen=True)
@@ -155,7 +149,7 @@ def model_args(s: Scenario):
 
 def batches(s: Scenario, rank: int, count: int):
     """``count`` micro-batches of data-parallel rank ``rank``."""
-    from train_fsdp import SyntheticData
+    from examples.train_fsdp import SyntheticData
 
     data = SyntheticData(s.vocab, s.seq_len, s.batch_size, s.seed, rank)
     return [data.next_batch() for _ in range(count)]
@@ -189,7 +183,8 @@ def reference(s: Scenario) -> dict:
     """Losses (mean over ranks, per step) and final parameters, computed in one
     process in fp32."""
     import torch
-    from train_fsdp import build_model
+
+    from examples.train_fsdp import build_model
 
     torch.manual_seed(s.seed)
     model = build_model(model_args(s))
@@ -226,7 +221,8 @@ def reference(s: Scenario) -> dict:
 def _build_sharded(s: Scenario, mesh, seed: int):
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from train_fsdp import build_model, mixed_precision_policy
+
+    from examples.train_fsdp import build_model, mixed_precision_policy
 
     args = model_args(s)
     args.seed = seed

@@ -20,18 +20,13 @@ import sys
 import traceback
 from typing import Any, Callable
 
+import hooks
+
+from tools import settings
+from tools.ranks import RankFailure, free_port
+from tools.ranks import run_ranks as _run_ranks
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    # The repository root, for tools/ (its own sources, not the package's:
-    # hsdp_backend lives under src/ and stays the installed one). conftest.py
-    # imports this module, so every test module and rank finds tools/.
-    sys.path.append(str(ROOT))
-
-import hooks  # noqa: E402
-
-from tools import settings  # noqa: E402
-from tools.ranks import RankFailure, free_port  # noqa: E402
-from tools.ranks import run_ranks as _run_ranks  # noqa: E402
 
 __all__ = ["RankFailure", "free_port", "run_ranks", "run_cases", "CaseLauncher", "close_pools"]
 

@@ -13,13 +13,7 @@ import sys
 import time
 import traceback
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, TESTS)
-# The repository root, for tools/ (the tests' settings; the package stays the
-# installed one).
-sys.path.append(os.path.dirname(TESTS))
-
-from tools import settings  # noqa: E402
+from tools import settings  # the repository root is on PYTHONPATH (test_hosts.py)
 
 
 def hostnames() -> list[str]:

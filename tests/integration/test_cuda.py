@@ -702,11 +702,10 @@ def test_gpu_hsdp_mesh(world, comm):
 @one_gpu
 @pytest.mark.parametrize("body", ["chained_ops_body", "staged_async_body"])
 def test_one_gpu_under_cuda_sanitizer(body):
-    code = (
-        "import sys; sys.path[:0] = ['tests', 'tests/integration']; "
-        f"import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1, device='cuda')"
-    )
-    env = dict(os.environ, TORCH_CUDA_SANITIZER="1")
+    code = f"import test_cuda, harness; harness.run_ranks(test_cuda.{body}, 1, device='cuda')"
+    # Run from the repository root: the tests' modules and tools/ on the path, as pytest's.
+    path = os.pathsep.join([".", "tests", "tests/integration"])
+    env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=path)
     proc = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

@@ -129,12 +129,10 @@ def test_the_model_computes_where_its_parameters_are():
     CUDA activations in apply_rotary ("Expected all tensors to be on the
     same device") and the example could not train with --device cuda."""
     import argparse
-    import sys
 
     import torch
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import train_fsdp
+    from examples import train_fsdp
 
     args = argparse.Namespace(dim=16, layers=1, heads=2, vocab=32, seq_len=8, seed=0)
     model = train_fsdp.build_model(args).to("meta")

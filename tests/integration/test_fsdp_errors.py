@@ -108,13 +108,10 @@ def backward_fails_midway(rank, world):
     see any gradient the shim held. Compared with FSDP2's native path under the
     same failure (not with a clean run: FSDP2 2.14 itself does not recover to
     a clean run's numbers)."""
-    import sys
 
+    import fsdp_parity
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-
-    sys.path.insert(0, fsdp_parity_examples())
-    import fsdp_parity
 
     from hsdp_backend import config
     from hsdp_backend import fsdp as shim
@@ -167,12 +164,6 @@ def backward_fails_midway(rank, world):
     for n in native_params:
         torch.testing.assert_close(params[n], native_params[n], rtol=1e-5, atol=1e-6)
     return True
-
-
-def fsdp_parity_examples():
-    import pathlib
-
-    return str(pathlib.Path(__file__).resolve().parents[1])
 
 
 def test_a_failed_backward_leaves_no_stale_gradients():

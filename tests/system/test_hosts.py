@@ -27,16 +27,13 @@ import pathlib
 import pickle
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from tools import settings
+from tools import settings, simhosts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import simhosts  # noqa: E402
 
 RANK_SCRIPT = str(ROOT / "tests" / "hosts_rank.py")
 GROUP_TIMEOUT_S = 20
@@ -69,7 +66,11 @@ def launch(
     _require_namespaces()
     out.mkdir(parents=True, exist_ok=True)
     env = dict(
-        os.environ, HSDP_TEST_BACKEND=backend, HSDP_TEST_GROUP_TIMEOUT_S=str(GROUP_TIMEOUT_S)
+        os.environ,
+        HSDP_TEST_BACKEND=backend,
+        HSDP_TEST_GROUP_TIMEOUT_S=str(GROUP_TIMEOUT_S),
+        # hosts_rank.py finds tools/ at the root; the package stays the installed one.
+        PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p),
     )
     env.pop("HSDP_TEST_HOSTS", None)  # real hosts here
     with simhosts.SimHosts(len(per_host)) as hosts:

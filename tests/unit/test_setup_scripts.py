@@ -91,7 +91,7 @@ def compiler_cache_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         cwd=ROOT,
         env=env,
         capture_output=True,
-        timeout=60,
+        timeout=300,  # a deadline, not a timing: generous for a loaded machine
         check=True,
     ).stdout.decode()
     return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
