@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the peers of `python -m tools.peers` (opt-in: neither CI nor
+# Installs the peers of `python -m benchmarks.peers` (opt-in: neither CI nor
 # scripts/setup.sh runs this). Idempotent: what is already there is kept.
 #
 #   Open MPI   Debian's openmpi-bin + libopenmpi-dev (apt-get; needs root)
@@ -103,4 +103,4 @@ print("  shm op ready, vector kernel level", op.vector_kernel_level())
 fi
 
 "$PYTHON" -c 'import torch; print("venv torch unchanged:", torch.__version__)'
-echo "peers ready under $PEERS_DIR: python -m tools.peers --quick"
+echo "peers ready under $PEERS_DIR: python -m benchmarks.peers --quick"

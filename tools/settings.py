@@ -21,7 +21,7 @@ from hsdp_backend.config import Var, parse_flag, parse_hosts, parse_int, parse_t
 SECTIONS = {
     "tests": "The test suite",
     "benchmarks": "Benchmarks (`python -m benchmarks`)",
-    "peers": "Benchmarks against peers (`python -m tools.peers`)",
+    "peers": "Benchmarks against peers (`python -m benchmarks.peers`)",
     "cpp": "C++ tests (`bash scripts/cpp_tests.sh`)",
     "build": "Builds (`scripts/setup.sh`, `scripts/setup_compat.sh`, `scripts/cpp_tests.sh`)",
 }
@@ -81,7 +81,7 @@ _TABLE = [
         "set by `python -m benchmarks --load N` for the ranks: the CPU-bound processes beside "
         "them, recorded with the results (`rank_env`)", "0"),
     Var("HSDP_PEERS_CONFIG", "peers", None, parse_text, str,
-        "set by `tools/peers.py` for its MPI launches: the file with the ranks' configuration"),
+        "set by `benchmarks/peers.py` for its MPI launches: the file with the ranks' configuration"),
     Var("HSDP_FUZZ_TRIALS", "cpp", None, parse_int, str,
         "trials of the engine's C++ corruption fuzzer (`tests/cpp/corruption_test.cpp`)", "120"),
     Var("HSDP_FUZZ_SEED", "cpp", None, parse_int, str,

@@ -1,8 +1,8 @@
-"""The per-call breakdown (tools/breakdown.py): perf samples sorted into a call's parts, and a
+"""The per-call breakdown (benchmarks/breakdown.py): perf samples sorted into a call's parts, and a
 short real run.
 
 The rules: samples of each library and function go to their part (27 cases), and a perf report is
-summed per part. A short 2-rank run of `python -m tools.breakdown` whose parts add up to the
+summed per part. A short 2-rank run of `python -m benchmarks.breakdown` whose parts add up to the
 samples perf took; where perf cannot sample (not installed, no permission, or made unusable
 here), the run still times each call and says why there is no breakdown."""
 
@@ -14,7 +14,7 @@ import sys
 import pytest
 from harness import run_module
 
-from tools.breakdown import PART_NAMES, parse_perf_report, part_of
+from benchmarks.breakdown import PART_NAMES, parse_perf_report, part_of
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HSDP = "_C.cpython-311-x86_64-linux-gnu.so"
@@ -82,7 +82,7 @@ def test_a_report_is_summed_per_part():
 def _short_run(tmp_path, env):
     out_json = tmp_path / "breakdown.json"
     points = "all_reduce:8,all_gather_inplace:64K"
-    proc = run_module("tools.breakdown", "--quick", "--ranks", "2", "--points", points, "--json",
+    proc = run_module("benchmarks.breakdown", "--quick", "--ranks", "2", "--points", points, "--json",
                       str(out_json), env=env)  # fmt: skip
     doc = json.loads(out_json.read_text())
     assert doc["suite"] == "breakdown" and doc["world"] == 2

@@ -1,7 +1,7 @@
-"""The peers tool (tools/peers.py) in its smallest form: every peer measured and checked, or
+"""The peers tool (benchmarks/peers.py) in its smallest form: every peer measured and checked, or
 reported missing with its reason; the 1-rank floors measured.
 
-`python -m tools.peers` on 2 ranks, one size, all_reduce and reduce_scatter, with whatever peers
+`python -m benchmarks.peers` on 2 ranks, one size, all_reduce and reduce_scatter, with whatever peers
 this machine has (they are opt-in: scripts/setup_peers.sh; on a clean machine every peer but gloo
 is missing, and the tool must still run and say why, never drop one). Each measured peer's ratio is
 against hsdp from its own launch. The 1-rank floors (hsdp, hsdp without its flight recorder,
@@ -22,7 +22,7 @@ PEERS = ("gloo", "ompi", "mpich", "deepspeed")
 
 def _run(tmp_path, flags, timeout, **env):
     out_json = tmp_path / "peers.json"
-    proc = run_module("tools.peers", "--quick", "--ranks", "2", "--warmup", "1", *flags, "--json",
+    proc = run_module("benchmarks.peers", "--quick", "--ranks", "2", "--warmup", "1", *flags, "--json",
                       str(out_json), timeout=timeout, env=env)  # fmt: skip
     return proc.stdout, json.loads(out_json.read_text())
 

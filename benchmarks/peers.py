@@ -2,7 +2,7 @@
 openmpi-bin; btl vader, CMA single copy) and MPICH (the PyPI ``mpich`` wheel), both through mpi4py,
 DeepSpeed's shm all-reduce (CPU accelerator), and memcpy in one and two processes as the limit.
 
-  python -m tools.peers [--ranks 2,4] [--peers gloo,ompi,mpich,deepspeed] [--ops ar] [--sizes 1M]
+  python -m benchmarks.peers [--ranks 2,4] [--peers gloo,ompi,mpich,deepspeed] [--ops ar] [--sizes 1M]
 
 Peers are opt-in (scripts/setup_peers.sh installs them under .venv/peers/). One that is not
 installed, does not start or returns a wrong result is reported missing with the reason, never
@@ -42,9 +42,8 @@ import pickle
 import sys
 import time
 
-from benchmarks import collectives, common
+from benchmarks import collectives, common, peer_env
 from benchmarks.common import Column, format_size
-from tools import peer_env
 from tools.ranks import RankFailure, free_port, run_ranks
 
 OPS = ("all_gather", "all_gather_inplace", "reduce_scatter", "all_reduce")
@@ -227,7 +226,7 @@ def rank_main(rank: int, world: int, config: dict) -> dict:
 
 
 def mpi_rank_main() -> None:
-    """One rank of an MPI launch (started by mpirun / mpiexec: tools/peer_env.py)."""
+    """One rank of an MPI launch (started by mpirun / mpiexec: benchmarks/peer_env.py)."""
     with open(os.environ["HSDP_PEERS_CONFIG"], "rb") as f:
         job = pickle.load(f)
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "-1"))
@@ -391,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     p = common.parser(__doc__)
-    p.prog = "python -m tools.peers"
+    p.prog = "python -m benchmarks.peers"
     launch_flags(p, [2])
     listed = lambda t: list(dict.fromkeys(x.strip() for x in t.split(",") if x.strip()))
     p.add_argument(

@@ -3,7 +3,7 @@
 call and scaled by the time per call of the same loop unsampled (sampling slows it: both are
 reported), so each part reads in microseconds per call.
 
-  python -m tools.breakdown [--ranks 2] [--points all_reduce:8,all_reduce:64K] [--perf-dir DIR]
+  python -m benchmarks.breakdown [--ranks 2] [--points all_reduce:8,all_reduce:64K] [--perf-dir DIR]
 
 Parts, in the order a call goes down (``PARTS``; a sample belongs to the first whose rule matches
 its library and function):
@@ -42,9 +42,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 
-from benchmarks import common
+from benchmarks import common, peers
 from benchmarks.common import Column, format_size
-from tools import peers
 
 DEFAULT_POINTS = [("all_reduce", 8), ("all_reduce", 64 << 10), ("all_gather_inplace", 64 << 10)]
 PERF_HZ = 4999
@@ -202,7 +201,7 @@ def _part_us(part: str):
 def main(argv: list[str] | None = None) -> int:
     raw = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
-        "python -m tools.breakdown", description=__doc__, formatter_class=raw
+        "python -m benchmarks.breakdown", description=__doc__, formatter_class=raw
     )
     p.add_argument("--quick", action="store_true", help="0.5 s loops instead of 3 s")
     p.add_argument(

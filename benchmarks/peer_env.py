@@ -1,4 +1,4 @@
-"""Where the peers of ``python -m tools.peers`` live, whether they can run, and how their launches
+"""Where the peers of ``python -m benchmarks.peers`` live, whether they can run, and how their launches
 start: Open MPI and MPICH under their own launcher (one launch each: two MPI libraries cannot share
 a process), DeepSpeed's shm op inside the ordinary rank launch; and the two-process memcpy limit.
 
@@ -125,8 +125,8 @@ def _probe_deepspeed(prefix: str) -> dict:
 
 
 def mpi_command(peer: str, info: dict, world: int) -> list[str]:
-    """The launcher line for ``world`` ranks of tools.peers' MPI rank body."""
-    body = [sys.executable, "-c", "import tools.peers as p; p.mpi_rank_main()"]
+    """The launcher line for ``world`` ranks of benchmarks.peers' MPI rank body."""
+    body = [sys.executable, "-c", "import benchmarks.peers as p; p.mpi_rank_main()"]
     if peer == "mpich":
         return [info["launcher"], "-n", str(world), *body]
     # vader (shared memory) with CMA single copy; no binding, like the other launches;
