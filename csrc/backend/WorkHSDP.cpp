@@ -125,8 +125,8 @@ bool WorkHSDP::wait(std::chrono::milliseconds timeout) {
     if (!signal->cv.wait_for(lock, timeout, [&] { return signal->done; })) {
       C10_THROW_ERROR(
           DistBackendError,
-          "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
-              std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) + ")");
+          "[rank " + std::to_string(rank_) + "] " + c10d::opTypeToString(opType_) +
+              ": Work::wait timed out after " + std::to_string(timeout.count()) + " ms");
     }
   }
   waitForTheEnd();

@@ -169,9 +169,9 @@ bool WorkOnStream::wait(std::chrono::milliseconds timeout) {
       if (std::chrono::steady_clock::now() >= deadline) {
         C10_THROW_ERROR(
             DistBackendError,
-            "[rank " + std::to_string(rank_) + "] Work::wait timed out after " +
-                std::to_string(timeout.count()) + " ms (" + c10d::opTypeToString(opType_) +
-                ", the step after the collective, on " + mark_->where() + ")");
+            "[rank " + std::to_string(rank_) + "] " + c10d::opTypeToString(opType_) +
+                ": Work::wait timed out after " + std::to_string(timeout.count()) +
+                " ms (the step after the collective, on " + mark_->where() + ")");
       }
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }

@@ -15,6 +15,7 @@
 
 #include "backend/ProcessGroupHSDP.hpp"
 #include "backend/TracedCall.hpp"
+#include "backend/WorkHSDP.hpp"
 #include "common/TorchCompat.hpp"
 #include "testing/NullBackend.hpp"
 
@@ -900,6 +901,22 @@ TEST(Backend, BucketedAllReduceRunsOneCollectivePerBucket) {
       EXPECT_TRUE(at::equal(ts[i], at::full({100}, (i + 1.0) * kSize, at::kFloat)));
     }
   }
+}
+
+TEST(Backend, AWaitPastItsDeadlineNamesTheRankAndTheOp) {
+  auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+  WorkHSDP work(kRank, c10d::OpType::ALLREDUCE, future); // never completed
+  try {
+    work.wait(std::chrono::milliseconds(5));
+    FAIL() << "the wait outlived its deadline";
+  } catch (const c10::DistBackendError& e) {
+    EXPECT_EQ(
+        std::string(e.what_without_backtrace())
+            .rfind("[rank 1] ALLREDUCE: Work::wait timed out", 0),
+        0u)
+        << e.what_without_backtrace();
+  }
+  future->markCompleted(c10::IValue(std::vector<at::Tensor>{}));
 }
 
 TEST(Backend, ErrorsNameTheRankAndTheOp) {
