@@ -33,7 +33,7 @@ _TABLE = [
     Var("HSDP_TEST_LAUNCH_TIMEOUT_S", "tests", None, float, str,
         "wall-clock limit of one multi-process launch (all its ranks and cases)", "300"),
     Var("HSDP_TEST_GROUP_TIMEOUT_S", "tests", None, float, str,
-        "the group timeout of the simulated-host ranks (`tests/hosts_rank.py`)", "60"),
+        "the group timeout of the simulated-host ranks (`tests/system/hosts_rank.py`)", "60"),
     Var("HSDP_TEST_BACKEND", "tests", None, parse_text, str,
         "the backend the simulated-host ranks initialise", "hsdp"),
     Var("HSDP_TEST_HOSTS", "tests", None, parse_hosts, ",".join,
@@ -50,7 +50,7 @@ _TABLE = [
         "ProcessGroupNCCL the double models, and hsdp's route is told so (default: the installed "
         "torch's)"),
     Var("HSDP_TEST_EXPECTED_HOSTS", "tests", None, parse_hosts, ",".join,
-        "set by `tests/hosts_rank.py`: the real host of each rank, for the cases' expectations",
+        "set by `tests/system/hosts_rank.py`: the real host of each rank, for the cases' expectations",
         ""),
     Var("HSDP_TEST_EXIT_RUNS", "tests", None, parse_int, str,
         "consecutive trainings per exit mode in `tests/system/test_hosts.py` (50 in the long run)",
