@@ -206,14 +206,14 @@ def assert_shim_memory_bounded(s, result):
     assert 0 < peak <= model / 2, (peak, model)
 
 
-def _on_every_torch(*names: str) -> list:
-    """The every_torch marker (scripts/test.sh's compat stages) for the scenarios named."""
-    return [
-        pytest.param(n, id=n, marks=[pytest.mark.every_torch] * (n in names)) for n in SCENARIOS
-    ]
+def _on_every_torch(scenarios, *names: str, values=lambda n: (n,)) -> list:
+    """`scenarios` as parameters (`values` of each), the every_torch marker (scripts/test.sh's
+    compat stages) on those named."""
+    every = [pytest.mark.every_torch]
+    return [pytest.param(*values(n), id=n, marks=every * (n in names)) for n in scenarios]
 
 
-@pytest.mark.parametrize("name", _on_every_torch("fsdp_w2"))
+@pytest.mark.parametrize("name", _on_every_torch(SCENARIOS, "fsdp_w2"))
 def test_fsdp_parity(launches, name):
     s = SCENARIOS[name]
     hsdp = launches.result(name, "hsdp")
@@ -258,16 +258,12 @@ def test_fsdp_parity(launches, name):
 
 @pytest.mark.parametrize(
     "name,release",
-    [
-        pytest.param(
-            n,
-            None,
-            id=n,
-            marks=[pytest.mark.every_torch]
-            * (n in ("hsdp_2x2", "hsdp_2x2_bf16_reduce_divide_factor")),
-        )
-        for n in NCCL_CONTRACT
-    ]
+    _on_every_torch(
+        NCCL_CONTRACT,
+        "hsdp_2x2",
+        "hsdp_2x2_bf16_reduce_divide_factor",
+        values=lambda n: (n, None),  # this release's ProcessGroupNCCL
+    )
     + [
         pytest.param(n, NCCL_LOSSY_RELEASE, id=f"{n}-as-torch2.{NCCL_LOSSY_RELEASE}")
         for n in NCCL_BF16_REDUCE
