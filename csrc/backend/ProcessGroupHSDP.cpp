@@ -61,6 +61,9 @@ void ProcessGroupHSDP::setGroupUid(const std::string& pgUid) {
 
 void ProcessGroupHSDP::setTimeout(std::chrono::milliseconds timeout) {
   options_->timeout = timeout;
+  if (shm_) {
+    shm_->setTimeout(membership_.config.engineTimeout(timeout), timeout);
+  }
   cpu_->backend().setTimeout(timeout);
   if (cuda_) {
     cuda_->backend().setTimeout(timeout);

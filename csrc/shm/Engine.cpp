@@ -89,7 +89,7 @@ Engine::OpState::OpState(Engine& e, const char* opName, const Signature& signatu
 
 Clock::time_point Engine::OpState::deadlineFrom(Clock::time_point now) {
   if (!deadline) {
-    timeout = engine.config_.timeout;
+    timeout = std::chrono::milliseconds(engine.timeoutMs_.load(std::memory_order_relaxed));
     if (const auto& extension = engine.timeoutExtensionMs_) {
       timeout += std::chrono::milliseconds(
           std::max<int64_t>(0, extension->load(std::memory_order_acquire)));

@@ -231,6 +231,12 @@ class Engine final : public Collectives {
   // collective since".
   std::string whereEveryRankIs() const;
 
+  // The deadline of each op whose first wait starts from now on (the
+  // group's timeout changed: c10d's _set_pg_timeout). Any thread.
+  void setTimeout(std::chrono::milliseconds timeout) {
+    timeoutMs_.store(timeout.count(), std::memory_order_relaxed);
+  }
+
   // Milliseconds every op whose first wait starts while it is positive
   // waits beyond the group's timeout (c10d's ephemeral timeout extension,
   // kept by the backend; null: none).
@@ -412,6 +418,7 @@ class Engine final : public Collectives {
   const int size_;
   const EngineConfig config_;
   const Clock& clock_; // config_.clock's, else the steady clock
+  std::atomic<int64_t> timeoutMs_{config_.timeout.count()}; // config_'s until setTimeout
   std::shared_ptr<const std::atomic<int64_t>> timeoutExtensionMs_;
   // This rank's own failure (Failure), the first one: failure() reads it.
   std::atomic<int> failedHere_{static_cast<int>(Failure::None)};

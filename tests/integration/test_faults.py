@@ -93,6 +93,29 @@ def test_stuck_peer_times_out_with_engine_deadline():
     assert 1.4 < results[0] < 4, results[0]
 
 
+def timeout_set_later_body(rank, world):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    t = torch.ones(16)
+    dist.all_reduce(t)  # the engine's first op, under the group's timeout at creation
+    dist.group.WORLD.set_timeout(timedelta(milliseconds=1500))  # what dist.set_timeout calls
+    if rank == 1:
+        time.sleep(4)  # never calls in time
+        expect_backend_error(lambda: dist.all_reduce(t), "[rank 1/2] all_reduce:", "rank 0")
+        return None
+    expect_backend_error(
+        lambda: dist.all_reduce(t), "[rank 0/2] all_reduce:", "Timed out after 1500 ms", "rank 1"
+    )
+
+
+def test_a_timeout_set_after_creation_bounds_the_engines_next_waits():
+    # Created with 30 s: only the new timeout makes rank 0 give up before rank 1 calls.
+    run_ranks(timeout_set_later_body, 2, env={"HSDP_TEST_COLLECTIVE_TIMEOUT_S": "30"})
+
+
 def mismatch_body(rank, world):
     import torch
     import torch.distributed as dist
@@ -147,7 +170,7 @@ def slot_size_mismatch_body(rank, world):
     # every rank falls back to gloo together, and says why.
     os.environ["HSDP_SHM_SLOT_BYTES"] = str((1 << 20) * (rank + 1))
     dist.init_process_group("hsdp", timeout=datetime.timedelta(seconds=60))
-    engine, why, _direct = _C.cpu_engine(get_hsdp_backend())
+    engine, why, _direct = _C.cpu_route(get_hsdp_backend())
     assert engine == "gloo", engine
     assert "HSDP_SHM_SLOT_BYTES" in why, why
 

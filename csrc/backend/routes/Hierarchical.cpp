@@ -87,6 +87,11 @@ Hierarchical::Hierarchical(
   }
 }
 
+void Hierarchical::setTimeout(std::chrono::milliseconds timeout) {
+  columnTimeoutMs_.store(timeout.count(), std::memory_order_relaxed);
+  column_.group->setTimeout(timeout); // Gloo's collectives read it when issued
+}
+
 std::string Hierarchical::prefix(const char* op) const {
   return OpContext{rank_, size_, op}.prefix();
 }
@@ -170,7 +175,7 @@ class Hierarchical::Transfers {
   ~Transfers() {
     for (auto& work : works_) {
       try {
-        work->wait(route_.column_.timeout);
+        work->wait(route_.columnTimeout());
       } catch (const std::exception&) {
       }
     }
@@ -185,7 +190,7 @@ class Hierarchical::Transfers {
   void wait() {
     // A copy: on failure the destructor still waits for every one.
     route_.acrossHosts(
-        op_, bytes_, [&](c10d::Backend&) { return works_; }, true, route_.column_.timeout);
+        op_, bytes_, [&](c10d::Backend&) { return works_; }, true, route_.columnTimeout());
     works_.clear();
     bytes_ = 0;
   }

@@ -37,6 +37,7 @@
 #include "fusion/StagingPool.hpp"
 #include "shm/Engine.hpp"
 
+#include <atomic>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -123,7 +124,15 @@ class Hierarchical final : public shm::Collectives {
   // host order.
   static constexpr size_t kBlockwiseBytes = 1 << 20;
 
+  // The group's timeout changed (c10d's _set_pg_timeout): the column's
+  // collectives and waits take it from their next op. Any thread.
+  void setTimeout(std::chrono::milliseconds timeout);
+
  private:
+  std::chrono::milliseconds columnTimeout() const {
+    return std::chrono::milliseconds(columnTimeoutMs_.load(std::memory_order_relaxed));
+  }
+
   class Phase;     // every algorithm's preamble
   class Transfers; // pairwise sends and receives on my column
   // Runs an inter-host phase: issue on the column group, wait (at most
@@ -152,6 +161,7 @@ class Hierarchical final : public shm::Collectives {
   shm::Engine& local_;
   HostLayout layout_;
   Column column_;
+  std::atomic<int64_t> columnTimeoutMs_{column_.timeout.count()}; // column_'s until setTimeout
   int rank_;
   int size_;
   CommStats& stats_;

@@ -88,6 +88,15 @@ class ShmRoute final : public Route {
   void setTimeoutExtension(std::shared_ptr<const std::atomic<int64_t>> extensionMs) {
     local_->setTimeoutExtension(std::move(extensionMs));
   }
+  // The group's timeout changed: the engine's deadlines (`engineTimeout`:
+  // HSDP_TIMEOUT_MS where set) and the columns' (`groupTimeout`) from
+  // the next op on.
+  void setTimeout(std::chrono::milliseconds engineTimeout, std::chrono::milliseconds groupTimeout) {
+    local_->setTimeout(engineTimeout);
+    if (hierarchical_) {
+      hierarchical_->setTimeout(groupTimeout);
+    }
+  }
   // Where every rank of this host is (the engine's view).
   std::string whereEveryRankIs() const {
     return local_->whereEveryRankIs();
