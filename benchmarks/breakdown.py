@@ -181,7 +181,7 @@ def rank_main(rank: int, world: int, config: dict) -> dict:
                 row["perf_rows"] = sum(1 for _ in perf_rows(text))
             rows.append(row)
             ranks.log(f"{op} {format_size(nbytes)}: {row['us']:.2f} us")
-    return {"rows": rows, "perf_problem": problem, "engine": hsdp_backend.cpu_engine()}
+    return {"rows": rows, "perf_problem": problem, "engine": hsdp_backend.cpu_route()}
 
 
 def _points(text: str) -> list[tuple[str, int]]:

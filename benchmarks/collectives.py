@@ -122,7 +122,7 @@ def point(op: str, nbytes: int, dtype, ranks: common.Ranks, sampling) -> dict:
     if (
         op in POOLED
         and nbytes >= pooled_from
-        and hsdp_backend.cpu_engine(ranks.hsdp) == "shm"
+        and hsdp_backend.cpu_route(ranks.hsdp) == "shm"
         and comm.supports_tensor_alloc(torch.device("cpu"))
     ):
         bufs["hsdp_pool"] = buffers(op, numel, ranks, dtype, comm)

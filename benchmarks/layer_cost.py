@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--json", default="")
     args = parser.parse_args()
 
-    os.environ["HSDP_ENGINE"] = "gloo"  # the inner route, not the shared-memory engine
+    os.environ["HSDP_CPU_ROUTE"] = "gloo"  # the inner route, not the shared-memory engine
     warnings.filterwarnings("ignore", category=FutureWarning)  # 2.14's *_single renames
     import hsdp_testing
     import torch.distributed as dist

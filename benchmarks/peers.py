@@ -222,7 +222,7 @@ def rank_main(rank: int, world: int, config: dict) -> dict:
         else:
             peers["deepspeed"] = binder
     points = measure_points(ranks, config, peers, problems)
-    return {"points": points, "problems": problems, "engine": hsdp_backend.cpu_engine()}
+    return {"points": points, "problems": problems, "engine": hsdp_backend.cpu_route()}
 
 
 def mpi_rank_main() -> None:
@@ -245,7 +245,7 @@ def mpi_rank_main() -> None:
     out = {"problems": {}, "library": MPI.Get_library_version().strip().splitlines()[0]}
     mpi = {job["peer"]: _mpi_binder(MPI.COMM_WORLD)}
     out["points"] = measure_points(ranks, job["config"], mpi, out["problems"])
-    out["engine"] = hsdp_backend.cpu_engine()
+    out["engine"] = hsdp_backend.cpu_route()
     if ranks.rank == 0:
         with open(job["out"], "wb") as f:
             pickle.dump(out, f)

@@ -83,9 +83,11 @@ void bindSettings(py::module& m) {
       m, "Config", "Every setting of hsdp (src/hsdp_backend/config.py).");
   config.def(py::init<>());
   config.def_property(
-      "engine",
-      [](const hsdp::Config& c) { return std::string(hsdp::Config::engineName(c.engine)); },
-      [](hsdp::Config& c, const std::string& name) { c.engine = hsdp::Config::parseEngine(name); });
+      "cpu_route",
+      [](const hsdp::Config& c) { return std::string(hsdp::Config::cpuRouteName(c.cpuRoute)); },
+      [](hsdp::Config& c, const std::string& name) {
+        c.cpuRoute = hsdp::Config::parseCpuRoute(name);
+      });
   checkedField(config, "slot_bytes", &hsdp::Config::slotBytes);
   checkedField(config, "spin_us", &hsdp::Config::spinUs);
   checkedField(config, "yield_us", &hsdp::Config::yieldUs);
@@ -133,7 +135,7 @@ void bindSettings(py::module& m) {
       py::arg("native_scale") = false,
       py::arg("native_coalescing") = false,
       py::arg("fixed_completion_pool") = false,
-      // None: host-complete Works, as Gloo's (routes/AsyncCompletion.hpp).
+      // None: host-complete Works, as Gloo's (routes/PostSteps.hpp).
       py::arg("streams") = nullptr,
       // None: as this torch release's ProcessGroupNCCL (common/TorchCompat.hpp).
       py::arg("bf16_premul_sum") = py::none());
@@ -232,9 +234,9 @@ void bindGroups(py::module& m) {
 
   // (what serves the group's CPU collectives, why not shared memory if it
   // does not, from what size per rank it reads peers directly: 0 never).
-  m.def("cpu_engine", [](c10d::Backend* backend) {
+  m.def("cpu_route", [](c10d::Backend* backend) {
     auto& hsdp = asHSDP(backend);
-    return py::make_tuple(hsdp.cpuEngine(), hsdp.shmUnavailableReason(), hsdp.shmDirectReadBytes());
+    return py::make_tuple(hsdp.cpuRoute(), hsdp.shmUnavailableReason(), hsdp.shmDirectReadBytes());
   });
 
   m.def("is_hsdp", [](c10d::Backend* backend) {

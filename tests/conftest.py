@@ -6,7 +6,7 @@ import tempfile
 import pytest
 from harness import CaseLauncher, close_pools
 
-# Every case runs on both CPU engines (the shared-memory engine and the
+# Every case runs on both CPU routes (the shared-memory engine and the
 # inner-gloo route) and through the NCCL-contract double (the code path CUDA
 # tensors take to NCCL, proven on CPU; see csrc/testing/ and hooks.py).
 from hooks import ENGINES, NCCL_CONTRACT

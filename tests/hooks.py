@@ -7,7 +7,7 @@ from the tests' own settings (tools/settings.py), never from the package's.
 * ``HSDP_TEST_INNER=nccl_contract``: every hsdp group's inner CPU backend is
   the NCCL-contract double (csrc/testing, the ``hsdp_testing`` module that
   scripts/setup.sh builds beside the package), with NCCL's capabilities: CPU
-  tensors take the CUDA route's code. With ``HSDP_ENGINE=gloo``, so that
+  tensors take the CUDA route's code. With ``HSDP_CPU_ROUTE=gloo``, so that
   every CPU collective reaches it (``engine_env`` sets both).
   ``HSDP_TEST_NCCL_RELEASE`` picks the torch release whose ProcessGroupNCCL
   it models (its factor marshalling differs: docs/versions.md).
@@ -29,8 +29,8 @@ ENGINES = ["shm", "gloo", NCCL_CONTRACT]  # what the tests run hsdp's CPU collec
 def engine_env(engine: str) -> dict[str, str]:
     """The environment that runs a launch's CPU collectives on ``engine``."""
     if engine == NCCL_CONTRACT:
-        return {"HSDP_ENGINE": "gloo", "HSDP_TEST_INNER": NCCL_CONTRACT}
-    return {"HSDP_ENGINE": engine}
+        return {"HSDP_CPU_ROUTE": "gloo", "HSDP_TEST_INNER": NCCL_CONTRACT}
+    return {"HSDP_CPU_ROUTE": engine}
 
 
 def engine_under_test() -> str:
@@ -39,7 +39,7 @@ def engine_under_test() -> str:
 
     if settings.read("HSDP_TEST_INNER") == NCCL_CONTRACT:
         return NCCL_CONTRACT
-    return config.read("HSDP_ENGINE")
+    return config.read("HSDP_CPU_ROUTE")
 
 
 def install(environ=None) -> None:

@@ -44,7 +44,7 @@ _TABLE = [
     Var("HSDP_TEST_INNER", "tests", None, parse_text, str,
         "`nccl_contract`: the groups' inner CPU backend is the NCCL-contract double "
         "(`csrc/testing`, the `hsdp_testing` module), handed to hsdp in Gloo's place "
-        "(`tests/hooks.py`): CPU tensors take the CUDA route's code; with `HSDP_ENGINE=gloo`", ""),
+        "(`tests/hooks.py`): CPU tensors take the CUDA route's code; with `HSDP_CPU_ROUTE=gloo`", ""),
     Var("HSDP_TEST_NCCL_RELEASE", "tests", None, lambda t: parse_int(t) if t.strip() else None,
         str, "with `HSDP_TEST_INNER=nccl_contract`: the torch minor release (11 to 15) whose "
         "ProcessGroupNCCL the double models, and hsdp's route is told so (default: the installed "

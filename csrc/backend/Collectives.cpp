@@ -34,7 +34,9 @@ Call ProcessGroupHSDP::begin(
 
 InnerRoute& ProcessGroupHSDP::inner(Call& call, const at::Tensor& t) {
   if (t.device().is_cpu()) {
-    cpu_->beforeIssue();
+    if (cpu_->ordersOnStreams()) { // the NCCL-contract double; Gloo has nothing to order after
+      cpu_->beforeIssue();
+    }
     return *cpu_;
   }
   if (t.device().is_cuda()) {
@@ -62,12 +64,12 @@ bool ProcessGroupHSDP::shmServes(const std::vector<at::Tensor>& tensors) const {
   return shm_ && shm_->serves(tensors);
 }
 
-bool ProcessGroupHSDP::shmServes(
+bool ProcessGroupHSDP::shmTakes(
     const std::vector<at::Tensor>& tensors,
-    const std::vector<DtypeGroup>& groups) const {
-  return shmServes(tensors) && std::all_of(groups.begin(), groups.end(), [&](const auto& g) {
-           return shm_->serves(g.reduce, tensors[g.members[0]].scalar_type());
-         });
+    std::vector<DtypeGroup>& groups) const {
+  return std::all_of(groups.begin(), groups.end(), [&](auto& g) {
+    return shm_->takes(g.reduce, tensors[g.members[0]].scalar_type());
+  });
 }
 
 Route& ProcessGroupHSDP::shmOr(InnerRoute& inner, bool shmServes) {
@@ -85,7 +87,7 @@ ProcessGroupHSDP::RoutedReduction ProcessGroupHSDP::routeReduction(
   if (shmServesTensors) {
     auto reduce =
         planReduce(call.ctx, op, options, contributions, divideBy, shm_->scalesNatively());
-    if (shm_->serves(reduce, options.dtype().toScalarType())) {
+    if (shm_->takes(reduce, options.dtype().toScalarType())) {
       return {*shm_, std::move(reduce)};
     }
   }
@@ -102,7 +104,7 @@ ProcessGroupHSDP::RoutedGroups ProcessGroupHSDP::routeGroups(
     double divideBy) {
   if (shmServesTensors) {
     auto groups = groupByDtype(call.ctx, tensors, op, size_, divideBy, shm_->scalesNatively());
-    if (shmServes(tensors, groups)) {
+    if (shmTakes(tensors, groups)) {
       return {*shm_, std::move(groups)};
     }
   }
@@ -153,7 +155,7 @@ WorkPtr ProcessGroupHSDP::forward(
     releaseExtensionAfter(traced.call(), {});
     throw;
   }
-  return handOver(traced, route.complete(traced.call(), {work}, std::move(done)));
+  return handOver(traced, route.finish(traced.call(), {work}, std::move(done)));
 }
 
 void ProcessGroupHSDP::releaseExtensionAfter(const Call& call, const WorkPtr& work) {
@@ -206,8 +208,9 @@ WorkPtr ProcessGroupHSDP::untraced(const Call& call, Completion done) {
 
 namespace {
 
-// How an op issued on the inner backend as it is completes.
-Plan completes(
+// The plan that finishes an op issued on the inner backend as it is: its
+// outputs (the future's value), a post-step, the buffers that outlive it.
+Plan issuedAsIs(
     std::vector<at::Tensor> outputs,
     std::function<void()> post = {},
     std::vector<at::Tensor> keepAlive = {}) {
@@ -246,7 +249,7 @@ ProcessGroupHSDP::broadcast(std::vector<at::Tensor>& tensors, const c10d::Broadc
         r,
         bytesOf(tensors),
         [&](auto& b) { return b.broadcast(tensors, opts); },
-        completes(tensors, {}, tensors));
+        issuedAsIs(tensors, {}, tensors));
   }
   auto plan = planInPlace(Kind::Broadcast, tensors[0], noReduction(), opts.rootRank);
   return issue(call, shmOr(r, shmServes(tensors)), std::move(plan), bytesOf(tensors));
@@ -291,7 +294,7 @@ WorkPtr ProcessGroupHSDP::allreduceImpl(
         r,
         bytesOf(tensors),
         [&](auto& b) { return b.allreduce(tensors, innerOpts); },
-        completes(tensors, scaleAfter(reduce, tensors), tensors));
+        issuedAsIs(tensors, scaleAfter(reduce, tensors), tensors));
   }
   auto routed = routeReduction(
       call, r, shmServes(tensors), opts.reduceOp, tensors[0].options(), contributions, divideBy);
@@ -358,7 +361,7 @@ WorkPtr ProcessGroupHSDP::allgather(
         inner(call, inputs[0]),
         bytesOf(inputs),
         [&](auto& b) { return b.allgather(outputs, inputs, opts); },
-        completes(outs, {}, inputs));
+        issuedAsIs(outs, {}, inputs));
   }
   checkPerRankList(call.ctx, outputs, inputs[0], "output tensor");
   auto& r = inner(call, inputs[0]);
@@ -431,7 +434,7 @@ WorkPtr ProcessGroupHSDP::allgather_coalesced(
       }
     }
   };
-  return untraced(call, r.complete(call, {work}, completes(outputs, copyOut, gathered)));
+  return untraced(call, r.finish(call, {work}, issuedAsIs(outputs, copyOut, gathered)));
 }
 
 WorkPtr ProcessGroupHSDP::gather(
@@ -445,7 +448,7 @@ WorkPtr ProcessGroupHSDP::gather(
       inner(call, inputs[0]),
       bytesOf(inputs),
       [&](auto& b) { return b.gather(outputs, inputs, opts); },
-      completes(inputs, {}, outputs.empty() ? inputs : outputs[0]));
+      issuedAsIs(inputs, {}, outputs.empty() ? inputs : outputs[0]));
 }
 
 #if HSDP_TORCH_HAS_GATHER_SINGLE
@@ -469,7 +472,7 @@ WorkPtr ProcessGroupHSDP::gather_single(
         r,
         bytesOf(input),
         [&](auto& b) { return b.gather_single(output, input, opts); },
-        completes({output}, {}, {input}));
+        issuedAsIs({output}, {}, {input}));
   }
   if (shmServes({input})) {
     // The engine has no gather of its own: each rank publishes its part
@@ -495,7 +498,7 @@ WorkPtr ProcessGroupHSDP::gather_single(
       r,
       bytesOf(input),
       [&](auto& b) { return b.gather(outputs, inputs, opts); },
-      completes(std::move(landed), {}, {input}));
+      issuedAsIs(std::move(landed), {}, {input}));
 }
 #endif
 
@@ -510,7 +513,7 @@ WorkPtr ProcessGroupHSDP::scatter(
       inner(call, outputs[0]),
       bytesOf(outputs),
       [&](auto& b) { return b.scatter(outputs, inputs, opts); },
-      completes(outputs, {}, inputs.empty() ? outputs : inputs[0]));
+      issuedAsIs(outputs, {}, inputs.empty() ? outputs : inputs[0]));
 }
 
 WorkPtr ProcessGroupHSDP::reduce_scatter(
@@ -550,7 +553,7 @@ WorkPtr ProcessGroupHSDP::reduce_scatter(
       r,
       bytesOf(inputs[0]),
       [&](auto& b) { return b.reduce_scatter(outputs, inputs, innerOpts); },
-      completes(outputs, scaleAfter(reduce, {outputs[0]}), inputs[0]));
+      issuedAsIs(outputs, scaleAfter(reduce, {outputs[0]}), inputs[0]));
 }
 
 WorkPtr ProcessGroupHSDP::_reduce_scatter_base(
@@ -630,7 +633,7 @@ WorkPtr ProcessGroupHSDP::alltoall_base(
       [&](auto& b) {
         return b.alltoall_base(output, input, outputSplitSizes, inputSplitSizes, opts);
       },
-      completes({output}, {}, {input}));
+      issuedAsIs({output}, {}, {input}));
 }
 
 WorkPtr ProcessGroupHSDP::alltoall(
@@ -666,7 +669,7 @@ WorkPtr ProcessGroupHSDP::alltoall(
       r,
       bytesOf(inputs),
       [&](auto& b) { return b.alltoall_base(output, input, innerOutSplits, inSplits, opts); },
-      completes(outputs, copyOut, {input, output}));
+      issuedAsIs(outputs, copyOut, {input, output}));
 }
 
 // Point-to-point calls are counted in comm_stats but are not collectives:
@@ -677,7 +680,7 @@ WorkPtr ProcessGroupHSDP::pointToPoint(
     const std::function<WorkPtr(c10d::Backend&)>& op) {
   auto& r = inner(call, tensors[0]);
   stats_.record(call.ctx.op, 1, bytesOf(tensors));
-  return untraced(call, r.complete(call, {op(r.backend())}, completes(tensors)));
+  return untraced(call, r.finish(call, {op(r.backend())}, issuedAsIs(tensors)));
 }
 
 WorkPtr ProcessGroupHSDP::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
@@ -859,7 +862,7 @@ WorkPtr ProcessGroupHSDP::allreduce_sparse(
       r,
       bytesOf(tensors),
       [&](auto& b) { return b.allreduce_sparse(tensors, opts); },
-      completes(tensors));
+      issuedAsIs(tensors));
 }
 
 void ProcessGroupHSDP::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {

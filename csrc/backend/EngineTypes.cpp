@@ -68,13 +68,13 @@ shm::Scale shmScale(const DeferredScale& post) {
   return scale;
 }
 
-std::optional<ShmReduction> shmReduction(const ReducePlan& plan, at::ScalarType dtype) {
+std::optional<shm::Reduction> shmReduction(const ReducePlan& plan, at::ScalarType dtype) {
   auto d = shmDtype(dtype);
   auto op = shmRedOp(plan.innerOp);
   if (!d || !op || !shm::reduceSupported(*d, *op)) {
     return std::nullopt;
   }
-  return ShmReduction{*d, *op, shmScale(plan.post)};
+  return shm::Reduction{*d, *op, shmScale(plan.post)};
 }
 
 } // namespace hsdp

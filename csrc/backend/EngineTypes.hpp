@@ -14,19 +14,12 @@
 
 namespace hsdp {
 
-// A reduction the engine runs end to end (the scale fused into the kernel).
-struct ShmReduction {
-  shm::DType dtype;
-  shm::RedOp op;
-  shm::Scale scale;
-};
-
 std::optional<shm::DType> shmDtype(at::ScalarType t);
 
 std::optional<shm::RedOp> shmRedOp(const c10d::ReduceOp& op);
 
 shm::Scale shmScale(const DeferredScale& post);
 
-std::optional<ShmReduction> shmReduction(const ReducePlan& plan, at::ScalarType dtype);
+std::optional<shm::Reduction> shmReduction(const ReducePlan& plan, at::ScalarType dtype);
 
 } // namespace hsdp

@@ -9,11 +9,11 @@ namespace {
 
 // The completion step this thread is running, if any: a task it submits to
 // its own queue is one it may be about to wait for.
-struct Completing {
+struct CurrentStep {
   const void* queue = nullptr;
   bool issued = false; // it submitted to its queue (counted in waitingSteps)
 };
-thread_local Completing completing;
+thread_local CurrentStep currentStep;
 
 // Every live queue, for the rescuer below. Leaked on purpose: the rescuer
 // thread runs until the process ends, past static destruction.
@@ -142,11 +142,11 @@ void OpQueue::submit(std::function<void()> task, std::function<void()> then) {
   {
     std::lock_guard<std::mutex> lock(s.mutex);
     s.tasks.push_back({std::move(task), std::move(then)});
-    if (completing.queue == &s) {
+    if (currentStep.queue == &s) {
       // A completion step of this queue issued it and may wait for it: from
       // now until that step ends, idle workers take whatever is queued.
-      if (!completing.issued) {
-        completing.issued = true;
+      if (!currentStep.issued) {
+        currentStep.issued = true;
         ++s.waitingSteps;
       }
       if (s.idle == 0) {
@@ -234,10 +234,10 @@ void OpQueue::loop(const std::shared_ptr<State>& state) {
         // worker's completion step, which may wait for it too.
         s.cv.notify_one();
       }
-      const Completing outer = std::exchange(completing, Completing{&s, false});
+      const CurrentStep outer = std::exchange(currentStep, CurrentStep{&s, false});
       entry.then(); // may run user callbacks, may even destroy the OpQueue
-      const bool issued = completing.issued;
-      completing = outer;
+      const bool issued = currentStep.issued;
+      currentStep = outer;
       lock.lock();
       --s.inThen;
       if (issued) {

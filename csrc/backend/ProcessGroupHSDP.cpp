@@ -142,7 +142,7 @@ at::Tensor ProcessGroupHSDP::allocateTensor(long size, at::TensorOptions options
       c,
       "this group has no communication buffers on cpu (",
       shm_ ? "its ranks cannot map each other's memory, or HSDP_SHM_POOL_BYTES is 0"
-           : "its CPU collectives run on " + cpuEngine() +
+           : "its CPU collectives run on " + cpuRoute() +
               (shmWhyNot_.empty() ? "" : ": " + shmWhyNot_),
       "); supports_tensor_alloc(cpu) is false, so FSDP2 allocates its own");
   return cpu_->backend().allocateTensor(size, options);

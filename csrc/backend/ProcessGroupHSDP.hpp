@@ -321,7 +321,7 @@ class ProcessGroupHSDP final : public c10d::Backend {
   // between them), or the inner CPU backend's name (InnerCaps::name: "gloo"
   // unless the creator was handed another): what serves this group's CPU
   // collectives.
-  std::string cpuEngine() const {
+  std::string cpuRoute() const {
     return shm_ ? shm_->name() : cpu_->caps().name;
   }
   c10d::Backend& cpuInner() const {
@@ -364,16 +364,15 @@ class ProcessGroupHSDP final : public c10d::Backend {
       c10d::OpType type,
       bool asyncOp,
       std::chrono::milliseconds timeout = c10d::kUnsetTimeout) const;
-  // The inner route that serves tensors on `t`'s device, ready for an op to
-  // issue on it (InnerRoute::beforeIssue: after the route's pending
-  // post-step); a CUDA call gets its device. Called before the op stages or
-  // reads its tensors.
+  // The inner route that serves tensors on `t`'s device; a CUDA call gets
+  // its device. A route that orders on streams is readied for the op
+  // (InnerRoute::beforeIssue: after its pending post-step) before the op
+  // plans, stages or reads its tensors.
   InnerRoute& inner(Call& call, const at::Tensor& t);
-  // Whether the shared-memory route serves these tensors (and the
-  // reductions of their dtype groups).
+  // Whether the shared-memory route serves these tensors.
   bool shmServes(const std::vector<at::Tensor>& tensors) const;
-  bool
-  shmServes(const std::vector<at::Tensor>& tensors, const std::vector<DtypeGroup>& groups) const;
+  // Whether the engine runs each dtype group's reduction (ShmRoute::takes).
+  bool shmTakes(const std::vector<at::Tensor>& tensors, std::vector<DtypeGroup>& groups) const;
   // The shared-memory route when it serves the call, else `inner`.
   Route& shmOr(InnerRoute& inner, bool shmServes);
   // A reduction's route, chosen before the reduction is planned for it: the

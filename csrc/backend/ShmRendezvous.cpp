@@ -261,7 +261,7 @@ firstFailure(c10d::Store& store, const Keys& key, int rank, int size, const std:
 
 // Why shared memory cannot serve a group across these hosts (within each,
 // Gloo between them), or empty if it can or the group is on one host.
-// HSDP_ENGINE=shm across hosts is refused: it cannot reach across them.
+// HSDP_CPU_ROUTE=shm across hosts is refused: it cannot reach across them.
 std::string whyNotAcrossHosts(
     const Hosts& hosts,
     const ShmOptions& options,
@@ -273,11 +273,11 @@ std::string whyNotAcrossHosts(
   TORCH_CHECK(
       options.mode != ShmOptions::Mode::Required,
       c.prefix(),
-      "HSDP_ENGINE=shm, but the group spans ",
+      "HSDP_CPU_ROUTE=shm, but the group spans ",
       hosts.members.size(),
       " hosts (",
       hosts.describe(),
-      ") and shared memory cannot reach across hosts; HSDP_ENGINE=auto uses it within each "
+      ") and shared memory cannot reach across hosts; HSDP_CPU_ROUTE=auto uses it within each "
       "host and gloo between hosts");
   if (!hosts.even()) {
     return "its hosts hold different numbers of its ranks (" + hosts.describe() +
@@ -322,14 +322,14 @@ std::unique_ptr<ShmRoute> connectShm(
     std::shared_ptr<StagingPool> staging,
     std::string* whyNot) {
   if (options.mode == ShmOptions::Mode::Off) {
-    *whyNot = "disabled by HSDP_ENGINE=gloo";
+    *whyNot = "disabled by HSDP_CPU_ROUTE=gloo";
     return nullptr;
   }
   auto give_up = [&](const std::string& why) -> std::unique_ptr<ShmRoute> {
     TORCH_CHECK(
         options.mode != ShmOptions::Mode::Required,
         OpContext{rank, size, "init"}.prefix(),
-        "HSDP_ENGINE=shm, but the group cannot use shared memory: ",
+        "HSDP_CPU_ROUTE=shm, but the group cannot use shared memory: ",
         why);
     *whyNot = why;
     return nullptr;

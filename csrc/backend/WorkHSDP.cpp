@@ -28,23 +28,24 @@ std::vector<c10::Device> devicesOf(const std::vector<at::Tensor>& tensors) {
 }
 
 // Tasks and completion steps of onQueue Works this thread is running.
-thread_local int completing = 0;
+thread_local int queueStepsRunning = 0;
 
-struct Completing {
-  Completing() {
-    ++completing;
+// Marks this thread as running one of them while in scope.
+struct InQueueStep {
+  InQueueStep() {
+    ++queueStepsRunning;
   }
-  ~Completing() {
-    --completing;
+  ~InQueueStep() {
+    --queueStepsRunning;
   }
-  Completing(const Completing&) = delete;
-  Completing& operator=(const Completing&) = delete;
+  InQueueStep(const InQueueStep&) = delete;
+  InQueueStep& operator=(const InQueueStep&) = delete;
 };
 
 } // namespace
 
 bool onCompletionThread() {
-  return completing > 0;
+  return queueStepsRunning > 0;
 }
 
 void unregisterInflight(c10d::Work& work) {
@@ -177,7 +178,7 @@ c10::intrusive_ptr<WorkHSDP> WorkHSDP::onQueue(
       // writes the caller's tensors, which may be inference tensors.
       [task = std::move(task), error, tls = at::ThreadLocalState()]() {
         at::ThreadLocalStateGuard guard(tls);
-        const Completing on;
+        const InQueueStep on;
         try {
           task();
         } catch (...) {
@@ -190,7 +191,7 @@ c10::intrusive_ptr<WorkHSDP> WorkHSDP::onQueue(
           // call's that this thread holds: let go of it, then end the waits.
           auto f = std::move(future);
           auto outs = std::move(outputs);
-          const Completing on;
+          const InQueueStep on;
           if (*error) {
             f->setError(*error);
           } else {

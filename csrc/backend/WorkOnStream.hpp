@@ -89,7 +89,7 @@ struct PostStepRun {
 };
 
 // Side streams, one per device, for a route whose inner Works follow NCCL's
-// stream contract (routes/AsyncCompletion.hpp). One per route.
+// stream contract (routes/PostSteps.hpp). One per route.
 class PostStepStreams {
  public:
   virtual ~PostStepStreams() = default;

@@ -42,22 +42,22 @@ size_t Config::lastLevelCacheBytes() {
   return largest;
 }
 
-Config::Engine Config::parseEngine(const std::string& name) {
-  for (Engine e : {Engine::Auto, Engine::Shm, Engine::Gloo}) {
-    if (name == engineName(e)) {
+Config::CpuRoute Config::parseCpuRoute(const std::string& name) {
+  for (CpuRoute e : {CpuRoute::Auto, CpuRoute::Shm, CpuRoute::Gloo}) {
+    if (name == cpuRouteName(e)) {
       return e;
     }
   }
-  throw std::invalid_argument("engine: expected one of auto, shm, gloo, got '" + name + "'");
+  throw std::invalid_argument("cpu_route: expected one of auto, shm, gloo, got '" + name + "'");
 }
 
-const char* Config::engineName(Engine engine) {
-  switch (engine) {
-    case Engine::Auto:
+const char* Config::cpuRouteName(CpuRoute route) {
+  switch (route) {
+    case CpuRoute::Auto:
       return "auto";
-    case Engine::Shm:
+    case CpuRoute::Shm:
       return "shm";
-    case Engine::Gloo:
+    case CpuRoute::Gloo:
       return "gloo";
   }
   return "?";

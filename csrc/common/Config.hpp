@@ -18,12 +18,12 @@
 namespace hsdp {
 
 struct Config {
-  enum class Engine { Auto, Shm, Gloo };
+  enum class CpuRoute { Auto, Shm, Gloo };
 
-  // CPU engine: Auto (shared memory when the group's ranks can share it,
-  // else the inner CPU backend, gloo), Shm (shared memory or an error), Gloo
-  // (always the inner CPU backend).
-  Engine engine = Engine::Auto;
+  // What serves CPU collectives: Auto (the shared-memory engine when the
+  // group's ranks can share it, else the inner CPU backend, gloo), Shm (the
+  // engine or an error), Gloo (always the inner CPU backend).
+  CpuRoute cpuRoute = CpuRoute::Auto;
   // Bytes a rank moves through shared memory per pipelined step.
   int64_t slotBytes = 4 << 20;
   // How long a wait spins before sleeping; unset: auto (see spin()).
@@ -66,8 +66,8 @@ struct Config {
   bool runBackendMap = false;
   bool runVerbose = false;
 
-  static Engine parseEngine(const std::string& name);
-  static const char* engineName(Engine engine);
+  static CpuRoute parseCpuRoute(const std::string& name);
+  static const char* cpuRouteName(CpuRoute route);
 
   // From what size per rank collectives on pool buffers read peers' through
   // mappings: the setting, else kPooledReadBytes.

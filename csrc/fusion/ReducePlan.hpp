@@ -21,7 +21,10 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <optional>
+
 #include "common/Errors.hpp"
+#include "shm/Types.hpp"
 
 namespace hsdp {
 
@@ -94,6 +97,9 @@ struct NativeScale {
 struct ReducePlan {
   c10d::ReduceOp innerOp; // what the transport runs
   DeferredScale post;     // what we do to the result afterwards
+  // The same reduction in the shared-memory engine's types, mapped once
+  // when the call is routed there (ShmRoute::takes); empty on other routes.
+  std::optional<shm::Reduction> onEngine = std::nullopt;
 };
 
 // Checks that `op` makes sense for data of `data`'s dtype on its device

@@ -25,6 +25,14 @@ struct Scale {
   double value = 1.0;
 };
 
+// A reduction as the engine runs it end to end (the scale fused into the
+// kernel).
+struct Reduction {
+  DType dtype;
+  RedOp op;
+  Scale scale;
+};
+
 // A piece of a piecewise collective, where it lives in this process.
 struct Span {
   char* data;

@@ -2,7 +2,7 @@
 
 // The tests' model of a CUDA side stream on host threads, for an inner CPU
 // backend that keeps NCCL's stream contract (the NCCL-contract double): with
-// it, CPU tensors take the CUDA route's completion (routes/AsyncCompletion.hpp,
+// it, CPU tensors take the CUDA route's completion (routes/PostSteps.hpp,
 // StreamOrdered: which inner Works order a post-step and through what, the
 // WorkOnStream's waits, errors and timeouts, later ops ordered after a
 // pending post-step), so all of it runs in CI without a GPU.

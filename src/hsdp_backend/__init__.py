@@ -19,6 +19,7 @@ _API = (
     "buffer_stats",
     "comm_stats",
     "cpu_engine",
+    "cpu_route",
     "dump_trace",
     "get_hsdp_backend",
     "reduce_scatter_tensor",

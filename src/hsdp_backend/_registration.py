@@ -182,8 +182,8 @@ def _create_backend(opts, backend_options):
         cuda_bf16_premul_sum=bf16_premul_sum,
         global_ranks=list(opts.global_ranks_in_group) or list(range(size)),
     )
-    engine, why_not, _ = _C.cpu_engine(backend)
-    if engine == "gloo" and settings.engine == "auto" and not reconfigurable:
+    route, why_not, _ = _C.cpu_route(backend)
+    if route == "gloo" and settings.cpu_route == "auto" and not reconfigurable:
         # One line: the group was meant for shared memory and did not get it.
         logging.getLogger("hsdp_backend").warning(
             "hsdp: [rank %d/%d] group %s runs its CPU collectives on gloo: %s",

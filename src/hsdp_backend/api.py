@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -30,10 +32,18 @@ def get_hsdp_backend(group: dist.ProcessGroup | None = None):
     return backend
 
 
-def cpu_engine(group: dist.ProcessGroup | None = None) -> str:
+def cpu_route(group: dist.ProcessGroup | None = None) -> str:
     """What serves ``group``'s CPU collectives: ``"shm"`` (the shared-memory
-    engine, all members on this host) or ``"gloo"`` (the inner Gloo group)."""
-    return _C.cpu_engine(get_hsdp_backend(group))[0]
+    engine, all members on this host), ``"hierarchical"`` (that engine within
+    each host, Gloo between hosts) or ``"gloo"`` (the inner Gloo group)."""
+    return _C.cpu_route(get_hsdp_backend(group))[0]
+
+
+def cpu_engine(group: dist.ProcessGroup | None = None) -> str:
+    """``cpu_route``'s earlier name ("engine" now means the shared-memory
+    engine only); kept for existing callers, with a DeprecationWarning."""
+    warnings.warn("hsdp_backend.cpu_engine() is now cpu_route()", DeprecationWarning, stacklevel=2)
+    return cpu_route(group)
 
 
 def comm_stats(group: dist.ProcessGroup | None = None) -> dict[str, dict[str, int]]:

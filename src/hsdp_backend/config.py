@@ -36,6 +36,15 @@ class Var:
     help: str
     # Rows with no field only (None: unset): a field's default is Config's.
     default: str | None = None
+    # An earlier name of the variable, still read when this one is unset.
+    older: str | None = None
+
+    def text_in(self, environ) -> tuple[str, str] | None:
+        """(the name it was set by, its text) in ``environ``; None: unset."""
+        for name in (self.name, self.older):
+            if name is not None and name in environ:
+                return name, environ[name]
+        return None
 
 
 def parse_int(text: str) -> int:
@@ -103,10 +112,11 @@ SECTIONS = {
 
 # fmt: off
 _TABLE = [
-    Var("HSDP_ENGINE", "engine", "engine", parse_text, str,
-        "CPU engine: `auto` (shared memory when the group's ranks can share it: one host, or "
-        "hierarchical across hosts with the same number of ranks each; else gloo), `shm` "
-        "(shared memory on one host, or an error), `gloo` (always the inner gloo group)"),
+    Var("HSDP_CPU_ROUTE", "engine", "cpu_route", parse_text, str,
+        "what serves CPU collectives: `auto` (the shared-memory engine where ranks can share "
+        "it: one host, or hierarchical across hosts of equal rank counts; else gloo), `shm` "
+        "(the engine, or an error), `gloo` (the inner gloo group). Earlier name: `HSDP_ENGINE`",
+        older="HSDP_ENGINE"),
     Var("HSDP_SHM_SLOT_BYTES", "engine", "slot_bytes", parse_int, str,
         "bytes a rank moves through shared memory per step (>= 64 KiB, a multiple of 64); the "
         "segment holds 2 slots per rank; larger messages are pipelined"),
@@ -180,8 +190,8 @@ _TABLE = [
 VARS = {v.name: v for v in _TABLE}
 
 
-def _invalid(var: Var, text: str, exc: Exception) -> ValueError:
-    return ValueError(f"Invalid value for environment variable {var.name}={text!r}: {exc}")
+def _invalid(name: str, text: str, exc: Exception) -> ValueError:
+    return ValueError(f"Invalid value for environment variable {name}={text!r}: {exc}")
 
 
 def resolve(environ=None):
@@ -192,20 +202,22 @@ def resolve(environ=None):
     environ = os.environ if environ is None else environ
     config = _C.Config()
     for var in VARS.values():
-        if var.name not in environ:
+        found = var.text_in(environ)
+        if found is None:
             continue
-        text = environ[var.name]
+        name, text = found
         try:
             setattr(config, var.field, var.parse(text))
         except (ValueError, TypeError) as exc:
-            raise _invalid(var, text, exc) from None
+            raise _invalid(name, text, exc) from None
     return config
 
 
 def read(name: str, environ=None):
     """The value of one package setting, as ``resolve`` makes it."""
     environ = os.environ if environ is None else environ
-    value = resolve({name: environ[name]} if name in environ else {})
+    found = VARS[name].text_in(environ)
+    value = resolve(dict([found]) if found else {})
     return getattr(value, VARS[name].field)
 
 
@@ -215,13 +227,13 @@ def read_text(var: Var, environ=None):
     its default, parsed; None when both are unset. A bad value is refused by
     name, as ``resolve`` refuses one."""
     environ = os.environ if environ is None else environ
-    text = environ.get(var.name, var.default)
+    name, text = var.text_in(environ) or (var.name, var.default)
     if text is None:
         return None
     try:
         return var.parse(text)
     except ValueError as exc:
-        raise _invalid(var, text, exc) from None
+        raise _invalid(name, text, exc) from None
 
 
 def default_text(var: Var) -> str:

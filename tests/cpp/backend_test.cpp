@@ -287,7 +287,7 @@ struct Group {
   explicit Group(InnerCaps caps) {
     auto store = c10::make_intrusive<c10d::HashStore>();
     Config config;
-    config.engine = Config::Engine::Gloo; // no shared memory: the inner route serves
+    config.cpuRoute = Config::CpuRoute::Gloo; // no shared memory: the inner route serves
     pg = c10::make_intrusive<ProcessGroupHSDP>(
         store,
         kRank,
@@ -331,7 +331,7 @@ TEST(Backend, TimeEstimationIsTheInnerCudaBackendsWhereItHasIt) {
 
   auto store = c10::make_intrusive<c10d::HashStore>();
   Config config;
-  config.engine = Config::Engine::Gloo;
+  config.cpuRoute = Config::CpuRoute::Gloo;
   auto cuda = c10::make_intrusive<EstimatingInner>();
   auto pg = c10::make_intrusive<ProcessGroupHSDP>(
       store,
@@ -507,7 +507,7 @@ struct CudaGroup {
   CudaGroup() {
     auto store = c10::make_intrusive<c10d::HashStore>();
     Config config;
-    config.engine = Config::Engine::Gloo;
+    config.cpuRoute = Config::CpuRoute::Gloo;
     auto route = std::make_unique<InnerRoute>(cuda, kNative, kRank);
     cudaRoute = route.get();
     pg = c10::make_intrusive<ProcessGroupHSDP>(

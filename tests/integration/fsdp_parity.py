@@ -513,7 +513,7 @@ def _inner_allocations(groups: dict) -> int | None:
 
     if (
         "nccl_contract"
-        not in _C.cpu_engine(groups[next(iter(groups))]._get_backend(torch.device("cpu")))[0]
+        not in _C.cpu_route(groups[next(iter(groups))]._get_backend(torch.device("cpu")))[0]
     ):
         return None
     return sum(

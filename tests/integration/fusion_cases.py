@@ -207,10 +207,10 @@ def coalesced_all_gather_large_pieces(rank, world, ref):
     packing); inputs may be in-place slices of their outputs, or strided."""
     sizes = [12288 + 17 * i for i in range(48)] + [0, 1]
     dtypes = [(torch.float32, torch.bfloat16, torch.int64)[i % 3] for i in range(len(sizes))]
-    if world > 1 and hsdp_backend.cpu_engine() == "shm":
+    if world > 1 and hsdp_backend.cpu_route() == "shm":
         # 2.9 MB a rank: past the 2 MiB a group measures at most.
         total = sum(n * torch.empty(0, dtype=d).element_size() for n, d in zip(sizes, dtypes))
-        direct_from = hsdp_backend._C.cpu_engine(hsdp_backend.get_hsdp_backend())[2]
+        direct_from = hsdp_backend._C.cpu_route(hsdp_backend.get_hsdp_backend())[2]
         assert 0 < direct_from <= total, (direct_from, total)
     outs = [torch.full((world * n,), 99).to(d) for n, d in zip(sizes, dtypes)]
     ins = []

@@ -10,6 +10,7 @@ within one rounding of the output dtype.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from harness import every_torch
@@ -605,7 +606,7 @@ def a_synchronous_call_returns_no_work(rank, world, ref):
     from torch._C import _distributed_c10d as c10d
 
     want = sum(data(r, 16, torch.float32) for r in range(world))
-    gloo_serves = engine_under_test() != "nccl_contract" and hsdp_backend.cpu_engine() == "gloo"
+    gloo_serves = engine_under_test() != "nccl_contract" and hsdp_backend.cpu_route() == "gloo"
 
     def synchronous_all_reduce(layout):
         t = data(rank, 16, torch.float32)
@@ -721,7 +722,7 @@ def device_mesh_2x2(rank, world, ref):
         dist.all_reduce(t, group=g)
         check(t, torch.tensor([float(sum(peers))]), f"mesh {dim} all_reduce")
         assert "all_reduce" in hsdp_backend.comm_stats(g)
-        assert hsdp_backend.cpu_engine(g) == expected_engine(peers), (dim, peers)
+        assert hsdp_backend.cpu_route(g) == expected_engine(peers), (dim, peers)
 
 
 @case
@@ -740,7 +741,7 @@ def split_group_by_parity(rank, world, ref):
         child.size(),
     )
     assert _C.is_hsdp(child._get_backend(torch.device("cpu")))
-    assert hsdp_backend.cpu_engine(child) == expected_engine(mine)
+    assert hsdp_backend.cpu_route(child) == expected_engine(mine)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.AVG
     t = torch.full((6,), float(rank))
@@ -808,8 +809,8 @@ def _hosts() -> list[str]:
 
 
 def expected_engine(members: list[int]) -> str:
-    """What cpu_engine says for a group of these global ranks, from
-    HSDP_ENGINE and the hosts the ranks are on: pretended (HSDP_TEST_HOSTS),
+    """What cpu_route says for a group of these global ranks, from
+    HSDP_CPU_ROUTE and the hosts the ranks are on: pretended (HSDP_TEST_HOSTS),
     or real ones as a test on simulated hosts found them
     (HSDP_TEST_EXPECTED_HOSTS)."""
     engine = engine_under_test()
@@ -828,8 +829,10 @@ def expected_engine(members: list[int]) -> str:
 
 
 @case
-def engine_in_use(rank, world, ref):
-    assert hsdp_backend.cpu_engine() == expected_engine(list(range(world)))
+def route_in_use(rank, world, ref):
+    assert hsdp_backend.cpu_route() == expected_engine(list(range(world)))
+    with pytest.warns(DeprecationWarning, match="now cpu_route"):
+        assert hsdp_backend.cpu_engine() == hsdp_backend.cpu_route()  # its earlier name
 
 
 @case
@@ -838,8 +841,8 @@ def large_messages(rank, world, ref):
 
     from hsdp_backend import _C
 
-    if config.read("HSDP_ENGINE") in ("auto", "shm") and world > 1:
-        engine, _, direct_from = _C.cpu_engine(hsdp_backend.get_hsdp_backend())
+    if config.read("HSDP_CPU_ROUTE") in ("auto", "shm") and world > 1:
+        engine, _, direct_from = _C.cpu_route(hsdp_backend.get_hsdp_backend())
         expected = expected_engine(list(range(world)))
         assert engine == expected, (engine, expected)
         # Ranks of one user may read each other's memory, and a group reads

@@ -12,7 +12,7 @@ on ordinary buffers and to gloo (its SUM, exact at 2 ranks), every call on the p
 (`buffer_stats`); a released buffer goes back to the pool and is handed out again; a pool tensor
 refuses to resize; pool buffers on some ranks only, and another group's buffer: the ordinary
 path, the same answer; a buffer used after its group was destroyed; past `HSDP_SHM_POOL_BYTES`:
-ordinary memory, counted; no pool (`HSDP_ENGINE=gloo`, `HSDP_SHM_POOL_BYTES=0`):
+ordinary memory, counted; no pool (`HSDP_CPU_ROUTE=gloo`, `HSDP_SHM_POOL_BYTES=0`):
 `supports_tensor_alloc` false and `allocate_tensor` refused naming rank and op; a hierarchical
 group (pretended hosts) matches gloo; through the NCCL-contract double, the request reaches the
 inner backend; FSDP2 param groups keep FSDP2's buffers until `hsdp_backend.fsdp.use_group_buffers`
@@ -56,7 +56,7 @@ def test_past_the_bound_is_ordinary_memory():
 
 
 @pytest.mark.parametrize(
-    "env", [{"HSDP_ENGINE": "gloo"}, {"HSDP_SHM_POOL_BYTES": "0"}], ids=["gloo", "pool_off"]
+    "env", [{"HSDP_CPU_ROUTE": "gloo"}, {"HSDP_SHM_POOL_BYTES": "0"}], ids=["gloo", "pool_off"]
 )
 def test_no_pool_says_why(env):
     run_ranks(buffer_cases.no_pool_says_why, 2, env=env)

@@ -23,7 +23,7 @@ MEASURABLE = {8 * KiB, 32 * KiB, 128 * KiB, 512 * KiB, 2 * MiB}
 def direct_read_bytes(group=None):
     from hsdp_backend import _C, get_hsdp_backend
 
-    return _C.cpu_engine(get_hsdp_backend(group))[2]
+    return _C.cpu_route(get_hsdp_backend(group))[2]
 
 
 def gather_and_broadcast_around(threshold, group, rank, world):

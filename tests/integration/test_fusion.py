@@ -1,7 +1,7 @@
-"""Fused coalesced all-gather and reduce-scatter and the deferred division, on both CPU engines.
+"""Fused coalesced all-gather and reduce-scatter and the deferred division, on both CPU routes.
 
 Fused coalesced collectives and deferred division (cases in fusion_cases.py),
-on both CPU engines: the gloo route runs the device-agnostic code CUDA
+on both CPU routes: the gloo route runs the device-agnostic code CUDA
 tensors take through NCCL.
 
 On both engines: fused all-gather / reduce-scatter over 1-300 tensors of mixed sizes (0, 1, odd)

@@ -10,7 +10,7 @@ division, and the errors. Real hosts (network namespaces): test_hosts.py.
 On 2 pretended hosts x 2 ranks: every algorithm path (all-reduce below / above the sliced
 threshold and not divisible, all-gather staged and piecewise, in place, reduce-scatter per host
 block, broadcast from every root, barriers) exact and bitwise identical on all ranks,
-`divide_by` as one step; `HSDP_ENGINE=shm` on a spanning group (error naming the hosts); hosts
+`divide_by` as one step; `HSDP_CPU_ROUTE=shm` on a spanning group (error naming the hosts); hosts
 with different numbers of ranks (flat gloo, one log line); ranks that call different collectives
 (every rank fails, named by group rank)."""
 
@@ -37,7 +37,7 @@ def paths_body(rank, world):
     import hsdp_backend
 
     ref = dist.new_group(backend="gloo")
-    assert hsdp_backend.cpu_engine() == "hierarchical"
+    assert hsdp_backend.cpu_route() == "hierarchical"
     g = torch.Generator().manual_seed(100 + rank)
     # All-reduce: below the sliced threshold, sliced (divisible by 2 ranks
     # per host), and large but odd (whole tensor across hosts).
@@ -112,10 +112,10 @@ def shm_required_body(rank, world):
 
 def test_shm_required_on_a_group_that_spans_hosts_names_the_hosts():
     messages = run_ranks(
-        shm_required_body, 4, backend="gloo", env={**TWO_BY_TWO, "HSDP_ENGINE": "shm"}
+        shm_required_body, 4, backend="gloo", env={**TWO_BY_TWO, "HSDP_CPU_ROUTE": "shm"}
     )
     for text in messages:
-        assert text is not None, "HSDP_ENGINE=shm on a group spanning hosts must fail"
+        assert text is not None, "HSDP_CPU_ROUTE=shm on a group spanning hosts must fail"
         assert "spans 2 hosts" in text, text
         assert "ranks 0,1 on host a; ranks 2,3 on host b" in text, text
 
@@ -133,7 +133,7 @@ def uneven_body(rank, world):
     handler.emit = records.append
     logging.getLogger("hsdp_backend").addHandler(handler)
     g = dist.new_group(backend="hsdp")
-    assert hsdp_backend.cpu_engine(g) == "gloo"
+    assert hsdp_backend.cpu_route(g) == "gloo"
     t = torch.ones(4)
     dist.all_reduce(t, group=g)
     assert torch.equal(t, torch.full((4,), float(world)))

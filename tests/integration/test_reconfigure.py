@@ -101,7 +101,7 @@ def lose_a_rank_body(rank, world, kind, how, lost, port):
     dist._reconfigure(1, _handles(store, "first", rank, range(world))).wait()
     out["first"] = _sums(rank)
     if kind == "hsdp":
-        out["first_engine"] = hsdp_backend.cpu_engine()
+        out["first_engine"] = hsdp_backend.cpu_route()
     if how == "between" and rank == lost:
         os._exit(3)  # lost between collectives, without a word
     if how == "during":
@@ -127,7 +127,7 @@ def lose_a_rank_body(rank, world, kind, how, lost, port):
         out["sequence"] = dist.group.WORLD._get_sequence_number_for_group()
         out["error_after_reconfigure"] = _error()
         if kind == "hsdp":
-            out["second_engine"] = hsdp_backend.cpu_engine()
+            out["second_engine"] = hsdp_backend.cpu_route()
             out["mapped"] = _mapped_segments()
     if how == "rejoin":
         if rank == survivors[0]:
@@ -137,7 +137,7 @@ def lose_a_rank_body(rank, world, kind, how, lost, port):
         out["third"] = _sums(rank)
         out["third_rank"] = dist.get_rank()
         if kind == "hsdp":
-            out["third_engine"] = hsdp_backend.cpu_engine()
+            out["third_engine"] = hsdp_backend.cpu_route()
     dist.destroy_process_group()
     return out
 
@@ -331,7 +331,7 @@ def shrink_body(rank, world, how):
         out["pending_s"] = time.monotonic() - start
     out["second"] = _sums(rank)
     out["rank"] = dist.get_rank()
-    out["engine"] = hsdp_backend.cpu_engine()
+    out["engine"] = hsdp_backend.cpu_route()
     if how == "stuck" and rank == 0:
         store.set("shrunk", "1")
     dist.destroy_process_group()

@@ -85,7 +85,7 @@ def test_a_rank_that_skips_a_collective_is_named(tmp_path):
         skip_body,
         3,
         trace_dir=tmp_path,
-        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm"},
+        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_CPU_ROUTE": "shm"},
     )
     # Every rank's error says where each rank is, by c10d sequence number.
     for text in texts:
@@ -112,7 +112,7 @@ def different_op_body(rank, world):
 
 
 def test_a_rank_that_calls_a_different_collective_is_named(tmp_path):
-    run_ranks(different_op_body, 3, env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm"})
+    run_ranks(different_op_body, 3, env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_CPU_ROUTE": "shm"})
     report = analyse(tmp_path)
     assert "=> rank 1 called broadcast, where ranks 0, 2 called all_reduce #4" in report, report
 
@@ -140,7 +140,7 @@ def test_a_rank_stuck_in_python_is_named_and_sigusr1_dumps_it(tmp_path):
         stuck_body,
         2,
         trace_dir=tmp_path,
-        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "shm", "HSDP_TIMEOUT_MS": "1500"},
+        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_CPU_ROUTE": "shm", "HSDP_TIMEOUT_MS": "1500"},
     )
     assert "rank 1 finished all_reduce #5 and has called no collective since" in texts[0], texts[0]
     assert (
@@ -161,7 +161,7 @@ def gloo_stuck_body(rank, world, trace_dir):
 
     import hsdp_backend
 
-    assert hsdp_backend.cpu_engine() == "gloo"
+    assert hsdp_backend.cpu_route() == "gloo"
     warm_up()
     if rank == 1:
         time.sleep(6)  # stuck in Python past rank 0's gloo timeout
@@ -181,7 +181,7 @@ def test_the_gloo_route_records_and_dumps_too(tmp_path):
         trace_dir=tmp_path,
         env={
             "HSDP_TRACE_DIR": str(tmp_path),
-            "HSDP_ENGINE": "gloo",
+            "HSDP_CPU_ROUTE": "gloo",
             "HSDP_TEST_COLLECTIVE_TIMEOUT_S": "3",
         },
     )
@@ -215,7 +215,7 @@ def test_the_ring_keeps_the_last_n_collectives(tmp_path):
         ring_body,
         2,
         trace_dir=tmp_path,
-        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_TRACE_ENTRIES": "4", "HSDP_ENGINE": "shm"},
+        env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_TRACE_ENTRIES": "4", "HSDP_CPU_ROUTE": "shm"},
     )
     assert "the ranks agree on every recorded collective, and all completed" in analyse(tmp_path)
 
@@ -277,7 +277,7 @@ def gloo_ring_body(rank, world):
 
 
 def test_the_gloo_route_closes_every_entry(tmp_path):
-    run_ranks(gloo_ring_body, 2, env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_ENGINE": "gloo"})
+    run_ranks(gloo_ring_body, 2, env={"HSDP_TRACE_DIR": str(tmp_path), "HSDP_CPU_ROUTE": "gloo"})
 
 
 def _record(rank, entries, size=2):

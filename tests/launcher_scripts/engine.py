@@ -15,7 +15,7 @@ import hsdp_backend  # noqa: E402  only to inspect the group, after init
 
 sys.stdout.write(  # one write: ranks run unbuffered (-u)
     f"rank {dist.get_rank()} backend {dist.get_backend()} "
-    f"engine {hsdp_backend.cpu_engine()} "
+    f"engine {hsdp_backend.cpu_route()} "
     f"marker {os.environ.get('CHAINED_SITECUSTOMIZE', '-')}\n"
 )
 dist.destroy_process_group()

@@ -52,7 +52,7 @@ def job_fault(rank: int, world: int, out: str, op: str):
 
     with open(os.path.join(out, f"pid.{rank}"), "w") as f:
         f.write(str(os.getpid()))
-    engine = hsdp_backend.cpu_engine()
+    engine = hsdp_backend.cpu_route()
     n = 1 << 18  # 1 MiB of fp32 per rank
     t = torch.ones(n)
     big = torch.empty(world * n)

@@ -61,7 +61,7 @@ def eight_ranks_body(rank, world):
 
     import hsdp_backend
 
-    assert hsdp_backend.cpu_engine() == "shm"
+    assert hsdp_backend.cpu_route() == "shm"
     for seed, n in enumerate([1, 1000, 300_000]):
         for dtype in (torch.float32, torch.bfloat16):
             t = inputs(seed, rank, n, dtype)
@@ -103,7 +103,7 @@ def sixteen_ranks_body(rank, world):
 
     import hsdp_backend
 
-    assert hsdp_backend.cpu_engine() == "shm"
+    assert hsdp_backend.cpu_route() == "shm"
     for seed, n in enumerate([3, 70_000]):  # one round / two rounds, direct reads
         t = inputs(seed, rank, n, torch.bfloat16)
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
@@ -145,7 +145,7 @@ def quiet_threads_body(rank, world):
 
     import hsdp_backend
 
-    assert hsdp_backend.cpu_engine() == "shm"
+    assert hsdp_backend.cpu_route() == "shm"
     t = torch.ones(2)
     for _ in range(20):
         dist.all_reduce(t)

@@ -9,7 +9,7 @@ its creator's injection point (tests/hooks.py), never by name.
 
 What a user installs holds nothing only the tests or benchmarks use: the extension's names and
 exported symbols have no test double and no benchmark kernel, the users' settings no test
-setting (`HSDP_ENGINE=nccl_contract` refused); the extension calls none of its own functions
+setting (`HSDP_CPU_ROUTE=nccl_contract` refused); the extension calls none of its own functions
 through its PLT (no jump-slot relocation names a function of namespace `hsdp`: the build's
 `-fno-semantic-interposition` and `-Bsymbolic-functions`); configured as a plain `pip install .`
 the project installs no `hsdp_testing`, as the tests' build it does."""
@@ -58,8 +58,8 @@ def test_the_users_settings_hold_no_setting_of_the_tests():
     assert not set(config.VARS) & set(settings.VARS)
     assert not [name for name in config.VARS if "TEST" in name]
     assert not hasattr(_C.Config(), "test_hosts")
-    with pytest.raises(ValueError, match="engine: expected one of auto, shm, gloo, got"):
-        _C.Config().engine = "nccl_contract"
+    with pytest.raises(ValueError, match="cpu_route: expected one of auto, shm, gloo, got"):
+        _C.Config().cpu_route = "nccl_contract"
 
 
 def test_only_the_tests_build_installs_the_tests_module(tmp_path):

@@ -82,13 +82,14 @@ def test_every_variable_the_tree_reads_is_in_the_table():
         if not (ROOT / name).exists():  # deleted, not yet committed
             continue
         names |= set(re.findall(r"""["'](HSDP_[A-Z0-9_]+)["']""", (ROOT / name).read_text()))
-    assert "HSDP_ENGINE" in names, "the scan found nothing: it is broken"
-    known = set(config.VARS) | set(settings.VARS)
+    assert "HSDP_CPU_ROUTE" in names, "the scan found nothing: it is broken"
+    older = {v.older for v in config.VARS.values() if v.older}
+    known = set(config.VARS) | set(settings.VARS) | older
     assert names <= known, sorted(names - known)
 
 
 BAD = {
-    "HSDP_ENGINE": "shared",
+    "HSDP_CPU_ROUTE": "shared",
     "HSDP_SHM_SLOT_BYTES": "1000",
     "HSDP_SHM_SPIN_US": "-1",
     "HSDP_SHM_YIELD_US": "-1",
@@ -121,8 +122,10 @@ def test_bad_value_is_refused_by_name(name):
 
 def test_the_object_refuses_bad_values_naming_the_field():
     c = _C.Config()
-    with pytest.raises(ValueError, match="engine: expected one of auto, shm, gloo, got 'shared'"):
-        c.engine = "shared"
+    with pytest.raises(
+        ValueError, match="cpu_route: expected one of auto, shm, gloo, got 'shared'"
+    ):
+        c.cpu_route = "shared"
     with pytest.raises(ValueError, match="slot_bytes: expected an integer >= 65536"):
         c.slot_bytes = 1000
     assert c.slot_bytes == _C.Config().slot_bytes, "a refused value must not be kept"
@@ -139,3 +142,12 @@ def test_test_suite_settings_parse_their_defaults():
     assert settings.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "7"}) == 7
     with pytest.raises(ValueError, match="variable HSDP_TEST_EXIT_RUNS='many'"):
         settings.read("HSDP_TEST_EXIT_RUNS", {"HSDP_TEST_EXIT_RUNS": "many"})
+
+
+def test_the_cpu_routes_earlier_name_is_still_read_and_the_new_one_wins():
+    assert config.resolve({"HSDP_ENGINE": "gloo"}).cpu_route == "gloo"
+    assert config.read("HSDP_CPU_ROUTE", {"HSDP_ENGINE": "shm"}) == "shm"
+    both = {"HSDP_CPU_ROUTE": "shm", "HSDP_ENGINE": "gloo"}
+    assert config.resolve(both).cpu_route == "shm"
+    with pytest.raises(ValueError, match="environment variable HSDP_ENGINE='shared'"):
+        config.resolve({"HSDP_ENGINE": "shared"})

@@ -4,7 +4,7 @@ settings they refuse.
 The tests' hooks into hsdp's creator (`tests/hooks.py`): nothing set leaves the creator alone,
 pretended hosts name each global rank (`?`: unreadable) and refuse a rank past the list, an
 empty host name or an unknown inner backend refused by name, the double as inner backend with
-`HSDP_ENGINE=gloo`."""
+`HSDP_CPU_ROUTE=gloo`."""
 
 import hooks
 import pytest
@@ -50,7 +50,7 @@ def test_the_double_is_the_inner_cpu_backend_with_the_gloo_engine():
     hooks.install({"HSDP_TEST_INNER": "nccl_contract"})
     assert package_hooks.inner_cpu is hooks.nccl_contract_inner
     assert hooks.engine_env("nccl_contract") == {
-        "HSDP_ENGINE": "gloo",
+        "HSDP_CPU_ROUTE": "gloo",
         "HSDP_TEST_INNER": "nccl_contract",
     }
-    assert hooks.engine_env("shm") == {"HSDP_ENGINE": "shm"}
+    assert hooks.engine_env("shm") == {"HSDP_CPU_ROUTE": "shm"}

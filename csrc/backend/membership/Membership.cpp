@@ -32,14 +32,14 @@ ShmOptions shmOptionsOf(
     std::chrono::milliseconds groupTimeout,
     const std::optional<std::string>& hostIdentity) {
   ShmOptions shm;
-  switch (config.engine) {
-    case Config::Engine::Auto:
+  switch (config.cpuRoute) {
+    case Config::CpuRoute::Auto:
       shm.mode = ShmOptions::Mode::Auto;
       break;
-    case Config::Engine::Shm:
+    case Config::CpuRoute::Shm:
       shm.mode = ShmOptions::Mode::Required;
       break;
-    case Config::Engine::Gloo:
+    case Config::CpuRoute::Gloo:
       shm.mode = ShmOptions::Mode::Off;
       break;
   }

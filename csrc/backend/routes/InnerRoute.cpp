@@ -21,9 +21,11 @@ InnerRoute::InnerRoute(c10::intrusive_ptr<c10d::Backend> backend, InnerCaps caps
     : backend_(std::move(backend)), caps_(std::move(caps)), rank_(rank) {
   TORCH_CHECK(backend_, "hsdp: an inner route needs a backend");
   if (caps_.streams) {
-    completion_ = std::make_unique<StreamOrdered>(caps_.streams->another());
+    auto ordered = std::make_unique<StreamOrdered>(caps_.streams->another());
+    streamOrdered_ = ordered.get();
+    postSteps_ = std::move(ordered);
   } else {
-    completion_ = std::make_unique<HostWorkers>(caps_.fixedCompletionPool);
+    postSteps_ = std::make_unique<HostWorkers>(caps_.fixedCompletionPool);
   }
 }
 
@@ -110,10 +112,10 @@ Completion InnerRoute::issue(const Call& call, Plan&& plan) {
     }
     plan.post = inOrder(std::move(scales));
   }
-  return complete(call, std::move(works), std::move(plan));
+  return finish(call, std::move(works), std::move(plan));
 }
 
-Completion InnerRoute::complete(const Call& call, std::vector<WorkPtr> works, Plan plan) {
+Completion InnerRoute::finish(const Call& call, std::vector<WorkPtr> works, Plan plan) {
   if (!isPointToPoint(call.type)) {
     markConnected();
   }
@@ -178,7 +180,7 @@ InnerRoute::WorkPtr InnerRoute::workForInner(
   // see to.
   const bool blockNeedsBuffers = inner.blockEnd && !keepAlive.empty();
   if (!post && ordering == 1 && !blockNeedsBuffers &&
-      (!asyncOp || completion_->handsBackInnerWork(type))) {
+      (!asyncOp || postSteps_->handsBackInnerWork(type))) {
     // The inner Work already is the whole op (a block's end Work waits for
     // every op of the block). NCCL returns none for a synchronous call (it
     // ran on the caller's stream), so this is Gloo's, or an async op's.
@@ -197,7 +199,7 @@ InnerRoute::WorkPtr InnerRoute::workForInner(
     }
     return {};
   }
-  return completion_->complete(
+  return postSteps_->workAfter(
       rank_, type, std::move(inner), std::move(outputs), std::move(post), std::move(keepAlive));
 }
 

@@ -22,8 +22,8 @@
 //   * async, host-complete Works (Gloo's): on the route's completion
 //     workers, in issue order (also with no post-step when the inner
 //     backend has a fixedCompletionPool).
-// The route's AsyncCompletion is one of the two, chosen when it is built
-// (routes/AsyncCompletion.hpp).
+// The route's PostSteps is one of the two, chosen when it is built
+// (routes/PostSteps.hpp).
 // Between startCoalescing and endCoalescing on a backend that coalesces
 // natively (NCCL launches nothing before endCoalescing) post-steps are held
 // back and run after endCoalescing's Work (at once, on the caller's stream,
@@ -37,7 +37,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "backend/routes/AsyncCompletion.hpp"
+#include "backend/routes/PostSteps.hpp"
 #include "backend/routes/Route.hpp"
 #include "common/TorchCompat.hpp"
 
@@ -64,7 +64,7 @@ struct InnerCaps {
   // *_coalesced calls, into one launch: hsdp forwards them without packing.
   bool nativeCoalescing = false;
   // Completes async Works' futures on a fixed pool of its own threads, as
-  // Gloo does (HostWorkers, routes/AsyncCompletion.hpp).
+  // Gloo does (HostWorkers, routes/PostSteps.hpp).
   bool fixedCompletionPool = false;
   // With nativeScale (after the flags, so that positional initialisers keep
   // their meaning): a bf16 PREMUL_SUM's factor reaches the transport
@@ -111,7 +111,7 @@ class InnerRoute final : public Route {
   // The completion of an op the override issued on backend() itself (the
   // forms no route plans: gather, scatter, all-to-all, point-to-point, list
   // and sparse forms), finished by `plan`'s post-step.
-  Completion complete(const Call& call, std::vector<WorkPtr> works, Plan plan);
+  Completion finish(const Call& call, std::vector<WorkPtr> works, Plan plan);
 
   c10d::Backend& backend() const {
     return *backend_;
@@ -133,10 +133,19 @@ class InnerRoute final : public Route {
       std::function<void()> post = {},
       std::vector<at::Tensor> keepAlive = {});
 
-  // Call before an op reads or writes its tensors on this route (see
-  // StreamOrdered::beforeIssue).
+  // Whether async post-steps run on side streams, which a later op on the
+  // route must order after (NCCL's; the NCCL-contract double's on CPU).
+  // Post-steps of host-complete Works leave nothing to order after.
+  bool ordersOnStreams() const {
+    return streamOrdered_ != nullptr;
+  }
+  // Call before an op reads or writes its tensors on this route, its
+  // planning included (staged and packed copies): see
+  // StreamOrdered::beforeIssue.
   void beforeIssue() {
-    completion_->beforeIssue();
+    if (streamOrdered_ != nullptr) {
+      streamOrdered_->beforeIssue();
+    }
   }
 
   // Whether the inner backend has made its communicator. NCCL makes it at
@@ -174,8 +183,9 @@ class InnerRoute final : public Route {
   InnerCaps caps_;
   int rank_;
 
-  std::unique_ptr<AsyncCompletion> completion_; // chosen by caps_.streams
-  std::mutex mutex_;                            // the coalescing block's state
+  std::unique_ptr<PostSteps> postSteps_;   // chosen by caps_.streams
+  StreamOrdered* streamOrdered_ = nullptr; // postSteps_, where it orders on streams
+  std::mutex mutex_;                       // the coalescing block's state
   std::atomic<bool> connected_{false};
   std::atomic<bool> coalescing_{false}; // written under mutex_
   struct Held {

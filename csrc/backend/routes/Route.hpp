@@ -127,12 +127,9 @@ class Route {
   virtual bool gathersPieces(size_t pieces, size_t totalBytes) const {
     return false;
   }
-  // Whether this route runs collectives of these tensors, and a reduction
-  // planned for `dtype`: the backend asks before it plans a call for it.
+  // Whether this route runs collectives of these tensors: the backend asks
+  // before it plans a call for it.
   virtual bool serves(const std::vector<at::Tensor>& tensors) const {
-    return true;
-  }
-  virtual bool serves(const ReducePlan& plan, at::ScalarType dtype) const {
     return true;
   }
   // `plan` stays the caller's: a route moves out what it keeps (a queued

@@ -50,16 +50,20 @@ bool ShmRoute::serves(const std::vector<at::Tensor>& tensors) const {
   });
 }
 
-bool ShmRoute::serves(const ReducePlan& plan, at::ScalarType dtype) const {
-  return shmReduction(plan, dtype).has_value();
+bool ShmRoute::takes(ReducePlan& plan, at::ScalarType dtype) const {
+  plan.onEngine = shmReduction(plan, dtype);
+  return plan.onEngine.has_value();
 }
 
 void ShmRoute::run(const char* op, const Collective& c) {
-  auto reduction = [&](const at::Tensor& t) { return *shmReduction(c.reduce, t.scalar_type()); };
+  auto reduction = [&] {
+    TORCH_INTERNAL_ASSERT(c.reduce.onEngine, "a reduction routed to the engine unmapped");
+    return *c.reduce.onEngine;
+  };
   switch (c.kind) {
     case Kind::AllReduce: {
       const auto& t = c.inputs[0];
-      const auto red = reduction(t);
+      const auto red = reduction();
       collectives().allReduce(op, t.data_ptr(), t.numel(), red.dtype, red.op, red.scale);
       return;
     }
@@ -87,7 +91,7 @@ void ShmRoute::run(const char* op, const Collective& c) {
     }
     case Kind::ReduceScatter: {
       const auto& out = c.outputs[0];
-      const auto red = reduction(out);
+      const auto red = reduction();
       collectives().reduceScatter(
           op, c.inputs[0].data_ptr(), out.data_ptr(), out.numel(), red.dtype, red.op, red.scale);
       return;

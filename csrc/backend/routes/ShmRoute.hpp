@@ -56,10 +56,12 @@ class ShmRoute final : public Route {
   bool gathersPieces(size_t pieces, size_t totalBytes) const override {
     return collectives().gathersPieces(pieces, totalBytes);
   }
-  // CPU tensors, dense, of an engine dtype; a reduction planned for `dtype`
-  // that the engine runs (its op and scale).
+  // CPU tensors, dense, of an engine dtype.
   bool serves(const std::vector<at::Tensor>& tensors) const override;
-  bool serves(const ReducePlan& plan, at::ScalarType dtype) const override;
+  // Whether the engine runs `plan` (its op and scale) on `dtype` data; if
+  // so, the plan keeps the engine's form of it (ReducePlan::onEngine), the
+  // one mapping the call's reduction gets.
+  bool takes(ReducePlan& plan, at::ScalarType dtype) const;
 
   // Runs the plan on the engine's queue: inline for a synchronous call when
   // the queue is idle, else on its worker, in issue order. The call's

@@ -1,4 +1,4 @@
-#include "backend/routes/AsyncCompletion.hpp"
+#include "backend/routes/PostSteps.hpp"
 
 #include <ATen/core/ivalue.h>
 #include <c10/util/Exception.h>
@@ -78,7 +78,7 @@ bool HostWorkers::handsBackInnerWork(c10d::OpType type) const {
   return !fixedCompletionPool_ || isPointToPoint(type);
 }
 
-HostWorkers::WorkPtr HostWorkers::complete(
+HostWorkers::WorkPtr HostWorkers::workAfter(
     int rank,
     c10d::OpType type,
     InnerWorks inner,
@@ -112,7 +112,7 @@ StreamOrdered::StreamOrdered(std::shared_ptr<PostStepStreams> streams)
   TORCH_CHECK(streams_, "hsdp: a stream-ordered route needs its side streams");
 }
 
-StreamOrdered::WorkPtr StreamOrdered::complete(
+StreamOrdered::WorkPtr StreamOrdered::workAfter(
     int rank,
     c10d::OpType type,
     InnerWorks inner,
@@ -121,7 +121,7 @@ StreamOrdered::WorkPtr StreamOrdered::complete(
     std::vector<at::Tensor> keepAlive) {
   const auto device = deviceOf(outputs, keepAlive);
   if (!streams_->serves(device)) {
-    return host_.complete(
+    return host_.workAfter(
         rank, type, std::move(inner), std::move(outputs), std::move(post), std::move(keepAlive));
   }
   const bool hasPost = post != nullptr;

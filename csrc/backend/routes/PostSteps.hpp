@@ -42,10 +42,10 @@ struct InnerWorks {
   std::vector<WorkPtr> all() const;
 };
 
-class AsyncCompletion {
+class PostSteps {
  public:
   using WorkPtr = c10::intrusive_ptr<c10d::Work>;
-  virtual ~AsyncCompletion() = default;
+  virtual ~PostSteps() = default;
 
   // Whether an async op that needs nothing after its one inner Work may hand
   // that Work back as its own.
@@ -53,28 +53,26 @@ class AsyncCompletion {
   // The Work of an async op whose result is `inner`'s, then `post` (empty:
   // nothing). `outputs` become the future's value; `keepAlive` are buffers
   // `post` or the inner ops still use.
-  virtual WorkPtr complete(
+  virtual WorkPtr workAfter(
       int rank,
       c10d::OpType type,
       InnerWorks inner,
       std::vector<at::Tensor> outputs,
       std::function<void()> post,
       std::vector<at::Tensor> keepAlive) = 0;
-  // Call before an op reads or writes its tensors on the route.
-  virtual void beforeIssue() {}
 };
 
-class HostWorkers final : public AsyncCompletion {
+class HostWorkers final : public PostSteps {
  public:
   // `fixedCompletionPool`: the inner backend completes its futures on a
   // fixed pool of its own threads, as Gloo does (two by default): hsdp
   // completes them on its own workers instead, so that callbacks that wait
   // for collectives they issue cannot exhaust that pool (see OpQueue.hpp).
-  // Point-to-point Works stay the inner backend's own (see complete()).
+  // Point-to-point Works stay the inner backend's own (see workAfter()).
   explicit HostWorkers(bool fixedCompletionPool) : fixedCompletionPool_(fixedCompletionPool) {}
 
   bool handsBackInnerWork(c10d::OpType type) const override;
-  WorkPtr complete(
+  WorkPtr workAfter(
       int rank,
       c10d::OpType type,
       InnerWorks inner,
@@ -88,14 +86,14 @@ class HostWorkers final : public AsyncCompletion {
   std::unique_ptr<OpQueue> queue_; // made on first use
 };
 
-class StreamOrdered final : public AsyncCompletion {
+class StreamOrdered final : public PostSteps {
  public:
   explicit StreamOrdered(std::shared_ptr<PostStepStreams> streams);
 
   bool handsBackInnerWork(c10d::OpType) const override {
     return true;
   }
-  WorkPtr complete(
+  WorkPtr workAfter(
       int rank,
       c10d::OpType type,
       InnerWorks inner,
@@ -109,7 +107,7 @@ class StreamOrdered final : public AsyncCompletion {
   // caller's stream only) would otherwise overtake. Post-steps are rare on
   // CUDA (a staged argument, an integer divide_by), so this is one event
   // query, and one stream wait when one is pending.
-  void beforeIssue() override;
+  void beforeIssue();
 
  private:
   const std::shared_ptr<PostStepStreams> streams_;
