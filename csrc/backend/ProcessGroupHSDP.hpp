@@ -37,7 +37,7 @@
 #include "backend/CommStats.hpp"
 #include "backend/FlightRecorder.hpp"
 #include "backend/Plan.hpp"
-#include "backend/ShmRendezvous.hpp"
+#include "backend/membership/ShmRendezvous.hpp"
 #include "backend/TimeoutExtension.hpp"
 #include "backend/TracedCall.hpp"
 #include "backend/membership/Membership.hpp"

@@ -15,7 +15,7 @@
  * survivor has a worker waiting in an op on A for every rank's post, and a
  * caller that reconfigures: leave A (ShmRoute::leave: mark A broken, which
  * ends the worker's wait, then drain the queue), then the rendezvous of
- * connectShm on the store of the new membership (ShmRendezvous.cpp: an
+ * connectShm on the store of the new membership (membership/ShmRendezvous.cpp: an
  * incarnation ticket, keys under ticket / size; the new rank 0 creates the
  * segment and publishes its name, the other opens it), then one op on the
  * new segment: post, wait for every member's post, read the peer's slot.

@@ -1,4 +1,4 @@
-#include "backend/ShmRendezvous.hpp"
+#include "backend/membership/ShmRendezvous.hpp"
 
 #include "backend/membership/SplitInner.hpp"
 #include "common/Errors.hpp"
