@@ -3,16 +3,19 @@
 DTensor op, FSDP2 steps; each checks its result) at 2 and 4 ranks, written for torch's
 ``MultiProcessTestCase`` (processes spawned per test), for torch's ``MultiProcContinuousTest``
 (processes kept per test class) and for pytest_hsdp (a warm pool per world size), each run by a
-pytest of its own on this machine. Reports each harness's wall time (pytest's start included)
+pytest of its own on this machine; and the ``MultiProcessTestCase`` suite, unchanged, on
+pytest_hsdp's warm ranks (``warm-*``: the plugin runs torch's test classes itself). Reports each harness's wall time (pytest's start included)
 and time per test, with the ratio to ``MultiProcessTestCase`` on gloo, and pytest_hsdp's own
 cost per test: the time between the ends of consecutive empty tests at 4 ranks (after the
-first, which starts the pool), beside the same for unmarked empty tests (pytest's own share).
+first, which starts the pool), marked and as a torch test class's methods, beside the same for
+unmarked empty tests (pytest's own share).
 
 Every run must pass all its tests, or the benchmark fails: a harness that skipped or failed
 tests is not timed.
 
     python -m benchmarks.pytest_harnesses [--cases N] [--worlds 2,4] [--repeats R]
-        [--harnesses plugin-hsdp,plugin-gloo,continuous-gloo,spawn-gloo] [--json PATH]
+        [--harnesses plugin-hsdp,plugin-gloo,warm-hsdp,warm-gloo,continuous-gloo,spawn-gloo]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -30,7 +33,18 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-HARNESSES = ("plugin-hsdp", "plugin-gloo", "continuous-gloo", "spawn-gloo")
+HARNESSES = (
+    "plugin-hsdp",
+    "plugin-gloo",
+    "warm-hsdp",
+    "warm-gloo",
+    "continuous-gloo",
+    "spawn-gloo",
+)
+# Each harness's test file and the plugin's say in it: torch's own spawning runs the
+# MultiProcessTestCase suite only with the plugin's running of it turned off.
+SUITE = {"plugin": "plugin", "warm": "spawn", "spawn": "spawn", "continuous": "continuous"}
+TORCH_CASES_OFF = ("--hsdp-torch-cases", "off")
 
 PLUGIN = """
 import pytest
@@ -142,6 +156,21 @@ import pytest
 def test_empty(i, rank):
     pass
 """
+EMPTY_CASE = """
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class TestEmpty(MultiProcessTestCase):
+    world_size = 4
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+
+for _i in range({n}):
+    setattr(TestEmpty, f"test_empty_{{_i:04d}}", lambda self: None)
+"""
 PLAIN = """
 import pytest
 
@@ -179,15 +208,22 @@ def write_suites(d: Path, cases: int, worlds: list[int]) -> dict[str, Path]:
 
 
 def run_pytest(
-    d: Path, path: Path, backend: str, expected: int, timeout_s: float, times: Path | None = None
+    d: Path,
+    path: Path,
+    backend: str,
+    expected: int,
+    timeout_s: float,
+    times: Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> float:
-    """Wall seconds of a pytest run of ``path`` that must pass ``expected`` tests; with
-    ``times``, each test's end (perf_counter seconds) is written there."""
+    """Wall seconds of a pytest run of ``path`` (and ``extra`` arguments) that must pass
+    ``expected`` tests; with ``times``, each test's end (perf_counter seconds) is written
+    there."""
     env = {**os.environ, "HARNESS_BACKEND": backend}
     env.pop("PYTEST_ADDOPTS", None)
     if times is not None:
         env["HARNESS_TIMES"] = str(times)
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path)]
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path), *extra]
     if path.name.startswith("test_plugin") or path.name.startswith("test_empty"):
         args += ["--hsdp-backend", backend]
     start = time.perf_counter()
@@ -224,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     tests = args.cases * len(worlds)
     walls: dict[str, list[float]] = {h: [] for h in harnesses}
     empty: list[float] = []  # ms per marked empty test
+    empty_case: list[float] = []  # ms per empty test of a torch test class
     plain: list[float] = []  # ms per unmarked empty test: pytest's own share
     failed: list[str] = []  # runs that did not pass all their tests: reported, not timed
     with tempfile.TemporaryDirectory(prefix="harnesses-") as tmp:
@@ -232,27 +269,35 @@ def main(argv: list[str] | None = None) -> int:
         (d / "conftest.py").write_text(TIMES)
         (d / "test_empty.py").write_text(EMPTY.format(n=args.empty + 1))
         (d / "test_plain.py").write_text(PLAIN.format(n=args.empty + 1))
+        (d / "test_empty_case.py").write_text(EMPTY_CASE.format(n=args.empty + 1))
         for _ in range(args.repeats):
             for h in harnesses:
                 kind, backend = h.split("-")
+                extra = TORCH_CASES_OFF if kind == "spawn" else ()
                 try:
-                    walls[h].append(run_pytest(d, suites[kind], backend, tests, args.timeout))
+                    walls[h].append(
+                        run_pytest(
+                            d, suites[SUITE[kind]], backend, tests, args.timeout, None, extra
+                        )
+                    )
                 except HarnessFailed as exc:
                     failed.append(str(exc))
                     print(f"  {h}: FAILED, not timed\n{exc}", flush=True)
                     continue
                 print(f"  {h}: {walls[h][-1]:.1f} s", flush=True)
             per_test = {}
-            for name in ("empty", "plain"):
+            for name in ("empty", "empty_case", "plain"):
                 ends = d / f"{name}.json"
                 run_pytest(d, d / f"test_{name}.py", "hsdp", args.empty + 1, args.timeout, ends)
                 # After the first test, which starts the pool.
                 t = json.loads(ends.read_text())[1:]
                 per_test[name] = [(b - a) * 1000 for a, b in zip(t, t[1:])]
             empty += per_test["empty"]
+            empty_case += per_test["empty_case"]
             plain += per_test["plain"]
             print(
                 f"  empty test at 4 ranks: median {statistics.median(per_test['empty']):.3f} ms;"
+                f" a torch test class's: {statistics.median(per_test['empty_case']):.3f} ms;"
                 f" an unmarked empty test: {statistics.median(per_test['plain']):.3f} ms",
                 flush=True,
             )
@@ -281,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         f" {statistics.median(plain):.3f} ms; pytest_hsdp's own:"
         f" {statistics.median(empty) - statistics.median(plain):.3f} ms"
     )
+    print(
+        f"an empty torch test class method at 4 ranks: median"
+        f" {statistics.median(empty_case):.3f} ms; pytest_hsdp's own:"
+        f" {statistics.median(empty_case) - statistics.median(plain):.3f} ms"
+    )
     if args.json:
         result = {
             "tests": tests,
@@ -289,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows,
             "empty_test_median_ms": statistics.median(empty),
             "empty_test_p90_ms": statistics.quantiles(empty, n=10)[-1],
+            "empty_case_median_ms": statistics.median(empty_case),
             "plain_test_median_ms": statistics.median(plain),
         }
         result["failed_runs"] = failed

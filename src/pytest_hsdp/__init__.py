@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from pytest_hsdp import _placement, _pool, _worker
+from pytest_hsdp import _cases, _placement, _pool, _worker
 
 _MARKER = "world_size"
 _DEFAULT_TIMEOUT_S = 120.0
@@ -45,6 +45,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=float,
         default=300.0,
         help="deadline for a pool's ranks to start and create their default group (default: 300)",
+    )
+    group.addoption(
+        "--hsdp-torch-cases",
+        choices=("on", "off"),
+        default=None,
+        help="run test methods of torch's MultiProcessTestCase classes (DTensorTestBase, "
+        "FSDPTest, ...) on warm ranks instead of spawning ranks per test (default: on; "
+        "ini: hsdp_torch_cases)",
+    )
+    parser.addini(
+        "hsdp_torch_cases",
+        "on/off: torch's MultiProcessTestCase tests on warm ranks (pytest_hsdp)",
+        default="on",
     )
     group.addoption(
         "--hsdp-max-pools",
@@ -114,6 +127,10 @@ class _Pools:
         self._pools = _pool.Pools(config.getoption("--hsdp-max-pools"))
         self._ids = itertools.count(1)
         atexit.register(self.close)  # also when pytest is interrupted before unconfigure
+
+    def torch_cases(self) -> bool:
+        option = self._config.getoption("--hsdp-torch-cases")
+        return (option or self._config.getini("hsdp_torch_cases")) == "on"
 
     def get(self, key: tuple) -> _pool.Pool:
         world, backend, device, env, gpu_memory_gib = key
@@ -245,3 +262,88 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not outcome.passed:
         pytest.fail(outcome.report(pool.world, backend), pytrace=False)
     return True
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    pools = config.stash.get(_POOLS, None)
+    if pools is None or not pools.torch_cases():
+        return
+    for item in items:
+        if _cases.is_torch_case(getattr(item, "cls", None)) and hasattr(item, "instance"):
+            # This item alone runs its test on a pool (an instance attribute hides the method).
+            item.runtest = lambda item=item: _run_torch_case(item)  # type: ignore[method-assign]
+
+
+_FELL_BACK = pytest.StashKey[set]()
+
+
+def _say(config: pytest.Config, line: str) -> None:
+    """One line on the terminal, outside the running test's captured output."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    if capture is None:
+        reporter.write_line(f"pytest_hsdp: {line}")
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.ensure_newline()
+        reporter.write_line(f"pytest_hsdp: {line}")
+
+
+def _run_torch_case(item: pytest.Item) -> None:
+    """A torch MultiProcessTestCase test on a warm pool of its world size (pytest_hsdp._cases);
+    torch's own spawning where the pool cannot serve it."""
+    case, cls = item.instance, item.cls
+    for target in (item.obj, cls):
+        if getattr(target, "__unittest_skip__", False):
+            pytest.skip(getattr(target, "__unittest_skip_why__", ""))
+    try:
+        _cases.prepare(case)
+    except _cases.Fallback as why:
+        fell_back = item.config.stash.setdefault(_FELL_BACK, set())
+        if cls not in fell_back:
+            fell_back.add(cls)
+            _say(item.config, f"{cls.__qualname__}: torch's own spawning, as {why}")
+        _cases.clean_up(case)
+        try:
+            type(item).runtest(item)
+        finally:
+            _cases.remove_store_file(case)  # torch's tearDown leaves it
+        return
+    try:
+        outcome, text = _run_case_on_pool(item, case)
+    finally:
+        _cases.clean_up(case)
+    expecting_failure = getattr(item.obj, "__unittest_expecting_failure__", False)
+    if outcome == "skipped":
+        pytest.skip(text)
+    if expecting_failure:
+        if outcome == "failed":
+            pytest.xfail(text.splitlines()[0])
+        pytest.fail("unexpected success (the test is marked expectedFailure)", pytrace=False)
+    if outcome == "failed":
+        pytest.fail(text, pytrace=False)
+
+
+def _run_case_on_pool(item: pytest.Item, case: Any) -> tuple[str, str]:
+    config = item.config
+    world = _cases.world_size_of(case, item.nodeid)
+    pools = config.stash[_POOLS]
+    try:
+        pool = pools.get((world, None, "cpu", (), _placement.DEFAULT_GPU_MEMORY_GIB))
+    except _pool.PoolError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    timeout_s = _cases.timeout_of(case, config.getoption("--hsdp-timeout"))
+    outcome = pool.run(_cases.task_of(case, item.name, pools.next_id()), timeout_s)
+    for r, text in sorted(outcome.output.items()):
+        if text.strip():
+            item.add_report_section("call", f"rank {r} output", text)
+    if outcome.hung or set(outcome.failures) - outcome.died:
+        return "failed", outcome.report(world, "the test's own")
+    # A rank that died left an exit code, which torch's parent reads as any other.
+    values = dict(outcome.values)
+    for r, code in outcome.exit_codes.items():
+        values[r] = {"code": code, "error": None, "skip_reason": None}
+    return _cases.judge(values, world, outcome.report(world, "the test's own"))

@@ -53,6 +53,7 @@ class Outcome:
     died: set[int] = dataclasses.field(default_factory=set)  # the likely cause, if any
     trace: str = ""  # hsdp's reading of the flight records, after a hang
     hung: bool = False
+    exit_codes: dict[int, int | None] = dataclasses.field(default_factory=dict)  # of `died`
 
     @property
     def passed(self) -> bool:
@@ -128,7 +129,7 @@ class Pool:
     def __init__(
         self,
         world: int,
-        backend: str,
+        backend: str | None,  # None: no default group (torch's test cases make their own)
         device: str,
         env: dict[str, str],
         *,
@@ -271,6 +272,7 @@ class Pool:
         died: set[int] = set()
         sequence: dict[int, int | None] = {}
         values: dict[int, Any] = {}
+        exit_codes: dict[int, int | None] = {}
         group_lost = False
         pending = set(range(self.world))
         for r in range(self.world):
@@ -288,6 +290,7 @@ class Pool:
                 pending.discard(r)
                 if message is None:
                     died.add(r)
+                    exit_codes[r] = self._procs[r].exitcode
                     failures[r] = (
                         f"rank {r} died during the test ({_exit_text(self._procs[r].exitcode)})"
                     )
@@ -305,7 +308,7 @@ class Pool:
                     failures[r] = f"rank {r} answered {message[0]!r} where a result was expected"
                 if r in failures:
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
-        outcome = Outcome(failures, {}, values, died)
+        outcome = Outcome(failures, {}, values, died, exit_codes=exit_codes)
         if pending:
             outcome.hung = True
             self._explain_hang(pending, failures, timeout_s, deadline_passed=not failures)

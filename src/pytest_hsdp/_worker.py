@@ -111,6 +111,80 @@ def _load_module(name: str, path: str) -> types.ModuleType:
     return module
 
 
+def _resolve_class(module: types.ModuleType, qualname: str) -> type:
+    owner: Any = module
+    for part in qualname.split("."):
+        owner = getattr(owner, part)
+    if not isinstance(owner, type):
+        raise TypeError(f"{qualname} is not a class")
+    return owner
+
+
+class _SkipReasons:
+    """Collects why torch's run_test skipped a test: it logs the SkipTest's reason
+    (common_distributed's logger: "Process %s skipping test %s for following reason: %s")
+    and exits with the generic code, whose message says only to look at the log."""
+
+    LOGGER = "torch.testing._internal.common_distributed"
+
+    def __init__(self):
+        import logging
+
+        class Handler(logging.Handler):
+            def emit(handler, record):  # noqa: N805 - the handler, not this object
+                if "skipping test" in str(record.msg) and record.args:
+                    self.reasons.append(str(record.args[-1]))
+
+        self.reasons: list[str] = []
+        self._handler = Handler(level=logging.INFO)
+        self._logger = logging.getLogger(self.LOGGER)
+
+    def __enter__(self):
+        self._logger.addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self._handler)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The process exit code ``sys.exit(code)`` would have given."""
+    if exc.code is None:
+        return 0
+    return exc.code if isinstance(exc.code, int) else 1
+
+
+def _run_case(rank: int, task: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a torch MultiProcessTestCase test, as torch's spawned rank runs it: the
+    class's own ``_run`` (which builds the case, sets ``rank`` and ``file_name`` and calls
+    ``run_test``), over a pipe of its own; the exit code it would have left with, the
+    traceback it sent its parent, and the reason of a skip it logged."""
+    import torch.multiprocessing as mp
+
+    _restore_environ(task["environ"])  # the run's caller restores the pool's after it
+    cls = _resolve_class(_load_module(task["module"], task["path"]), task["qualname"])
+    ours, theirs = mp.Pipe()
+    code = 0
+    with _SkipReasons() as skips:
+        try:
+            cls._run(rank, task["method"], task["file_name"], theirs)
+        except SystemExit as exc:
+            code = _exit_code(exc)
+    error = None
+    try:
+        if ours.poll(0):
+            error = ours.recv()
+    except (EOFError, OSError):
+        pass
+    ours.close()
+    theirs.close()
+    return {
+        "code": code,
+        "error": error,
+        "skip_reason": skips.reasons[0] if skips.reasons else None,
+    }
+
+
 def _resolve(module: types.ModuleType, qualname: str) -> Any:
     owner: Any = module
     parts = qualname.split(".")
@@ -208,6 +282,14 @@ class _Rank:
         import torch
         import torch.distributed as dist
 
+        if self.spec["backend"] is None:
+            # No default group: each test makes its own (torch's test cases). hsdp is
+            # registered where installed, for the tests that name it.
+            try:
+                import hsdp_backend  # noqa: F401
+            except ImportError:
+                pass
+            return
         if self.spec["backend"] == "hsdp":
             import hsdp_backend  # noqa: F401  registers "hsdp"
         self.meshes.clear()
@@ -274,10 +356,13 @@ class _Rank:
         environ = dict(os.environ)
         self._forked(time.monotonic())  # forks before this test's body are not its own
         try:
-            fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
-            kwargs = pickle.loads(task["kwargs"])
-            for name in task["rank_side"]:
-                kwargs[name] = self._rank_side(name, task)
+            if task.get("kind") == "case":
+                fn, kwargs = (lambda: _run_case(self.rank, task)), {}
+            else:
+                fn = _resolve(_load_module(task["module"], task["path"]), task["qualname"])
+                kwargs = pickle.loads(task["kwargs"])
+                for name in task["rank_side"]:
+                    kwargs[name] = self._rank_side(name, task)
         except BaseException as exc:  # noqa: BLE001
             failure = "the test body could not be set up on this rank:\n" + _format(exc, 0)
         else:
@@ -299,6 +384,16 @@ class _Rank:
             os._exit(70)
         self._wait_for_children()
         _restore_environ(environ)
+        if self.spec["backend"] is None:
+            # A pool without a default group (torch's test cases make their own): whatever
+            # the test left initialised goes, as its process would have.
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - a group the test broke is gone either way
+                    pass
+            _forget_meshes()
+            return failure, value, None, True
         group_ok = dist.is_initialized()
         if group_ok:
             meshes = {g for mesh in self.meshes.values() for g in _mesh_groups(mesh)}

@@ -27,13 +27,11 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 import torch
+from plugin_runs import alive, all_gone, every_pid, pids, run_pytest, write_tests
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -272,80 +270,8 @@ def test_after_the_faults(rank):
 """
 
 
-def write_tests(tmp_path: Path, **files: str) -> Path:
-    d = tmp_path / "user"
-    d.mkdir()
-    (d / "conftest.py").write_text(CONFTEST)
-    for name, text in files.items():
-        (d / f"{name}.py").write_text(textwrap.dedent(text))
-    (tmp_path / "pids").mkdir()
-    return d
-
-
-def run_pytest(d: Path, *args: str, timeout: float = 400) -> tuple[dict, str]:
-    """({test name: (outcome, text)}, pytest's output) of a pytest run in ``d``."""
-    report = d / "report.xml"
-    env = {**os.environ, "PIDS_DIR": str(d.parent / "pids")}
-    env.pop("PYTEST_ADDOPTS", None)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
-        cwd=d,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    out = proc.stdout + proc.stderr
-    assert report.exists(), out[-4000:]
-    results = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        name = case.get("name")
-        outcome, text = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome, text = child.tag, (child.get("message") or "") + "\n" + (child.text or "")
-                break
-        results[name] = (outcome, text)
-    return results, out
-
-
-def pids(d: Path, tag: str) -> list[int]:
-    files = sorted((d.parent / "pids").glob(f"{tag}.rank*"))
-    return [int(f.read_text()) for f in files]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is gone for every purpose here.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except OSError:
-        return False
-
-
-# How long ranks may take to go after their pytest did: each rank's watcher polls for its
-# pytest every 0.5 s, which a loaded machine may delay by seconds. A bound on a leak, not a speed.
-RANKS_GONE_WITHIN_S = 60.0
-
-
-def all_gone(pid_list: list[int], within_s: float = RANKS_GONE_WITHIN_S) -> bool:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if not any(alive(p) for p in pid_list):
-            return True
-        time.sleep(0.2)
-    return False
-
-
-def every_pid(d: Path) -> list[int]:
-    return [int(f.read_text()) for f in (d.parent / "pids").iterdir()]
-
-
 def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
-    d = write_tests(tmp_path, test_basic=BASIC)
+    d = write_tests(tmp_path, CONFTEST, test_basic=BASIC)
     shm_before = set(os.listdir("/dev/shm"))
     results, out = run_pytest(d)
 
@@ -421,7 +347,7 @@ def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
 
 
 def test_a_hang_and_a_dead_rank_are_explained_and_the_session_goes_on(tmp_path):
-    d = write_tests(tmp_path, test_faults=FAULTS)
+    d = write_tests(tmp_path, CONFTEST, test_faults=FAULTS)
     start = time.monotonic()
     results, out = run_pytest(d)
     state, text = results["test_rank_1_never_returns"]
@@ -459,7 +385,7 @@ def test_sleeps(rank):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_no_rank_outlives_an_interrupted_pytest(tmp_path, sig):
-    d = write_tests(tmp_path, test_sleeper=SLEEPER)
+    d = write_tests(tmp_path, CONFTEST, test_sleeper=SLEEPER)
     env = {**os.environ, "PIDS_DIR": str(tmp_path / "pids")}
     # pytest's faulthandler writes every thread's stack to stderr on SIGABRT:
     # what an interrupted pytest that does not end was doing.
@@ -523,6 +449,7 @@ def test_a_session_without_marked_tests_imports_no_torch(tmp_path):
 def test_under_xdist_each_worker_has_its_own_pools(tmp_path):
     d = write_tests(
         tmp_path,
+        CONFTEST,
         test_x=(
             "import pytest\nimport torch.distributed as dist\n\n"
             + "".join(

@@ -6,8 +6,9 @@ form: every harness passes every generated test before it is timed, and a harnes
 fail stops the benchmark instead of being timed.
 
 `python -m benchmarks.pytest_harnesses` in its smallest form (3 cases at 2 ranks):
-`pytest_hsdp`, `MultiProcContinuousTest` and `MultiProcessTestCase` each pass every generated
-test before being timed and are compared with the last; a harness whose test fails stops the
+`pytest_hsdp`, the `MultiProcessTestCase` suite unchanged on its warm ranks,
+`MultiProcContinuousTest` and `MultiProcessTestCase` each pass every generated test before being
+timed and are compared with the last; a harness whose test fails stops the
 benchmark, naming the test's failure."""
 
 import json
@@ -29,13 +30,13 @@ def test_every_harness_runs_the_same_tests_and_is_compared(tmp_path):
     out = tmp_path / "harnesses.json"
     proc = bench(
         "--cases", "3", "--worlds", "2", "--empty", "5",
-        "--harnesses", "plugin-hsdp,continuous-gloo,spawn-gloo", "--json", str(out),
+        "--harnesses", "plugin-hsdp,warm-gloo,continuous-gloo,spawn-gloo", "--json", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["tests"] == 3
     rows = {r["harness"]: r for r in result["rows"]}
-    assert sorted(rows) == ["continuous-gloo", "plugin-hsdp", "spawn-gloo"]
+    assert sorted(rows) == ["continuous-gloo", "plugin-hsdp", "spawn-gloo", "warm-gloo"]
     for r in rows.values():
         assert r["wall_s"] > 0 and abs(r["per_test_s"] * 3 - r["wall_s"]) < 1e-6, r
         assert r["speedup_vs_spawn_gloo"] > 0, r
