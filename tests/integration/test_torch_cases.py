@@ -19,7 +19,8 @@ import os
 import pytest
 from plugin_runs import alive, all_gone, every_pid, pids, run_pytest, write_tests
 
-pytestmark = pytest.mark.timeout(900)
+# Torch's harness is read per release: runs on every supported torch too.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.every_torch]
 
 TORCH_STYLE = """
 import os
