@@ -6,7 +6,7 @@
 #
 # --ranks N: the multi-rank checks and the example run on N ranks (HSDP
 # meshes on 4) whatever the number of GPUs: ranks beyond it share GPUs, each
-# with its own NCCL_HOSTID (src/pytest_hsdp/_placement.py says what such a
+# with its own NCCL_HOSTID (pytest_hsdp/_placement.py says what such a
 # run proves: NCCL's semantics over its socket transport, not its speed).
 #
 # On a machine without a GPU it says so in one line and exits 0. With one or
@@ -101,6 +101,13 @@ if [ -z "$PY" ] && machine_python_builds; then
       say "FAILED: building against the machine's python3 (log above)"
       exit 1
     fi
+  fi
+  # The tests' plugin (pure Python) beside it; where the machine's python3 cannot build it (no
+  # setuptools >= 64), from its sources, loaded by name.
+  if ! python3 -m pip install --quiet --no-index --no-build-isolation --no-deps --target "$site" \
+    ./pytest-hsdp >> "$report" 2>&1; then
+    say "pytest-hsdp could not be installed (log above); loading it from pytest-hsdp/src"
+    export PYTHONPATH="$PWD/pytest-hsdp/src${PYTHONPATH:+:$PYTHONPATH}" PYTEST_PLUGINS=pytest_hsdp
   fi
   export PYTHONPATH="$PWD/$site${PYTHONPATH:+:$PYTHONPATH}"
   PY=python3

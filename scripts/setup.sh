@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Sets up a fresh clone: .venv with torch 2.14.1 and the test tools, and
 # hsdp_backend installed from this clone's sources as scikit-build-core's
-# editable install, built against that torch. Idempotent and quick on a
-# second run: each step is skipped when its result is already in place, and
-# the extension is rebuilt only when its native sources changed (build/ keeps
-# the CMake tree for incremental builds; Python changes need no step).
+# editable install, built against that torch, with pytest-hsdp's (pytest-hsdp/,
+# pure Python) beside it. Idempotent and quick on a second run: each step is
+# skipped when its result is already in place, and the extension is rebuilt
+# only when its native sources changed (build/ keeps the CMake tree for
+# incremental builds; Python changes need no step).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -44,4 +45,7 @@ source scripts/compiler_cache.sh
 # The tests' build: with the tests' module beside the package (hsdp_testing:
 # the NCCL-contract double, the engine's kernel for the benchmarks).
 build_package "$PY" build/.setup-stamp editable -C cmake.define.HSDP_BUILD_TESTING=ON
+# The tests' plugin, its own distribution (hsdp_backend depends on it); after the package, whose
+# earlier versions carried it.
+install_plugin "$PY" build/.setup-plugin-stamp editable
 echo "[setup] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')"

@@ -50,5 +50,7 @@ ensure_modules "$PY" scikit_build_core,ninja,pytest,pytest_timeout,numpy,expectt
 [ -x "build/torch$MINOR/backend_tests" ] || rm -f "$VENV/.hsdp-build-stamp"
 build_package "$PY" "$VENV/.hsdp-build-stamp" wheel -C "build-dir=build/torch$MINOR" \
   -C cmake.define.HSDP_BUILD_TESTING=ON >&2
+# After the package, whose earlier versions carried the plugin.
+install_plugin "$PY" "$VENV/.hsdp-plugin-stamp" wheel >&2
 echo "[setup-compat] ready: $("$PY" -c 'import torch; print("torch", torch.__version__)')" >&2
 echo "$PY"

@@ -73,3 +73,32 @@ build_package() {
   mkdir -p "$(dirname "$stamp_file")"
   echo "$native" > "$stamp_file"
 }
+
+# install_plugin PY STAMP_FILE MODE: installs pytest-hsdp (pytest-hsdp/, pure Python) into PY's
+# venv, again when its files changed since the last install or it does not import. MODE as for
+# build_package: editable for a venv inside the clone (only its pyproject.toml is then an
+# input), wheel for a copy.
+install_plugin() {
+  local py=$1 stamp_file=$2 mode=$3 root=$PWD inputs built=""
+  if [ "$mode" = editable ]; then
+    inputs=$( (echo "$mode $root"; cat pytest-hsdp/pyproject.toml) | sha256sum | cut -d' ' -f1)
+  else
+    inputs=$( (echo "$mode"; find pytest-hsdp -type f -not -path '*/__pycache__/*' -not -path '*.egg-info*' | sort | xargs sha256sum) | sha256sum | cut -d' ' -f1)
+  fi
+  read -r built 2> /dev/null < "$stamp_file" || true
+  local python=$py
+  [[ $python == /* ]] || python=$root/$python
+  if [ "$built" = "$inputs" ] && (cd /tmp && "$python" -c "import pytest_hsdp") 2> /dev/null; then
+    return 0
+  fi
+  # The build backend (pytest-hsdp/pyproject.toml: setuptools) in the venv, as hsdp_backend's is:
+  # built without isolation, nothing fetched at build time.
+  "$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 71)" 2> /dev/null ||
+    "$py" -m pip install --quiet "setuptools>=71" || return 1
+  local how=()
+  [ "$mode" = editable ] && how=(--editable)
+  echo "[setup] installing pytest-hsdp ($mode)"
+  "$py" -m pip install --quiet --no-build-isolation --no-deps "${how[@]}" ./pytest-hsdp || return 1
+  mkdir -p "$(dirname "$stamp_file")"
+  echo "$inputs" > "$stamp_file"
+}

@@ -2,7 +2,7 @@
 settings (tools/settings.py), and warm ranks shared by every test.
 
 run_ranks and CaseLauncher run on pytest_hsdp's warm pools
-(src/pytest_hsdp/_pool.py), the plugin users get: one pool per (world,
+(pytest-hsdp/src/pytest_hsdp/_pool.py), the plugin users get: one pool per (world,
 backend, environment), the last few kept for the session, each test with a
 wall-clock deadline after which the pool is killed, so a hang costs seconds.
 A launch that must start from fresh processes (a rank meant to die, no
@@ -143,7 +143,7 @@ def run_ranks(
     ``fresh`` or ``may_die`` ask for new processes or ``backend`` is None (the
     body makes its own groups). ``device="cuda"``: each rank's current CUDA
     device set before its group is made, ranks beyond the device count
-    sharing devices (src/pytest_hsdp/_placement.py).
+    sharing devices (pytest-hsdp/src/pytest_hsdp/_placement.py).
     """
     env = env or {}
     if backend is not None and not may_die and not fresh:

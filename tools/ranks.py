@@ -186,7 +186,7 @@ def run_ranks(
             imported, before its default group is created (the tests'
             hooks: tests/hooks.py).
         device: "cuda": each rank on its CUDA device as pytest_hsdp places
-            it (src/pytest_hsdp/_placement.py), before ``setup``.
+            it (pytest-hsdp/src/pytest_hsdp/_placement.py), before ``setup``.
 
     Returns the per-rank return values, or raises RankFailure.
     """

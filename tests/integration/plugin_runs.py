@@ -25,15 +25,21 @@ def write_tests(tmp_path: Path, conftest: str = "", **files: str) -> Path:
 
 
 def run_pytest(
-    d: Path, *args: str, timeout: float = 400, env: dict[str, str] | None = None
+    d: Path,
+    *args: str,
+    timeout: float = 400,
+    env: dict[str, str] | None = None,
+    python: str = sys.executable,
+    inherit: bool = True,
 ) -> tuple[dict, str]:
-    """({test name: (outcome, text)}, pytest's output) of a pytest run in ``d`` (``env``: more
-    variables)."""
+    """({test name: (outcome, text)}, pytest's output) of ``python``'s pytest run in ``d``
+    (``env``: more variables, or all of them where ``inherit`` is false)."""
     report = d / "report.xml"
-    env = {**os.environ, "PIDS_DIR": str(d.parent / "pids"), **(env or {})}
+    base = os.environ if inherit else {}
+    env = {**base, "PIDS_DIR": str(d.parent / "pids"), **(env or {})}
     env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
+        [python, "-m", "pytest", "-p", "no:cacheprovider", f"--junitxml={report}", *args],
         cwd=d,
         env=env,
         capture_output=True,

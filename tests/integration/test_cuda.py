@@ -2,7 +2,7 @@
 
 Each check runs at one rank and at HSDP_GPU_CHECK_RANKS ranks (default 2; HSDP
 meshes at 4), whatever the number of GPUs: the ranks are placed by
-pytest_hsdp (src/pytest_hsdp/_placement.py), rank r on cuda:(r % devices),
+pytest_hsdp (pytest-hsdp/src/pytest_hsdp/_placement.py), rank r on cuda:(r % devices),
 ranks that share a GPU each with its own NCCL_HOSTID, so that NCCL connects
 them over its socket transport as separate nodes. On one GPU that proves
 ProcessGroupNCCL's and NCCL's semantics at world > 1 (results, streams,

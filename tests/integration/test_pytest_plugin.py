@@ -318,7 +318,7 @@ def test_tests_run_on_warm_ranks_and_every_misuse_is_named(tmp_path):
     assert set(pids(d, "after_out_of_step")).isdisjoint(pids(d, "out_of_step"))
 
     # device='cuda': skipped, saying why, without CUDA (ranks sharing a GPU where there is
-    # one are placed by src/pytest_hsdp/_placement.py, tested in tests/unit/test_placement.py).
+    # one are placed by pytest_hsdp/_placement.py, tested in tests/unit/test_placement.py).
     state, text = outcome("test_on_cuda")
     if torch.cuda.is_available():
         assert state == "passed", text

@@ -2,10 +2,9 @@
 their own NCCL_HOSTID; a shared user NCCL_HOSTID and a device too small are refused by name.
 
 NCCL's duplicate-GPU check compares host hash and bus id, and the host hash is NCCL_HOSTID's
-when set (src/pytest_hsdp/_placement.py)."""
+when set (pytest-hsdp/src/pytest_hsdp/_placement.py)."""
 
 import pytest
-
 from pytest_hsdp import _placement
 from pytest_hsdp._placement import PlacementError, place
 

@@ -2,7 +2,8 @@
 scripts/compiler_cache.sh (ccache).
 
 `scripts/venv_steps.sh`: the venv's hsdp_backend and pytest_hsdp are this clone's sources
-(scikit-build-core's editable install: a Python change needs no step, a module added is found),
+(editable installs, each of its own distribution: a Python change needs no step, a module added
+is found),
 the extension and the tests' module built into the venv; a venv built from the current sources
 and this clone left alone whether its python is named relative to the root or by absolute path.
 `scripts/compiler_cache.sh`: builds compile through ccache with paths hashed relative to the
@@ -43,7 +44,7 @@ def test_the_venvs_python_packages_are_this_clones_sources(tmp_path):
         probe.unlink()
     assert out[:3] == [
         str(ROOT / "src" / "hsdp_backend" / "__init__.py"),
-        str(ROOT / "src" / "pytest_hsdp" / "__init__.py"),
+        str(ROOT / "pytest-hsdp" / "src" / "pytest_hsdp" / "__init__.py"),
         "42",
     ], out
     assert all("/.venv/" in path for path in out[3:]), out  # compiled into the venv
@@ -61,7 +62,8 @@ def test_an_up_to_date_venv_is_left_alone_whichever_way_its_python_is_named():
                 "bash",
                 "-c",
                 'source scripts/venv_steps.sh && build_package "$0" build/.setup-stamp editable '
-                "-C cmake.define.HSDP_BUILD_TESTING=ON",
+                "-C cmake.define.HSDP_BUILD_TESTING=ON && "
+                'install_plugin "$0" build/.setup-plugin-stamp editable',
                 python,
             ],
             cwd=ROOT,

@@ -1,9 +1,10 @@
-"""pytest_hsdp: multi-process tests with pytest, shipped with hsdp_backend.
+"""pytest_hsdp: multi-process tests with pytest, its own pure-Python distribution.
 
 A test marked ``@pytest.mark.world_size(N)`` runs its body on N ranks, each a process of a
-warm pool that already has its default group (``hsdp`` unless the marker or
-``--hsdp-backend`` says otherwise); it passes when every rank passes, and a failure shows
-each failing rank's traceback under its rank. See docs/testing-your-code.md.
+warm pool that already has its default group (``hsdp`` where hsdp_backend is installed, else
+gloo on CPU and nccl on CUDA, unless the marker or ``--hsdp-backend`` says otherwise); it
+passes when every rank passes, and a failure shows each failing rank's traceback under its
+rank. See docs/testing-your-code.md.
 
 Registered through pytest's ``pytest11`` entry point. It imports neither torch nor
 hsdp_backend in pytest's own process (importing hsdp_backend imports torch), so a test
@@ -13,6 +14,7 @@ session that uses no marked test pays nothing for it.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import inspect
 import itertools
 import pickle
@@ -30,8 +32,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("hsdp", "multi-process tests (pytest_hsdp)")
     group.addoption(
         "--hsdp-backend",
-        default="hsdp",
-        help="backend of the ranks' default group where the marker names none (default: hsdp)",
+        default=None,
+        help="backend of the ranks' default group where the marker names none (default: hsdp "
+        "where hsdp_backend is installed, else gloo on CPU and nccl on CUDA)",
     )
     group.addoption(
         "--hsdp-timeout",
@@ -201,6 +204,14 @@ def _where(item: pytest.Function) -> tuple[str, str, str]:
     return module.__name__, str(module.__file__), qualname
 
 
+def _default_backend(device: str) -> str:
+    """hsdp where hsdp_backend is installed (found, not imported: that would import torch),
+    else torch's own backend for the device."""
+    if importlib.util.find_spec("hsdp_backend") is not None:
+        return "hsdp"
+    return "nccl" if device == "cuda" else "gloo"
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if pyfuncitem.get_closest_marker(_MARKER) is None:
@@ -230,10 +241,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         _refuse(
             f"{pyfuncitem.nodeid}: the mesh fixture needs @pytest.mark.{_MARKER}(N, mesh=(...))"
         )
-    backend = args.get("backend") or config.getoption("--hsdp-backend")
+    device = args.get("device", "cpu")
+    backend = args.get("backend") or config.getoption("--hsdp-backend") or _default_backend(device)
     env = tuple(sorted((str(k), str(v)) for k, v in (args.get("env") or {}).items()))
     pools = config.stash[_POOLS]
-    key = (args["world"], backend, args.get("device", "cpu"), env, args["gpu_memory_gib"])
+    key = (args["world"], backend, device, env, args["gpu_memory_gib"])
     try:
         pool = pools.get(key)
     except _pool.PoolUnavailable as exc:
