@@ -5,7 +5,8 @@ A test file written as torch's distributed tests are (a `MultiProcessTestCase` w
 `FileStore` of its `file_name`, parametrize from torch's helpers, `skip_if_lt_x_gpu`, a
 `unittest.SkipTest` with a reason, `expectedFailure`, a rank that `sys.exit`s and one that
 dies, a hang under torch's own `TIMEOUT_OVERRIDE`, a `DTensorTestBase` test with `with_comms`
-at 4 ranks, a class expecting an exit code) is run by a pytest of its own twice: under the
+at 4 ranks, an FSDP2 step at 2 ranks and an HSDP one at 4, an `FSDPTest` (which skips without
+GPUs), a class expecting an exit code) is run by a pytest of its own twice: under the
 plugin, and under torch's spawning (`--hsdp-torch-cases=off`). Every test has the same outcome
 in both; under the plugin the tests of one world size share their ranks, a skip says torch's
 reason, the class that expects an exit code falls back to torch's spawning and says so once,
@@ -23,6 +24,7 @@ from plugin_runs import alive, all_gone, every_pid, pids, run_pytest, write_test
 pytestmark = [pytest.mark.timeout(900), pytest.mark.every_torch]
 
 TORCH_STYLE = """
+import copy
 import os
 import pathlib
 import sys
@@ -32,9 +34,11 @@ import unittest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.testing._internal import common_distributed
 from torch.testing._internal.common_distributed import MultiProcessTestCase, skip_if_lt_x_gpu
+from torch.testing._internal.common_fsdp import FSDPTest
 from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
 
@@ -170,6 +174,64 @@ class DTensorOpsTest(DTensorTestBase):
         mesh = init_device_mesh(self.device_type, (self.world_size,))
         d = distribute_tensor(torch.ones(8, 2), mesh, [Shard(0)])
         self.assertEqual(d.sum().full_tensor(), torch.tensor(16.0))
+
+
+# One FSDP2 step against the same step on one process: each rank's batch its own, the
+# reference's loss their mean (FSDP2 averages gradients over the data-parallel ranks).
+def fsdp2_step(case, mesh_shape, names):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    fully_shard(model, mesh=mesh)
+    seeds = [torch.Generator().manual_seed(r) for r in range(case.world_size)]
+    batches = [torch.randn(3, 8, generator=g) for g in seeds]
+    for m, loss in (
+        (model, model(batches[case.rank]).square().sum()),
+        (reference, sum(reference(b).square().sum() for b in batches) / case.world_size),
+    ):
+        loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6)
+
+
+class OnGPUsOnly(FSDPTest):
+    # FSDPTest's own _run skips where there are fewer accelerators than ranks (2.11-2.15).
+    @property
+    def world_size(self):
+        return 2
+
+    def test_fsdp_test_needs_gpus(self):
+        fsdp2_step(self, (2,), ("shard",))
+
+
+class FSDP2Steps(MultiProcessTestCase):
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    @property
+    def world_size(self):
+        return 2
+
+    def test_fsdp2_step(self):
+        record_pid("fsdp", self.rank)
+        store = dist.FileStore(self.file_name, self.world_size)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size)
+        fsdp2_step(self, (2,), ("shard",))
+        dist.destroy_process_group()
+
+
+class HSDPStep(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 4
+
+    @with_comms
+    def test_hsdp_step(self):
+        record_pid("hsdp", self.rank)
+        fsdp2_step(self, (2, 2), ("replicate", "shard"))
 """
 
 # What torch's harness gives each test, and so must the plugin; but a world size of 0, where
@@ -191,6 +253,9 @@ EXPECTED = {
     "test_every_rank_exits_5": "passed",
     "test_shard_and_gather": "passed",
     "test_sum_of_a_sharded_tensor": "passed",
+    "test_fsdp2_step": "passed",
+    "test_hsdp_step": "passed",
+    "test_fsdp_test_needs_gpus": "skipped",
     "test_world_size_raises": "failure",
 }
 PLUGIN_ONLY = {"test_world_size_zero": "failure"}
@@ -211,7 +276,8 @@ def test_torch_test_classes_run_unchanged_on_warm_ranks_as_under_torchs_harness(
     # Warm ranks: one pool per world size served its tests, kept across a group left behind.
     assert len(set(pids(d, "all_reduce"))) == 2
     assert pids(d, "all_reduce") == pids(d, "param1") == pids(d, "param3")
-    assert pids(d, "dtensor") == pids(d, "dtensor_sum") and len(set(pids(d, "dtensor"))) == 4
+    assert pids(d, "dtensor") == pids(d, "dtensor_sum") == pids(d, "hsdp")
+    assert len(set(pids(d, "dtensor"))) == 4 and len(set(pids(d, "fsdp"))) == 2
     # Failures say which rank raised and how; skips give torch's reasons.
     assert "1 of 2 ranks raised" in text("test_fails_on_rank_1"), text("test_fails_on_rank_1")
     assert "--- rank 1 ---" in text("test_fails_on_rank_1")
@@ -221,6 +287,7 @@ def test_torch_test_classes_run_unchanged_on_warm_ranks_as_under_torchs_harness(
     # This release's message for the code skip_if_lt_x_gpu(2) exits with (its name changed in 2.15).
     two_gpus = next(s.message for s in TEST_SKIPS.values() if s.exit_code == 77)
     assert two_gpus in text("test_needs_two_gpus")
+    assert TEST_SKIPS["multi-gpu-2"].message in text("test_fsdp_test_needs_gpus")
     assert "Expected exit code 0 but got 4 for rank 0" in text("test_rank_0_exits_4")
     assert "did not return within" in text("test_rank_1_hangs"), text("test_rank_1_hangs")
     assert "no world size today" in text("test_world_size_raises")
