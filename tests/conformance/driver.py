@@ -5,6 +5,10 @@ writes every test's outcome as JSON.
     python tests/conformance/driver.py --backend hsdp --world 2 --out results.json \
         [-k PATTERN] [--only NAMES.txt ...] [--start spawn|fork]
 
+or as a pytest module, configured by the environment (CONFORMANCE_BACKEND, WORLD_SIZE, TEMP_DIR):
+
+    CONFORMANCE_BACKEND=hsdp WORLD_SIZE=2 pytest tests/conformance/driver.py::TestDistBackendOnCPU
+
 The suite is configured as PyTorch's test_distributed_spawn.py does (BACKEND
 and WORLD_SIZE before import, a TestDistBackend subclass that starts the ranks
 per test: spawned, or with --start fork forked from this process, as the
@@ -68,6 +72,7 @@ if __name__ == "__main__":
     )
     ARGS = _args.parse_args()
     _configure(ARGS.backend, ARGS.world)
+    os.environ["CONFORMANCE_START"] = ARGS.start
 # Spawned ranks re-import this module: the environment above is theirs already.
 BACKEND = os.environ["CONFORMANCE_BACKEND"]
 
@@ -96,7 +101,7 @@ for _table in (DistTestCases.skip_collective, DistTestCases.backend_feature):
 class TestDistBackendOnCPU(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
-        if ARGS.start == "fork":
+        if os.environ.get("CONFORMANCE_START", "spawn") == "fork":
             # As PyTorch's test_distributed_fork.py ran this suite on gloo: the
             # ranks inherit the imported torch and the registered backend
             # instead of importing them again (seconds a test on 2 cores).
@@ -111,9 +116,14 @@ class TestDistBackendOnCPU(TestDistBackend, DistributedTest._DistTestBase):
         assert dist.get_backend() == BACKEND, (
             f"{test_name} runs on {dist.get_backend()}, not {BACKEND}"
         )
-        if test_name.startswith(BODY_READS_NAME):
-            distributed_test.BACKEND = GATES_AS.get(BACKEND, BACKEND)
-        return super().run_test(test_name, parent_pipe)
+        if not test_name.startswith(BODY_READS_NAME):
+            return super().run_test(test_name, parent_pipe)
+        # Restored after: a warm rank (pytest_hsdp) runs the next test in this same process.
+        distributed_test.BACKEND = GATES_AS.get(BACKEND, BACKEND)
+        try:
+            return super().run_test(test_name, parent_pipe)
+        finally:
+            distributed_test.BACKEND = BACKEND
 
 
 class _Outcomes(unittest.TextTestResult):

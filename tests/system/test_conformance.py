@@ -14,7 +14,8 @@ only the tests this file checks (gloo's passing set and the listed gaps: the
 rest of the suite skips on CPU).
 HSDP_TEST_CONFORMANCE_FULL=1 spawns the ranks (as test_distributed_spawn.py,
 where the baselines were recorded), runs every test and re-runs gloo to check
-the recorded baselines.
+the recorded baselines. The same tests at 2 ranks also run as a pytest module under
+pytest_hsdp, on its warm ranks, with the outcomes torch's harness gives them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import subprocess
 import sys
 
 import pytest
+from plugin_runs import run_pytest
 
 from tools import settings
 
@@ -96,3 +98,35 @@ def test_distributed_test_on_hsdp(world, tmp_path):
     )
     stale = sorted(t for t in expected if got.get(t) == "pass")
     assert not stale, f"listed in expected_hsdp_w{world}.txt but passing now (remove them): {stale}"
+
+
+@pytest.mark.timeout(2400)
+def test_distributed_test_on_pytest_hsdps_warm_ranks(tmp_path):
+    """DistributedTest's tests that this file checks at 2 ranks, run unchanged by a pytest with
+    pytest_hsdp (driver.py as a test module): every test on warm ranks, none falling back to
+    torch's spawning, and each with the outcome the driver's run under torch's harness holds
+    it to: gloo's passing set passes on hsdp, the listed gaps fail."""
+    baseline = listed(HERE / "gloo_pass_w2.txt")
+    expected = listed(HERE / "expected_hsdp_w2.txt")
+    d = tmp_path / "user"
+    d.mkdir()
+    (d / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "pids").mkdir()
+    (tmp_path / "barriers").mkdir()
+    ids = [
+        f"{HERE / 'driver.py'}::TestDistBackendOnCPU::{t}" for t in sorted({*baseline, *expected})
+    ]
+    env = {
+        "CONFORMANCE_BACKEND": "hsdp",
+        "WORLD_SIZE": "2",
+        "TEMP_DIR": str(tmp_path / "barriers"),
+        "PYTORCH_PRINT_REPRO_ON_FAILURE": "0",
+    }
+    # The repository's conftest and ini stay out: the run is a user's pytest of this one module.
+    args = ("--noconftest", "-c", str(d / "pytest.ini"), "--rootdir", str(d))
+    results, out = run_pytest(d, *args, *ids, env=env, timeout=2000)
+    got = {name: state for name, (state, _) in results.items()}
+    want = {t: "failure" if t in expected else "passed" for t in {*baseline, *expected}}
+    differ = {t: (got.get(t, "not run"), w) for t, w in want.items() if got.get(t) != w}
+    assert not differ, f"(got, expected) under pytest_hsdp: {differ}\n{out[-4000:]}"
+    assert "torch's own spawning" not in out, out[-4000:]
