@@ -91,14 +91,15 @@ install_plugin() {
   if [ "$built" = "$inputs" ] && (cd /tmp && "$python" -c "import pytest_hsdp") 2> /dev/null; then
     return 0
   fi
-  # The build backend (pytest-hsdp/pyproject.toml: setuptools) in the venv, as hsdp_backend's is:
-  # built without isolation, nothing fetched at build time.
-  "$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 71)" 2> /dev/null ||
-    "$py" -m pip install --quiet "setuptools>=71" || return 1
+  # The build backend (pytest-hsdp/pyproject.toml: setuptools >= 71) from the venv where it has
+  # one, else in pip's isolated build environment: the venv's own setuptools is left as its torch
+  # requires it.
   local how=()
-  [ "$mode" = editable ] && how=(--editable)
+  "$python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 71)" 2> /dev/null &&
+    how=(--no-build-isolation)
+  [ "$mode" = editable ] && how+=(--editable)
   echo "[setup] installing pytest-hsdp ($mode)"
-  "$py" -m pip install --quiet --no-build-isolation --no-deps "${how[@]}" ./pytest-hsdp || return 1
+  "$py" -m pip install --quiet --no-deps "${how[@]}" ./pytest-hsdp || return 1
   mkdir -p "$(dirname "$stamp_file")"
   echo "$inputs" > "$stamp_file"
 }
