@@ -3,18 +3,21 @@
 DTensor op, FSDP2 steps; each checks its result) at 2 and 4 ranks, written for torch's
 ``MultiProcessTestCase`` (processes spawned per test), for torch's ``MultiProcContinuousTest``
 (processes kept per test class) and for pytest_hsdp (a warm pool per world size), each run by a
-pytest of its own on this machine; and the ``MultiProcessTestCase`` suite, unchanged, on
-pytest_hsdp's warm ranks (``warm-*``: the plugin runs torch's test classes itself). Reports each harness's wall time (pytest's start included)
+pytest of its own on this machine; and torch's two suites, unchanged, on pytest_hsdp's warm
+ranks (``warm-*``, ``warm-continuous-*``: the plugin runs torch's test classes itself; torch's
+own harnesses run with that turned off). Reports each harness's wall time (pytest's start included)
 and time per test, with the ratio to ``MultiProcessTestCase`` on gloo, and pytest_hsdp's own
 cost per test: the time between the ends of consecutive empty tests at 4 ranks (after the
-first, which starts the pool), marked and as a torch test class's methods, beside the same for
+first, which starts the pool), marked and as methods of torch's two kinds of test class,
+beside the same for
 unmarked empty tests (pytest's own share).
 
 Every run must pass all its tests, or the benchmark fails: a harness that skipped or failed
 tests is not timed.
 
     python -m benchmarks.pytest_harnesses [--cases N] [--worlds 2,4] [--repeats R]
-        [--harnesses plugin-hsdp,plugin-gloo,warm-hsdp,warm-gloo,continuous-gloo,spawn-gloo]
+        [--harnesses plugin-hsdp,plugin-gloo,warm-hsdp,warm-gloo,warm-continuous-hsdp,
+                     warm-continuous-gloo,continuous-gloo,spawn-gloo]
         [--json PATH]
 """
 
@@ -38,13 +41,23 @@ HARNESSES = (
     "plugin-gloo",
     "warm-hsdp",
     "warm-gloo",
+    "warm-continuous-hsdp",
+    "warm-continuous-gloo",
     "continuous-gloo",
     "spawn-gloo",
 )
-# Each harness's test file and the plugin's say in it: torch's own spawning runs the
-# MultiProcessTestCase suite only with the plugin's running of it turned off.
-SUITE = {"plugin": "plugin", "warm": "spawn", "spawn": "spawn", "continuous": "continuous"}
+# Each harness's test file (by the harness's name less its backend) and the plugin's say in
+# it: torch's own harnesses run torch's test classes only with the plugin's running of them
+# turned off.
+SUITE = {
+    "plugin": "plugin",
+    "warm": "spawn",
+    "spawn": "spawn",
+    "warm-continuous": "continuous",
+    "continuous": "continuous",
+}
 TORCH_CASES_OFF = ("--hsdp-torch-cases", "off")
+TORCH_OWN = ("spawn", "continuous")
 
 PLUGIN = """
 import pytest
@@ -171,6 +184,25 @@ class TestEmpty(MultiProcessTestCase):
 for _i in range({n}):
     setattr(TestEmpty, f"test_empty_{{_i:04d}}", lambda self: None)
 """
+EMPTY_CONTINUOUS = """
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+
+
+class TestEmpty(MultiProcContinuousTest):
+    world_size = 4
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+
+for _i in range({n}):
+    setattr(TestEmpty, f"test_empty_{{_i:04d}}", lambda self: None)
+"""
 PLAIN = """
 import pytest
 
@@ -261,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     walls: dict[str, list[float]] = {h: [] for h in harnesses}
     empty: list[float] = []  # ms per marked empty test
     empty_case: list[float] = []  # ms per empty test of a torch test class
+    empty_continuous: list[float] = []  # the same, of a MultiProcContinuousTest class
     plain: list[float] = []  # ms per unmarked empty test: pytest's own share
     failed: list[str] = []  # runs that did not pass all their tests: reported, not timed
     with tempfile.TemporaryDirectory(prefix="harnesses-") as tmp:
@@ -270,10 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         (d / "test_empty.py").write_text(EMPTY.format(n=args.empty + 1))
         (d / "test_plain.py").write_text(PLAIN.format(n=args.empty + 1))
         (d / "test_empty_case.py").write_text(EMPTY_CASE.format(n=args.empty + 1))
+        (d / "test_empty_continuous.py").write_text(EMPTY_CONTINUOUS.format(n=args.empty + 1))
         for _ in range(args.repeats):
             for h in harnesses:
-                kind, backend = h.split("-")
-                extra = TORCH_CASES_OFF if kind == "spawn" else ()
+                kind, backend = h.rsplit("-", 1)
+                extra = TORCH_CASES_OFF if kind in TORCH_OWN else ()
                 try:
                     walls[h].append(
                         run_pytest(
@@ -286,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 print(f"  {h}: {walls[h][-1]:.1f} s", flush=True)
             per_test = {}
-            for name in ("empty", "empty_case", "plain"):
+            for name in ("empty", "empty_case", "empty_continuous", "plain"):
                 ends = d / f"{name}.json"
                 run_pytest(d, d / f"test_{name}.py", "hsdp", args.empty + 1, args.timeout, ends)
                 # After the first test, which starts the pool.
@@ -294,10 +328,12 @@ def main(argv: list[str] | None = None) -> int:
                 per_test[name] = [(b - a) * 1000 for a, b in zip(t, t[1:])]
             empty += per_test["empty"]
             empty_case += per_test["empty_case"]
+            empty_continuous += per_test["empty_continuous"]
             plain += per_test["plain"]
             print(
                 f"  empty test at 4 ranks: median {statistics.median(per_test['empty']):.3f} ms;"
                 f" a torch test class's: {statistics.median(per_test['empty_case']):.3f} ms;"
+                f" a continuous one's: {statistics.median(per_test['empty_continuous']):.3f} ms;"
                 f" an unmarked empty test: {statistics.median(per_test['plain']):.3f} ms",
                 flush=True,
             )
@@ -308,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(walls["spawn-gloo"]) if "spawn-gloo" in walls else None
     rows = []
     print(f"\n{tests} tests ({args.cases} cases x worlds {worlds}), {args.repeats} round(s)")
-    print(f"{'harness':18} {'wall s':>8} {'range':>15} {'per test s':>11} {'vs spawn-gloo':>14}")
+    print(f"{'harness':22} {'wall s':>8} {'range':>15} {'per test s':>11} {'vs spawn-gloo':>14}")
     for h in harnesses:
         med = statistics.median(walls[h])
         ratio = base / med if base else None
@@ -317,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[-1]["speedup_vs_spawn_gloo"] = ratio
         spread = f"{min(walls[h]):.1f}-{max(walls[h]):.1f}"
         print(
-            f"{h:18} {med:8.1f} {spread:>15} {med / tests:11.3f} "
+            f"{h:22} {med:8.1f} {spread:>15} {med / tests:11.3f} "
             + (f"{ratio:13.1f}x" if ratio else f"{'-':>14}")
         )
     print(
@@ -329,7 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"an empty torch test class method at 4 ranks: median"
         f" {statistics.median(empty_case):.3f} ms; pytest_hsdp's own:"
-        f" {statistics.median(empty_case) - statistics.median(plain):.3f} ms"
+        f" {statistics.median(empty_case) - statistics.median(plain):.3f} ms; of a"
+        f" MultiProcContinuousTest class: {statistics.median(empty_continuous):.3f} ms;"
+        f" pytest_hsdp's own: {statistics.median(empty_continuous) - statistics.median(plain):.3f} ms"
     )
     if args.json:
         result = {
@@ -340,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             "empty_test_median_ms": statistics.median(empty),
             "empty_test_p90_ms": statistics.quantiles(empty, n=10)[-1],
             "empty_case_median_ms": statistics.median(empty_case),
+            "empty_continuous_median_ms": statistics.median(empty_continuous),
             "plain_test_median_ms": statistics.median(plain),
         }
         result["failed_runs"] = failed

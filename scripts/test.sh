@@ -100,6 +100,11 @@ compat() {
     echo "$python is not torch $release"
     return 1
   }
+  # Without googletest's sources the build has no C++ tests, and ctest finds none and passes.
+  [ -x "build/torch$release/backend_tests" ] || {
+    echo "build/torch$release/backend_tests missing (googletest's sources: scripts/setup.sh)"
+    return 1
+  }
   gtest ctest --test-dir "build/torch$release" --verbose || return 1
   "$python" -m pytest -q -p no:cacheprovider -m "$MARKS" tests > "$log" 2>&1
   rc=$?

@@ -1,15 +1,9 @@
 """pytest's multi-process harnesses side by side (benchmarks/pytest_harnesses.py): each passes
 every test before it is timed.
 
-pytest's multi-process harnesses side by side (benchmarks/pytest_harnesses.py) in its smallest
-form: every harness passes every generated test before it is timed, and a harness whose tests
-fail stops the benchmark instead of being timed.
-
-`python -m benchmarks.pytest_harnesses` in its smallest form (3 cases at 2 ranks):
-`pytest_hsdp`, the `MultiProcessTestCase` suite unchanged on its warm ranks,
-`MultiProcContinuousTest` and `MultiProcessTestCase` each pass every generated test before being
-timed and are compared with the last; a harness whose test fails stops the
-benchmark, naming the test's failure."""
+In its smallest form (3 cases at 2 ranks): `pytest_hsdp`, torch's two suites unchanged on its
+warm ranks, `MultiProcContinuousTest` and `MultiProcessTestCase` are compared with the last; a
+harness whose test fails stops the benchmark, naming the test's failure."""
 
 import json
 import os
@@ -30,18 +24,22 @@ def test_every_harness_runs_the_same_tests_and_is_compared(tmp_path):
     out = tmp_path / "harnesses.json"
     proc = bench(
         "--cases", "3", "--worlds", "2", "--empty", "5",
-        "--harnesses", "plugin-hsdp,warm-gloo,continuous-gloo,spawn-gloo", "--json", str(out),
+        "--harnesses", "plugin-hsdp,warm-gloo,warm-continuous-gloo,continuous-gloo,spawn-gloo",
+        "--json", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["tests"] == 3
     rows = {r["harness"]: r for r in result["rows"]}
-    assert sorted(rows) == ["continuous-gloo", "plugin-hsdp", "spawn-gloo", "warm-gloo"]
+    assert sorted(rows) == [
+        "continuous-gloo", "plugin-hsdp", "spawn-gloo", "warm-continuous-gloo", "warm-gloo"
+    ]  # fmt: skip
     for r in rows.values():
         assert r["wall_s"] > 0 and abs(r["per_test_s"] * 3 - r["wall_s"]) < 1e-6, r
         assert r["speedup_vs_spawn_gloo"] > 0, r
     assert rows["spawn-gloo"]["speedup_vs_spawn_gloo"] == 1.0
     assert 0 < result["plain_test_median_ms"] and 0 < result["empty_test_median_ms"]
+    assert 0 < result["empty_case_median_ms"] and 0 < result["empty_continuous_median_ms"]
     assert "vs spawn-gloo" in proc.stdout
 
 

@@ -17,12 +17,13 @@ import atexit
 import importlib.util
 import inspect
 import itertools
+import os
 import pickle
 from typing import Any
 
 import pytest
 
-from pytest_hsdp import _cases, _placement, _pool, _worker
+from pytest_hsdp import _cases, _continuous, _placement, _pool, _worker
 
 _MARKER = "world_size"
 _DEFAULT_TIMEOUT_S = 120.0
@@ -54,12 +55,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("on", "off"),
         default=None,
         help="run test methods of torch's MultiProcessTestCase classes (DTensorTestBase, "
-        "FSDPTest, ...) on warm ranks instead of spawning ranks per test (default: on; "
-        "ini: hsdp_torch_cases)",
+        "FSDPTest, ...) and MultiProcContinuousTest classes on warm ranks instead of spawning "
+        "ranks per test or per class (default: on; ini: hsdp_torch_cases)",
     )
     parser.addini(
         "hsdp_torch_cases",
-        "on/off: torch's MultiProcessTestCase tests on warm ranks (pytest_hsdp)",
+        "on/off: torch's MultiProcessTestCase and MultiProcContinuousTest tests on warm ranks "
+        "(pytest_hsdp)",
         default="on",
     )
     group.addoption(
@@ -282,9 +284,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if pools is None or not pools.torch_cases():
         return
     for item in items:
-        if _cases.is_torch_case(getattr(item, "cls", None)) and hasattr(item, "instance"):
-            # This item alone runs its test on a pool (an instance attribute hides the method).
+        cls = getattr(item, "cls", None)
+        if not hasattr(item, "instance"):
+            continue
+        # This item alone runs its test on a pool (an instance attribute hides the method).
+        if _cases.is_torch_case(cls):
             item.runtest = lambda item=item: _run_torch_case(item)  # type: ignore[method-assign]
+        elif _continuous.is_continuous_class(cls):
+            _continuous.take_over(cls)
+            item.runtest = lambda item=item: _run_continuous_test(item)  # type: ignore[method-assign]
 
 
 _FELL_BACK = pytest.StashKey[set]()
@@ -308,9 +316,7 @@ def _run_torch_case(item: pytest.Item) -> None:
     """A torch MultiProcessTestCase test on a warm pool of its world size (pytest_hsdp._cases);
     torch's own spawning where the pool cannot serve it."""
     case, cls = item.instance, item.cls
-    for target in (item.obj, cls):
-        if getattr(target, "__unittest_skip__", False):
-            pytest.skip(getattr(target, "__unittest_skip_why__", ""))
+    _skip_if_marked(item)
     try:
         _cases.prepare(case)
     except _cases.Fallback as why:
@@ -328,6 +334,18 @@ def _run_torch_case(item: pytest.Item) -> None:
         outcome, text = _run_case_on_pool(item, case)
     finally:
         _cases.clean_up(case)
+    _conclude(item, outcome, text)
+
+
+def _skip_if_marked(item: pytest.Item) -> None:
+    """unittest's skip decorators, on the method or its class."""
+    for target in (item.obj, item.cls):
+        if getattr(target, "__unittest_skip__", False):
+            pytest.skip(getattr(target, "__unittest_skip_why__", ""))
+
+
+def _conclude(item: pytest.Item, outcome: str, text: str) -> None:
+    """A unittest-style test's outcome as pytest's, ``expectedFailure`` included."""
     expecting_failure = getattr(item.obj, "__unittest_expecting_failure__", False)
     if outcome == "skipped":
         pytest.skip(text)
@@ -339,19 +357,29 @@ def _run_torch_case(item: pytest.Item) -> None:
         pytest.fail(text, pytrace=False)
 
 
-def _run_case_on_pool(item: pytest.Item, case: Any) -> tuple[str, str]:
-    config = item.config
+def _case_pool(item: pytest.Item, case: Any) -> tuple[_Pools, _pool.Pool, int]:
+    """The warm pool, without a default group, of a torch test case's world size."""
     world = _cases.world_size_of(case, item.nodeid)
-    pools = config.stash[_POOLS]
+    pools = item.config.stash[_POOLS]
     try:
-        pool = pools.get((world, None, "cpu", (), _placement.DEFAULT_GPU_MEMORY_GIB))
+        return pools, pools.get((world, None, "cpu", (), _placement.DEFAULT_GPU_MEMORY_GIB)), world
     except _pool.PoolError as exc:
         pytest.fail(str(exc), pytrace=False)
-    timeout_s = _cases.timeout_of(case, config.getoption("--hsdp-timeout"))
-    outcome = pool.run(_cases.task_of(case, item.name, pools.next_id()), timeout_s)
+
+
+def _run_on(item: pytest.Item, case: Any, pool: _pool.Pool, task: dict) -> _pool.Outcome:
+    """``task`` on ``pool`` by torch's deadline for the test; each rank's output reported."""
+    timeout_s = _cases.timeout_of(case, item.config.getoption("--hsdp-timeout"))
+    outcome = pool.run(task, timeout_s)
     for r, text in sorted(outcome.output.items()):
         if text.strip():
             item.add_report_section("call", f"rank {r} output", text)
+    return outcome
+
+
+def _run_case_on_pool(item: pytest.Item, case: Any) -> tuple[str, str]:
+    pools, pool, world = _case_pool(item, case)
+    outcome = _run_on(item, case, pool, _cases.task_of(case, item.name, pools.next_id()))
     if outcome.hung or set(outcome.failures) - outcome.died:
         return "failed", outcome.report(world, "the test's own")
     # A rank that died left an exit code, which torch's parent reads as any other.
@@ -359,3 +387,81 @@ def _run_case_on_pool(item: pytest.Item, case: Any) -> tuple[str, str]:
     for r, code in outcome.exit_codes.items():
         values[r] = {"code": code, "error": None, "skip_reason": None}
     return _cases.judge(values, world, outcome.report(world, "the test's own"))
+
+
+_SESSIONS = pytest.StashKey[dict]()
+
+
+def _run_continuous_test(item: pytest.Item) -> None:
+    """A test of a torch MultiProcContinuousTest class on a warm pool of its world size
+    (pytest_hsdp._continuous): torch's setUp without spawning (which skips a poisoned
+    class's tests), the test on the class's session, torch's tearDown."""
+    import unittest
+
+    case = item.instance
+    _skip_if_marked(item)
+    try:
+        case.setUp()
+    except unittest.SkipTest as exc:
+        case.doCleanups()
+        pytest.skip(str(exc))
+    try:
+        outcome, text = _run_class_test_on_pool(item, case)
+    finally:
+        case.tearDown()
+        case.doCleanups()
+    _conclude(item, outcome, text)
+
+
+def _run_class_test_on_pool(item: pytest.Item, case: Any) -> tuple[str, str]:
+    config, cls = item.config, type(case)
+    pools, pool, world = _case_pool(item, case)
+    sessions = config.stash.setdefault(_SESSIONS, {})
+    state = sessions.get(cls)
+    if state is None or state["pool"] is not pool or pool.session != state["id"]:
+        # The class's group is made anew: its first test, or the pool ran something else.
+        first = state is None
+        state = {
+            "pool": pool,
+            "id": pools.next_id(),
+            "rdvz": cls.rdvz_file if first else _continuous.new_rendezvous_file(),
+        }
+        sessions[cls] = state
+        item.parent.addfinalizer(lambda: _end_session(config, cls, state))
+    task = _continuous.task_of(cls, case.id(), pools.next_id(), state["id"], state["rdvz"])
+    outcome = _run_on(item, case, pool, task)
+    result, text = _continuous.judge(world, outcome.values, outcome.failures)
+    if result == "failed":
+        # As torch's wrapper: the class's later tests are skipped. Its ranks kept the group
+        # of a rank that raised, so the pool goes too.
+        cls.poison_pill = True
+        pool.close()
+        text = outcome.report(world, "the class's own")
+    return result, text
+
+
+def _end_session(config: pytest.Config, cls: type, state: dict) -> None:
+    """The class's last test ran (pytest ends the class): its ranks end torch's loop, which
+    destroys the class's group, as torch's tearDownClass makes its ranks do."""
+    sessions = config.stash.get(_SESSIONS, {})
+    if sessions.get(cls) is state:
+        del sessions[cls]
+    pool = state["pool"]
+    try:
+        if not pool.broken and pool.session == state["id"]:
+            task = _continuous.task_of(cls, "", config.stash[_POOLS].next_id(), state["id"], "")
+            task["end"] = True
+            outcome = pool.run(task, config.getoption("--hsdp-timeout"))
+            if not outcome.passed:
+                pool.close()
+                pytest.fail(
+                    f"{cls.__qualname__}: its ranks could not end the class's group\n"
+                    + outcome.report(pool.world, "the class's own"),
+                    pytrace=False,
+                )
+    finally:
+        if state["rdvz"] != getattr(cls, "rdvz_file", None):
+            try:
+                os.unlink(state["rdvz"])
+            except OSError:
+                pass

@@ -142,6 +142,9 @@ class Pool:
         self.world = world
         self.backend = backend
         self.broken = False
+        # The MultiProcContinuousTest session the ranks hold (pytest_hsdp._continuous): the
+        # last task's, None after any other task.
+        self.session: int | None = None
         self.placement = ""  # how the ranks share CUDA devices, from rank 0 (device='cuda')
         self._dir = tempfile.mkdtemp(prefix="pytest-hsdp-")
         self._logs = [os.path.join(self._dir, f"rank{r}.log") for r in range(world)]
@@ -321,6 +324,7 @@ class Pool:
                 )
         if outcome.hung and self.backend == "hsdp":
             outcome.trace = self._read_traces()
+        self.session = task["session"] if task.get("kind") == "class" and not task["end"] else None
         in_step = len({sequence.get(r) for r in range(self.world)}) == 1
         if pending or died or not in_step or (failures and len(failures) < self.world):
             self.close()

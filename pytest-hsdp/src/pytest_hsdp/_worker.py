@@ -22,7 +22,7 @@ import traceback
 import types
 from typing import Any
 
-from pytest_hsdp import _placement
+from pytest_hsdp import _continuous, _placement
 
 RANK_SIDE = ("rank", "world_size", "group", "device", "mesh")
 
@@ -408,6 +408,37 @@ class _Rank:
         _forget_meshes()
         return failure, value, self._sequence_number() if group_ok else None, group_ok
 
+    def serve_class(self, session: _continuous.Session) -> tuple[tuple | None, str | None]:
+        """A torch MultiProcContinuousTest class's session (``_continuous``), in the
+        environment its spawned ranks would have inherited; what a test left behind goes with
+        the session, as it would with torch's processes."""
+        import torch.distributed as dist
+
+        environ = dict(os.environ)
+        _restore_environ(session.current["environ"])
+        self._forked(time.monotonic())
+        try:
+            return session.serve(
+                lambda task: _resolve_class(
+                    _load_module(task["module"], task["path"]), task["qualname"]
+                ),
+                self.world,
+            )
+        finally:
+            if os.getpid() != self.pid:
+                os.write(
+                    2, f"\n{FORKED_MARK} {os.getpid()}, task {session.current['id']}\n".encode()
+                )
+                os._exit(70)
+            self._wait_for_children()
+            _restore_environ(environ)
+            if dist.is_initialized():  # a test raised, so torch's loop kept the group
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - a group the test broke is gone either way
+                    pass
+            _forget_meshes()
+
     def _rank_side(self, name: str, task: dict[str, Any]) -> Any:
         import torch.distributed as dist
 
@@ -530,14 +561,17 @@ def main(rank: int, world: int, spec: dict[str, Any], conn, pytest_pid: int) -> 
 
 
 def _serve(me: _Rank, conn) -> None:
+    message = None  # one a class's session ended on, still to be handled
     while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
+        if message is None:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                return
+        message, current = None, message
+        if current[0] == "stop":
             return
-        if message[0] == "stop":
-            return
-        if message[0] == "reinit":
+        if current[0] == "reinit":
             try:
                 import torch.distributed as dist
 
@@ -549,8 +583,29 @@ def _serve(me: _Rank, conn) -> None:
                 conn.send(("failed", me.rank, traceback.format_exc()))
                 return
             continue
-        task = message[1]
+        task = current[1]
+        if task.get("kind") == "class" and not task.get("end"):
+            session = _continuous.Session(me.rank, conn, task)
+            message, failure = me.serve_class(session)
+            if session.closed:
+                return
+            if message is not None and message[0] == "run" and message[1].get("end"):
+                if message[1].get("session") == task["session"]:
+                    _answer(conn, me.rank, message[1], failure)
+                    message = None
+            elif failure:
+                print(f"pytest_hsdp: {failure}", flush=True)
+            continue
+        if task.get("kind") == "class":  # the end of a session this rank does not hold
+            _answer(conn, me.rank, task, None)
+            continue
         failure, value, seq, group_ok = me.run(task)
         sys.stdout.flush()
         sys.stderr.flush()
         conn.send(("done", task["id"], me.rank, failure, value, seq, group_ok))
+
+
+def _answer(conn, rank: int, task: dict[str, Any], failure: str | None) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    conn.send(("done", task["id"], rank, failure, pickle.dumps(None), None, True))
