@@ -20,6 +20,11 @@ import os
 import pytest
 from plugin_runs import alive, all_gone, every_pid, pids, run_pytest, write_tests
 
+from tools import settings
+
+# Whether the files also run under torch's own harness, against the tables of its outcomes.
+TORCH_HARNESS = settings.read("HSDP_TEST_TORCH_HARNESS")
+
 # Torch's harness is read per release: runs on every supported torch too.
 # Deadlines, generous for a loaded machine: torch's harness spawns and imports torch per test.
 SPAWNED_RUN_S = 1800
@@ -318,7 +323,13 @@ def test_torch_test_classes_run_unchanged_on_warm_ranks_as_under_torchs_harness(
     assert not left, left
     assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("hsdp")}
 
-    # The same file under torch's own harness: the same outcome for every test.
+
+@pytest.mark.skipif(not TORCH_HARNESS, reason="HSDP_TEST_TORCH_HARNESS=0")
+def test_the_table_is_torchs_own_outcomes(tmp_path):
+    """The same file under torch's own harness: the outcome the table gives every test."""
+    d = write_tests(tmp_path, test_torch_style=TORCH_STYLE)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     theirs, out = run_pytest(
         d, "--hsdp-torch-cases=off", env={"TMPDIR": str(tmp)}, timeout=SPAWNED_RUN_S
     )

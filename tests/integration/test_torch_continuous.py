@@ -18,9 +18,14 @@ import os
 import pytest
 from plugin_runs import alive, all_gone, every_pid, pids, run_pytest, write_tests
 
+from tools import settings
+
+# Whether the file also runs under torch's own harness, against the table of its outcomes.
+TORCH_HARNESS = settings.read("HSDP_TEST_TORCH_HARNESS")
+
 # torch's harness spawns a class's ranks once; still, a loaded machine imports torch slowly.
 TORCH_RUN_S = 900
-pytestmark = [pytest.mark.timeout(2 * TORCH_RUN_S), pytest.mark.every_torch]
+pytestmark = [pytest.mark.timeout(TORCH_RUN_S + 300), pytest.mark.every_torch]
 
 CONTINUOUS = """
 import os
@@ -185,10 +190,14 @@ class DTensorOps(GlooOnCPU, MultiProcContinuousTest):
 """
 
 
-def expected() -> dict[str, str]:
+def torch_minor() -> int:
     import torch
 
-    minor = int(torch.__version__.split(".")[1])
+    return int(torch.__version__.split(".")[1])
+
+
+def expected() -> dict[str, str]:
+    minor = torch_minor()
     return {
         "test_all_reduce": "passed",
         "test_broadcast": "passed",
@@ -254,8 +263,26 @@ def test_continuous_test_classes_run_unchanged_on_warm_ranks_as_under_torchs_har
     assert not left, left
     assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("hsdp")}
 
-    # The same file under torch's own harness: the same outcome for every test.
+
+@pytest.mark.skipif(not TORCH_HARNESS, reason="HSDP_TEST_TORCH_HARNESS=0")
+def test_the_table_is_torchs_own_outcomes(tmp_path):
+    """The same file under torch's own harness: the outcome the table gives every test, but
+    where torch 2.11's harness is wrong. Its wrapper waits for each rank's result with no
+    deadline (completion_queue.get()): a rank that hangs or dies (in a test, or in _init_pg)
+    stalls it, so those are left out there; the plugin fails them."""
+    d = write_tests(tmp_path, test_continuous=CONTINUOUS)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    stalls = ("test_rank_1_hangs", "test_rank_1_dies", "test_never_has_a_group")
+    stalls = stalls if torch_minor() == 11 else ()
+    select = ["-k", " and ".join(f"not {t}" for t in stalls)] if stalls else []
     theirs, out = run_pytest(
-        d, "--hsdp-torch-cases=off", env={"TMPDIR": str(tmp)}, timeout=TORCH_RUN_S
+        d, "--hsdp-torch-cases=off", *select, env={"TMPDIR": str(tmp)}, timeout=TORCH_RUN_S
     )
-    assert {name: state for name, (state, _) in theirs.items()} == expected(), out[-6000:]
+    want = {t: state for t, state in expected().items() if t not in stalls}
+    if torch_minor() == 11:
+        # 2.11's wrapper stops reading at the first rank that is not a success, so rank 1's
+        # result of test_needs_two_gpus (its skip) is read as the next test's, and so on: the
+        # class's later tests are out of step (2.12 reads every rank first). The plugin is not.
+        want.update(test_parametrized_n_1="skipped", test_parametrized_n_3="failure")
+    assert {name: state for name, (state, _) in theirs.items()} == want, out[-6000:]
