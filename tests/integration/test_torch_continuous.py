@@ -286,3 +286,91 @@ def test_the_table_is_torchs_own_outcomes(tmp_path):
         # class's later tests are out of step (2.12 reads every rank first). The plugin is not.
         want.update(test_parametrized_n_1="skipped", test_parametrized_n_3="failure")
     assert {name: state for name, (state, _) in theirs.items()} == want, out[-6000:]
+
+
+COMES_BACK = """
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcContinuousTest
+
+
+class GlooOnCPU:
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+
+
+class ComesBack(GlooOnCPU, MultiProcContinuousTest):
+    def test_1_before(self):
+        t = torch.ones(2) * self.rank
+        dist.all_reduce(t)
+        self.assertEqual(t, torch.ones(2))
+
+    def test_2_after_another_class(self):
+        group = dist.new_group([0, 1])  # through the session's store
+        t = torch.ones(2) * self.rank
+        dist.all_reduce(t, group=group)
+        self.assertEqual(t, torch.ones(2))
+
+
+class SpawnsItsOwnWay(GlooOnCPU, MultiProcContinuousTest):
+    @classmethod
+    def _spawn_processes(cls, world_size):
+        os.environ["SPAWNED_MY_WAY"] = "yes"
+        super()._spawn_processes(world_size)
+
+    def test_runs_on_torchs_harness(self):
+        import multiprocessing
+
+        d = pathlib.Path(os.environ["PIDS_DIR"]).parent / "notes"
+        d.mkdir(exist_ok=True)
+        (d / f"own.rank{self.rank}").write_text(multiprocessing.current_process().name)
+        assert os.environ["SPAWNED_MY_WAY"] == "yes"
+
+
+class Forks(GlooOnCPU, MultiProcContinuousTest):
+    def test_forks_and_the_child_returns(self):
+        os.fork()  # the child returns from the body into torch's loop
+"""
+
+# The class's first test, another class's, then the class's second: pytest ends the class and
+# sets it up again, as under pytest-random-order or --failed-first.
+INTERLEAVE = """
+def pytest_collection_modifyitems(items):
+    back = next(i for i in items if i.name == "test_2_after_another_class")
+    items.remove(back)
+    items.insert(items.index(next(i for i in items if i.name == "test_runs_on_torchs_harness")) + 1, back)
+"""
+
+
+def test_a_class_that_comes_back_a_forking_test_and_a_class_of_its_own_spawning(tmp_path):
+    d = write_tests(tmp_path, conftest=INTERLEAVE, test_comes_back=COMES_BACK)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    results, out = run_pytest(d, env={"TMPDIR": str(tmp)})
+    assert list(results) == [
+        "test_1_before",
+        "test_runs_on_torchs_harness",
+        "test_2_after_another_class",
+        "test_forks_and_the_child_returns",
+    ], out[-3000:]
+    assert {name: state for name, (state, _) in results.items()} == {
+        "test_1_before": "passed",
+        "test_runs_on_torchs_harness": "passed",
+        "test_2_after_another_class": "passed",  # a session of its own, on a fresh store
+        "test_forks_and_the_child_returns": "failure",
+    }, out[-6000:]
+    assert "forked and the child returned" in results["test_forks_and_the_child_returns"][1]
+    assert out.count("SpawnsItsOwnWay: torch's own spawning, as") == 1, out[-3000:]
+    names = [(d.parent / "notes" / f"own.rank{r}").read_text() for r in range(2)]
+    assert not any(n.startswith("pytest-hsdp-rank") for n in names), names
+    assert not [p for p in tmp.iterdir() if p.is_file()]

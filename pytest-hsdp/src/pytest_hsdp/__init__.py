@@ -291,6 +291,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _cases.is_torch_case(cls):
             item.runtest = lambda item=item: _run_torch_case(item)  # type: ignore[method-assign]
         elif _continuous.is_continuous_class(cls):
+            if _continuous.own_spawning(cls):
+                item.runtest = lambda item=item: _run_on_torchs_harness(item)  # type: ignore[method-assign]
+                continue
             _continuous.take_over(cls)
             item.runtest = lambda item=item: _run_continuous_test(item)  # type: ignore[method-assign]
 
@@ -315,15 +318,12 @@ def _say(config: pytest.Config, line: str) -> None:
 def _run_torch_case(item: pytest.Item) -> None:
     """A torch MultiProcessTestCase test on a warm pool of its world size (pytest_hsdp._cases);
     torch's own spawning where the pool cannot serve it."""
-    case, cls = item.instance, item.cls
+    case = item.instance
     _skip_if_marked(item)
     try:
         _cases.prepare(case)
     except _cases.Fallback as why:
-        fell_back = item.config.stash.setdefault(_FELL_BACK, set())
-        if cls not in fell_back:
-            fell_back.add(cls)
-            _say(item.config, f"{cls.__qualname__}: torch's own spawning, as {why}")
+        _say_fallback(item, str(why))
         _cases.clean_up(case)
         try:
             type(item).runtest(item)
@@ -335,6 +335,21 @@ def _run_torch_case(item: pytest.Item) -> None:
     finally:
         _cases.clean_up(case)
     _conclude(item, outcome, text)
+
+
+def _say_fallback(item: pytest.Item, why: str) -> None:
+    """Says once per class why its tests run on torch's own spawning."""
+    fell_back = item.config.stash.setdefault(_FELL_BACK, set())
+    if item.cls not in fell_back:
+        fell_back.add(item.cls)
+        _say(item.config, f"{item.cls.__qualname__}: torch's own spawning, as {why}")
+
+
+def _run_on_torchs_harness(item: pytest.Item) -> None:
+    """A MultiProcContinuousTest class that spawns its ranks its own way keeps torch's harness."""
+    owner = _continuous.own_spawning(item.cls)
+    _say_fallback(item, f"{owner} spawns its ranks its own way (its _spawn_processes)")
+    type(item).runtest(item)
 
 
 def _skip_if_marked(item: pytest.Item) -> None:
@@ -405,6 +420,9 @@ def _run_continuous_test(item: pytest.Item) -> None:
     except unittest.SkipTest as exc:
         case.doCleanups()
         pytest.skip(str(exc))
+    except BaseException:
+        case.doCleanups()  # as unittest does after a setUp that raised
+        raise
     try:
         outcome, text = _run_class_test_on_pool(item, case)
     finally:
@@ -420,12 +438,7 @@ def _run_class_test_on_pool(item: pytest.Item, case: Any) -> tuple[str, str]:
     state = sessions.get(cls)
     if state is None or state["pool"] is not pool or pool.session != state["id"]:
         # The class's group is made anew: its first test, or the pool ran something else.
-        first = state is None
-        state = {
-            "pool": pool,
-            "id": pools.next_id(),
-            "rdvz": cls.rdvz_file if first else _continuous.new_rendezvous_file(),
-        }
+        state = {"pool": pool, "id": pools.next_id(), "rdvz": _continuous.new_rendezvous_file()}
         sessions[cls] = state
         item.parent.addfinalizer(lambda: _end_session(config, cls, state))
     task = _continuous.task_of(cls, case.id(), pools.next_id(), state["id"], state["rdvz"])
@@ -460,8 +473,7 @@ def _end_session(config: pytest.Config, cls: type, state: dict) -> None:
                     pytrace=False,
                 )
     finally:
-        if state["rdvz"] != getattr(cls, "rdvz_file", None):
-            try:
-                os.unlink(state["rdvz"])
-            except OSError:
-                pass
+        try:
+            os.unlink(state["rdvz"])  # unless its store's last user removed it
+        except OSError:
+            pass

@@ -14,9 +14,11 @@ Here the ranks are a pool's (no default group) and each runs the class's own
 ``_worker_loop`` on its main thread (``Session``): its task queue is the pool's pipe, so the
 loop runs one test per task the parent sends and ends, making torch's own teardown, when
 anything else comes (the class's last test was run, or another test needs the pool). The
-parent side (``prepare``, ``judge``) is torch's ``setUp`` and wrapper without spawning: the
-class's ``_spawn_processes`` is replaced in pytest's process, once per class, by one that
-only makes the rendezvous file, as torch's does, so torch's own ``tearDownClass`` removes it.
+parent side (``take_over``, ``judge``) is torch's ``setUp`` and wrapper without spawning: the
+class's ``_spawn_processes`` is replaced in pytest's process by one that makes the rendezvous
+file only, as torch's does, so torch's own ``tearDownClass`` removes it. Each session (the
+class's group on one pool) has a rendezvous file of its own: a FileStore must start empty.
+A class that spawns its ranks its own way (its own ``_spawn_processes``) keeps torch's harness.
 """
 
 from __future__ import annotations
@@ -47,19 +49,31 @@ def _no_spawn(cls: type, world_size: int) -> None:
     cls._pytest_hsdp_environ = dict(os.environ)
 
 
+def own_spawning(cls: type) -> str:
+    """The class below MultiProcContinuousTest that spawns its ranks its own way, if any."""
+    for c in cls.__mro__:
+        if (c.__module__, c.__name__) == _TORCH_BASE:
+            return ""
+        spawn = c.__dict__.get("_spawn_processes")
+        if spawn is not None and getattr(spawn, "__func__", None) is not _no_spawn:
+            return c.__qualname__
+    return ""
+
+
 def take_over(cls: type) -> None:
-    """The class's ranks are a pool's from now on (pytest's process only)."""
+    """The class's ranks are a pool's from now on (pytest's process only; once per class)."""
     if getattr(cls.__dict__.get("_spawn_processes"), "__func__", None) is not _no_spawn:
         cls._spawn_processes = classmethod(_no_spawn)
 
 
 def new_rendezvous_file() -> str:
-    """A fresh file for a session after the class's first: a FileStore must start empty."""
+    """A session's rendezvous file, empty, as a FileStore must start."""
     with tempfile.NamedTemporaryFile(prefix="pytest-hsdp-rdvz-", delete=False) as f:
         return f.name
 
 
 def task_of(cls: type, test_id: str, task_id: int, session: int, rdvz_file: str) -> dict:
+    """The pool's task for one test of the class's session (``end``: the session's end)."""
     module = __import__(cls.__module__, fromlist=["_"])
     return {
         "id": task_id,
@@ -91,27 +105,32 @@ class Session:
     """One rank's run of a class's ``_worker_loop`` (rank side; torch is imported by the
     loop). The loop's task queue (``get``) answers the previous test, then reads the pool's
     pipe: a test of this session is handed to the loop; anything else ends the session and is
-    kept in ``next`` for the rank's own loop (None: the pipe closed)."""
+    kept in ``pending`` for the rank's own loop (None: the pipe closed). ``after_test(task)``
+    runs on the rank after each test's body, before its result is sent: a child the body forked
+    that returned from it ends there."""
 
-    def __init__(self, rank: int, conn, first: dict[str, Any]):
+    def __init__(self, rank: int, conn, first: dict[str, Any], after_test):
         self.rank = rank
         self.conn = conn
         self.session = first["session"]
         self.current = first
+        self.after_test = after_test
         self.result: Any = None
         self.answered = False
-        self.handed = False
-        self.next: tuple | None = None
+        self.first_given = False
+        self.pending: tuple | None = None
         self.closed = False  # the pool's pipe closed: the rank ends
+        self.end_failure: str | None = None  # why torch's loop failed at its end, if it did
 
     # torch's completion queue
     def put(self, item: Any) -> None:
+        self.after_test(self.current)
         self.result = item
 
     # torch's task queue
     def get(self, *args: Any, **kwargs: Any) -> str | None:
-        if not self.handed:
-            self.handed = True
+        if not self.first_given:
+            self.first_given = True
             return self.current["test_id"]
         self._answer()
         try:
@@ -123,11 +142,12 @@ class Session:
         if task and task.get("session") == self.session and not task.get("end"):
             self.current, self.result, self.answered = task, None, False
             return task["test_id"]
-        self.next = message
+        self.pending = message
         return None
 
     def _answer(self, failure: str | None = None) -> None:
-        """Sends the current test's result as the pool's "done" message."""
+        """Sends the current test's result as the pool's "done" message: what torch's loop
+        put on its completion queue, read as torch's wrapper reads it."""
         if self.answered:
             return
         self.answered = True
@@ -144,9 +164,9 @@ class Session:
         done = ("done", self.current["id"], self.rank, failure, pickle.dumps(value), None, True)
         self.conn.send(done)
 
-    def serve(self, load_class, world: int) -> tuple[tuple | None, str | None]:
-        """Runs the class's loop until its session ends: the message that ended it, and why
-        the loop's own teardown failed, if it did."""
+    def serve(self, load_class, world: int) -> str | None:
+        """Runs the class's loop until its session ends (the message that ended it in
+        ``pending``); why the loop's own teardown failed, if it did."""
         import traceback
 
         try:
@@ -156,7 +176,7 @@ class Session:
                 f"{self.current['qualname']} could not be loaded on this rank:\n"
                 + traceback.format_exc()
             )
-            return None, None
+            return None
         try:
             cls._worker_loop(self.rank, world, self.current["rdvz_file"], self, self)
         except BaseException:  # noqa: BLE001 - _init_pg or the loop's teardown raised
@@ -164,5 +184,14 @@ class Session:
             if not self.answered:
                 self._answer(text)
             else:
-                return self.next, text
-        return self.next, None
+                return text
+        finally:
+            # The group is destroyed (or broken): torch's handle to it goes too, with its store,
+            # whose last user removes the rendezvous file.
+            if "pg" in cls.__dict__:
+                cls.pg = None
+        return None
+
+    @property
+    def ended_by_stop(self) -> bool:
+        return self.closed or (self.pending is not None and self.pending[0] == "stop")

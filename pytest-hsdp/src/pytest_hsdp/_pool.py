@@ -270,6 +270,14 @@ class Pool:
 
     def run(self, task: dict[str, Any], timeout_s: float) -> Outcome:
         """Runs ``task`` on every rank; the pool is ``broken`` after it unless kept."""
+        self.session = None  # until every rank answered
+        try:
+            return self._run(task, timeout_s)
+        except BaseException:
+            self.close()  # interrupted (Ctrl-C, a timeout's signal): the ranks are mid-task
+            raise
+
+    def _run(self, task: dict[str, Any], timeout_s: float) -> Outcome:
         offsets = [self._log_size(r) for r in range(self.world)]
         failures: dict[int, str] = {}
         died: set[int] = set()
@@ -277,6 +285,7 @@ class Pool:
         values: dict[int, Any] = {}
         exit_codes: dict[int, int | None] = {}
         group_lost = False
+        out_of_step = False  # a rank answered something else: the pipe is a message behind
         pending = set(range(self.world))
         for r in range(self.world):
             try:
@@ -308,6 +317,7 @@ class Pool:
                     except Exception as exc:  # noqa: BLE001 - unpickling raises many kinds
                         failures.setdefault(r, f"rank {r}'s return value cannot be read: {exc!r}")
                 else:
+                    out_of_step = True
                     failures[r] = f"rank {r} answered {message[0]!r} where a result was expected"
                 if r in failures:
                     deadline = min(deadline, time.monotonic() + GRACE_AFTER_FAILURE_S)
@@ -326,7 +336,8 @@ class Pool:
             outcome.trace = self._read_traces()
         self.session = task["session"] if task.get("kind") == "class" and not task["end"] else None
         in_step = len({sequence.get(r) for r in range(self.world)}) == 1
-        if pending or died or not in_step or (failures and len(failures) < self.world):
+        partial = failures and len(failures) < self.world
+        if pending or died or not in_step or partial or out_of_step:
             self.close()
         elif group_lost:
             self._reinit()

@@ -408,36 +408,39 @@ class _Rank:
         _forget_meshes()
         return failure, value, self._sequence_number() if group_ok else None, group_ok
 
-    def serve_class(self, session: _continuous.Session) -> tuple[tuple | None, str | None]:
+    def serve_class(self, conn, task: dict[str, Any]) -> _continuous.Session:
         """A torch MultiProcContinuousTest class's session (``_continuous``), in the
         environment its spawned ranks would have inherited; what a test left behind goes with
         the session, as it would with torch's processes."""
         import torch.distributed as dist
 
         environ = dict(os.environ)
-        _restore_environ(session.current["environ"])
-        self._forked(time.monotonic())
+        _restore_environ(task["environ"])
+        self._forked(time.monotonic())  # forks before the session are not its tests'
+        session = _continuous.Session(self.rank, conn, task, self._after_class_test)
         try:
-            return session.serve(
-                lambda task: _resolve_class(
-                    _load_module(task["module"], task["path"]), task["qualname"]
-                ),
+            session.end_failure = session.serve(
+                lambda t: _resolve_class(_load_module(t["module"], t["path"]), t["qualname"]),
                 self.world,
             )
         finally:
-            if os.getpid() != self.pid:
-                os.write(
-                    2, f"\n{FORKED_MARK} {os.getpid()}, task {session.current['id']}\n".encode()
-                )
-                os._exit(70)
-            self._wait_for_children()
             _restore_environ(environ)
-            if dist.is_initialized():  # a test raised, so torch's loop kept the group
+            # A test raised, so torch's loop kept the group (its destroy could wait for ranks
+            # still in a collective): destroyed here unless the pool is stopping anyway.
+            if dist.is_initialized() and not session.ended_by_stop:
                 try:
                     dist.destroy_process_group()
                 except Exception:  # noqa: BLE001 - a group the test broke is gone either way
                     pass
             _forget_meshes()
+        return session
+
+    def _after_class_test(self, task: dict[str, Any]) -> None:
+        if os.getpid() != self.pid:
+            # A child the test body forked came back into torch's loop: it must not answer.
+            os.write(2, f"\n{FORKED_MARK} {os.getpid()}, task {task['id']}\n".encode())
+            os._exit(70)
+        self._wait_for_children()
 
     def _rank_side(self, name: str, task: dict[str, Any]) -> Any:
         import torch.distributed as dist
@@ -561,17 +564,18 @@ def main(rank: int, world: int, spec: dict[str, Any], conn, pytest_pid: int) -> 
 
 
 def _serve(me: _Rank, conn) -> None:
-    message = None  # one a class's session ended on, still to be handled
+    carried = None  # the message a class's session ended on, still to be handled
     while True:
-        if message is None:
+        if carried is not None:
+            message, carried = carried, None
+        else:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
                 return
-        message, current = None, message
-        if current[0] == "stop":
+        if message[0] == "stop":
             return
-        if current[0] == "reinit":
+        if message[0] == "reinit":
             try:
                 import torch.distributed as dist
 
@@ -583,18 +587,18 @@ def _serve(me: _Rank, conn) -> None:
                 conn.send(("failed", me.rank, traceback.format_exc()))
                 return
             continue
-        task = current[1]
+        task = message[1]
         if task.get("kind") == "class" and not task.get("end"):
-            session = _continuous.Session(me.rank, conn, task)
-            message, failure = me.serve_class(session)
+            session = me.serve_class(conn, task)
             if session.closed:
                 return
-            if message is not None and message[0] == "run" and message[1].get("end"):
-                if message[1].get("session") == task["session"]:
-                    _answer(conn, me.rank, message[1], failure)
-                    message = None
-            elif failure:
-                print(f"pytest_hsdp: {failure}", flush=True)
+            carried = session.pending
+            ended = carried is not None and carried[0] == "run" and carried[1].get("end")
+            if ended and carried[1].get("session") == task["session"]:
+                _answer(conn, me.rank, carried[1], session.end_failure)
+                carried = None
+            elif session.end_failure:
+                print(f"pytest_hsdp: {session.end_failure}", flush=True)
             continue
         if task.get("kind") == "class":  # the end of a session this rank does not hold
             _answer(conn, me.rank, task, None)
