@@ -71,9 +71,9 @@ _TABLE = [
         "`1`: the quick tier runs on every other supported torch release too "
         "(about 10-15 min more; `scripts/test.sh`'s compat stages)", "0"),
     Var("HSDP_TEST_TORCH_HARNESS", "tests", None, parse_flag, str,
-        "`0`: the tests of torch's test classes hold pytest_hsdp to their tables of torch's "
-        "outcomes only, not running torch's harness too (the compat stages, unless "
-        "`HSDP_TEST_EVERY_TORCH_FULL=1`)", "1"),
+        "`1`: the tests of torch's test classes also run their files under torch's own "
+        "harness, against their tables (minutes a release; `HSDP_TEST_EVERY_TORCH_FULL=1` "
+        "sets it in the compat stages)", "0"),
     Var("HSDP_GPU_CHECK_RANKS", "tests", None, parse_int, str,
         "ranks of tests/integration/test_cuda.py's multi-rank checks, placed on the machine's "
         "GPUs and sharing them where fewer (each with its own `NCCL_HOSTID`); "

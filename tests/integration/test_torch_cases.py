@@ -324,7 +324,7 @@ def test_torch_test_classes_run_unchanged_on_warm_ranks_as_under_torchs_harness(
     assert not {n for n in set(os.listdir("/dev/shm")) - shm_before if n.startswith("hsdp")}
 
 
-@pytest.mark.skipif(not TORCH_HARNESS, reason="HSDP_TEST_TORCH_HARNESS=0")
+@pytest.mark.skipif(not TORCH_HARNESS, reason="torch's own harness: HSDP_TEST_TORCH_HARNESS=1")
 def test_the_table_is_torchs_own_outcomes(tmp_path):
     """The same file under torch's own harness: the outcome the table gives every test."""
     d = write_tests(tmp_path, test_torch_style=TORCH_STYLE)
