@@ -27,7 +27,22 @@ TORCH_HARNESS = settings.read("HSDP_TEST_TORCH_HARNESS")
 TORCH_RUN_S = 900
 pytestmark = [pytest.mark.timeout(TORCH_RUN_S + 300), pytest.mark.every_torch]
 
-CONTINUOUS = """
+# The backend and device of the test files' classes, unless they say otherwise.
+GLOO_ON_CPU = """
+class GlooOnCPU:
+    world_size = 2
+
+    @classmethod
+    def backend_str(cls):
+        return "gloo"
+
+    @classmethod
+    def device_type(cls):
+        return "cpu"
+"""
+
+CONTINUOUS = (
+    """
 import os
 import pathlib
 import time
@@ -57,19 +72,9 @@ def record(tag, rank, text=None):
     (d / f"{tag}.rank{rank}").write_text(str(os.getpid()) if text is None else text)
 
 
-class GlooOnCPU:
-    # The backend and device of the classes below, unless they say otherwise.
-
-    world_size = 2
-
-    @classmethod
-    def backend_str(cls):
-        return "gloo"
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
+"""
+    + GLOO_ON_CPU
+    + """
 
 class OnGloo(GlooOnCPU, MultiProcContinuousTest):
     inits = 0
@@ -188,6 +193,7 @@ class DTensorOps(GlooOnCPU, MultiProcContinuousTest):
         self.assertEqual(d.to_local(), full[self.rank : self.rank + 1])
         self.assertEqual(d.redistribute(mesh, [Replicate()]).to_local(), full)
 """
+)
 
 
 def torch_minor() -> int:
@@ -288,7 +294,8 @@ def test_the_table_is_torchs_own_outcomes(tmp_path):
     assert {name: state for name, (state, _) in theirs.items()} == want, out[-6000:]
 
 
-COMES_BACK = """
+COMES_BACK = (
+    """
 import os
 import pathlib
 
@@ -297,17 +304,9 @@ import torch.distributed as dist
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 
 
-class GlooOnCPU:
-    world_size = 2
-
-    @classmethod
-    def backend_str(cls):
-        return "gloo"
-
-    @classmethod
-    def device_type(cls):
-        return "cpu"
-
+"""
+    + GLOO_ON_CPU
+    + """
 
 class ComesBack(GlooOnCPU, MultiProcContinuousTest):
     def test_1_before(self):
@@ -341,6 +340,7 @@ class Forks(GlooOnCPU, MultiProcContinuousTest):
     def test_forks_and_the_child_returns(self):
         os.fork()  # the child returns from the body into torch's loop
 """
+)
 
 # The class's first test, another class's, then the class's second: pytest ends the class and
 # sets it up again, as under pytest-random-order or --failed-first.
