@@ -96,6 +96,8 @@ void bindSettings(py::module& m) {
   config.def("pooled_read_bytes", &hsdp::Config::pooledReadBytes);
   checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);
   checkedField(config, "stream_store_bytes", &hsdp::Config::streamStoreBytes);
+  checkedField(config, "stream_slot_bytes", &hsdp::Config::streamSlotBytes);
+  checkedField(config, "stream_slot_below_bytes", &hsdp::Config::streamSlotBelowBytes);
   checkedField(config, "pool_bytes", &hsdp::Config::poolBytes);
   checkedField(config, "pool_chunk_bytes", &hsdp::Config::poolChunkBytes);
   checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);

@@ -114,6 +114,12 @@ void Config::validate() const {
         "an integer >= 0 (or None: auto)",
         *streamStoreBytes);
   }
+  expect(streamSlotBytes >= 0, "stream_slot_bytes", "an integer >= 0", streamSlotBytes);
+  expect(
+      streamSlotBelowBytes >= 0,
+      "stream_slot_below_bytes",
+      "an integer >= 0",
+      streamSlotBelowBytes);
   expect(poolBytes >= 0, "pool_bytes", "an integer >= 0", poolBytes);
   expect(
       poolChunkBytes >= (1 << 20),

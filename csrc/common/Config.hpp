@@ -47,6 +47,12 @@ struct Config {
   // it around the cache (shm::Store::Streaming); unset: auto (see
   // streamStoreBytesFor()); 0: never.
   std::optional<int64_t> streamStoreBytes;
+  // Slot fills of a step of at least streamSlotBytes and under
+  // streamSlotBelowBytes (0: no bound) write around the cache
+  // (shm::EngineConfig::streamSlotBytes says why; the window:
+  // docs/shm-engine.md, "Writing a slot"); streamSlotBytes 0: never.
+  int64_t streamSlotBytes = 16 << 10;
+  int64_t streamSlotBelowBytes = 256 << 10;
   // Communication buffers handed out by allocateTensor (shm/Pool.hpp): at
   // most poolBytes per rank and group, in chunks of at least
   // poolChunkBytes; 0 turns the pool off.

@@ -42,7 +42,7 @@ void Engine::allGather(const char* name, const void* input, void* output, size_t
   pipelineBytes(
       op,
       n,
-      [&](char* dst, size_t off, size_t len) { copyBytes(dst, in + off, len); },
+      [&](char* dst, size_t off, size_t len) { fillSlot(dst, in + off, len, len); },
       [&](int slot, size_t off, size_t len) {
         if (!inPlace) {
           copyBytes(out + static_cast<size_t>(rank_) * n + off, in + off, len);

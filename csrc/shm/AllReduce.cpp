@@ -123,7 +123,7 @@ void Engine::allReduceOneShot(
   const size_t es = dtypeSize(dtype);
   std::vector<const void*>& srcs = sources_;
   uint64_t s = step_ + 1;
-  const int slot = post(op, s, [&](char* dst) { copyBytes(dst, buf, n * es); });
+  const int slot = post(op, s, [&](char* dst) { fillSlot(dst, buf, n * es, n * es); });
   for (int r = 0; r < size_; ++r) {
     srcs[r] = segment_.slot(r, slot);
   }
@@ -156,8 +156,9 @@ void Engine::allReduceDirect(
     char* mine = buf + parts.offset(k) * es;
     op.sig.sourceAddress = reinterpret_cast<uint64_t>(mine);
     const int slot = post(op, s, [&](char* dst) {
-      copyBytes(dst, mine, a * es);
-      copyBytes(dst + b * es, mine + b * es, (len - b) * es);
+      const size_t stepBytes = (len - (b - a)) * es;
+      fillSlot(dst, mine, a * es, stepBytes);
+      fillSlot(dst + b * es, mine + b * es, (len - b) * es, stepBytes);
     });
     for (int r = 0; r < size_; ++r) {
       srcs[r] = r == rank_ ? mine + a * es : segment_.slot(r, slot) + a * es;
@@ -197,7 +198,8 @@ void Engine::allReduceSlots(
   for (size_t k = 0; k < parts.steps(); ++k) {
     char* data = buf + parts.offset(k) * es;
     uint64_t s = step_ + 1;
-    const int slot = post(op, s, [&](char* dst) { copyBytes(dst, data, parts.length(k) * es); });
+    const int slot = post(
+        op, s, [&](char* dst) { fillSlot(dst, data, parts.length(k) * es, parts.length(k) * es); });
     const size_t a = parts.begin(k, rank_), b = parts.begin(k, rank_ + 1);
     for (int r = 0; r < size_; ++r) {
       srcs[r] = segment_.slot(r, slot) + a * es;

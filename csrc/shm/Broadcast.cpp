@@ -35,7 +35,7 @@ void Engine::broadcast(const char* name, void* data, size_t n, int root) {
       n,
       [&](char* dst, size_t off, size_t len) {
         if (rank_ == root) {
-          copyBytes(dst, buf + off, len);
+          fillSlot(dst, buf + off, len, len);
         }
       },
       [&](int slot, size_t off, size_t len) {

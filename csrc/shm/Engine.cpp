@@ -564,6 +564,12 @@ bool Engine::pooledStep(
   return all;
 }
 
+void Engine::fillSlot(char* dst, const void* src, size_t bytes, size_t stepBytes) const {
+  const bool streaming = config_.streamSlotBytes > 0 && stepBytes >= config_.streamSlotBytes &&
+      (config_.streamSlotBelowBytes == 0 || stepBytes < config_.streamSlotBelowBytes);
+  copy(dst, src, bytes, streaming ? Store::Streaming : Store::Cached);
+}
+
 void Engine::pipelineBytes(
     OpState& op,
     size_t n,

@@ -117,6 +117,17 @@ struct EngineConfig {
   // it with non-temporal stores (Store::Streaming). 0 disables. A rank's own
   // choice: it changes how its output is written, not the protocol.
   size_t streamStoreBytes = 0;
+  // Slot fills of at least streamSlotBytes (all a rank writes into its slot
+  // for one step) and under streamSlotBelowBytes (0: no bound) are written
+  // with non-temporal stores (shm::copy). A cached store first takes each
+  // line of the slot back from the peers that read it last step: cheap where
+  // their cores share a cache with this one, a round trip through the
+  // machine per line where they do not. Streaming needs no line back but
+  // sends the data through memory, which costs more than a shared cache
+  // past a few hundred KiB. 0 disables. A rank's own choice, as
+  // streamStoreBytes: the bytes written are the same.
+  size_t streamSlotBytes = 0;
+  size_t streamSlotBelowBytes = 0;
   // What the engine's waits read time from (Clock.hpp); none: the steady clock.
   std::shared_ptr<const Clock> clock;
   // Whether any op may read directly (then rendezvous probes for it).
@@ -397,6 +408,9 @@ class Engine final : public Collectives {
       FunctionRef<void(char*, size_t, size_t)> fill,
       FunctionRef<void(int, size_t, size_t)> drain);
   void wake();
+  // Copies a step's data into this rank's slot (streamSlotBytes says how);
+  // `stepBytes`: all this rank writes into it for the step.
+  void fillSlot(char* dst, const void* src, size_t bytes, size_t stepBytes) const;
   // The all-reduce's algorithms (selectAllReduce picks one).
   void allReduceOneShot(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
   void allReduceSlots(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);

@@ -23,6 +23,8 @@ engineConfigFor(const Config& config, int groupSize, std::chrono::milliseconds g
   e.measureDirectReadBytes = !config.directReadBytes.has_value();
   e.directAllReduceBytes = static_cast<size_t>(config.directAllReduceBytes);
   e.streamStoreBytes = config.streamStoreBytesFor(groupSize);
+  e.streamSlotBytes = static_cast<size_t>(config.streamSlotBytes);
+  e.streamSlotBelowBytes = static_cast<size_t>(config.streamSlotBelowBytes);
   return e;
 }
 

@@ -426,4 +426,34 @@ void reduce(
 #endif
 }
 
+void copy(void* dst, const void* src, size_t n, Store store) {
+  if (n == 0) { // an empty tensor's pointer may be null: memcpy(null, ..., 0) is undefined
+    return;
+  }
+#if defined(__x86_64__)
+  if (store == Store::Streaming && n >= 128) {
+    auto* d = static_cast<char*>(dst);
+    const auto* s = static_cast<const char*>(src);
+    const size_t head = (64 - reinterpret_cast<uintptr_t>(d) % 64) % 64;
+    std::memcpy(d, s, head);
+    size_t i = head;
+    for (; i + 64 <= n; i += 64) {
+      const auto* in = reinterpret_cast<const __m128i*>(s + i);
+      auto* out = reinterpret_cast<__m128i*>(d + i);
+      const __m128i a = _mm_loadu_si128(in), b = _mm_loadu_si128(in + 1);
+      const __m128i c = _mm_loadu_si128(in + 2), e = _mm_loadu_si128(in + 3);
+      _mm_stream_si128(out, a);
+      _mm_stream_si128(out + 1, b);
+      _mm_stream_si128(out + 2, c);
+      _mm_stream_si128(out + 3, e);
+    }
+    std::memcpy(d + i, s + i, n - i);
+    // Weakly ordered: fenced before the release store that publishes them.
+    _mm_sfence();
+    return;
+  }
+#endif
+  std::memcpy(dst, src, n);
+}
+
 } // namespace hsdp::shm

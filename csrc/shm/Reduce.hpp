@@ -1,6 +1,7 @@
 #pragma once
 
-// Element-wise reduction kernels of the shared-memory engine.
+// Element-wise reduction kernels of the shared-memory engine, and its copy
+// into a slot.
 //
 //   dst[i] = scale(src[0][i] op src[1][i] op ... op src[n-1][i])
 //
@@ -37,6 +38,14 @@ void reduce(
     RedOp op,
     Scale scale,
     Store store = Store::Cached);
+
+// dst[0, n) = src[0, n). Streaming: the 64-byte lines of dst with
+// non-temporal stores (fenced before it returns), the rest through the
+// cache. For a slot's fill: its lines were last read by the peers, so a
+// cached store first takes each line back from their caches, which costs a
+// round trip between cores per line where the cores share no cache
+// (docs/shm-engine.md, "Writing a slot").
+void copy(void* dst, const void* src, size_t n, Store store);
 
 // Whether the kernels implement `op` on `dtype` (bitwise ops: integers only).
 bool reduceSupported(DType dtype, RedOp op);

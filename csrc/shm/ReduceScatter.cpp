@@ -49,13 +49,14 @@ void Engine::reduceScatter(
   for (size_t k = 0; k < steps; ++k) {
     const size_t off = k * piece;
     const size_t len = std::min(piece, n - off);
+    const size_t stepBytes = static_cast<size_t>(size_ - 1) * len * es;
     uint64_t s = step_ + 1;
     // Only peers read my slot, and they read their own chunks: my chunk
     // stays in my input, which I reduce from directly.
     const int slot = post(op, s, [&](char* dst) {
       for (int q = 0; q < size_; ++q) {
         if (q != rank_) {
-          copyBytes(dst + q * len * es, in + (q * n + off) * es, len * es);
+          fillSlot(dst + q * len * es, in + (q * n + off) * es, len * es, stepBytes);
         }
       }
     });

@@ -147,6 +147,14 @@ _TABLE = [
         "last-level cache cpu0 shares (sysfs) / (ranks x (ranks + 1)), the size past which "
         "the call's data cannot stay in that cache (2 ranks, 32 MiB: 5.3 MiB), off when the "
         "cache is unknown; `0`: never"),
+    Var("HSDP_SHM_STREAM_SLOT_BYTES", "engine", "stream_slot_bytes", parse_int, str,
+        "a rank writes a step of at least this many bytes (and under "
+        "`HSDP_SHM_STREAM_SLOT_BELOW_BYTES`) into its slot with non-temporal stores: a cached "
+        "store first takes each line back from the peers that read it, a round trip per line "
+        "where their cores share no cache with this one; `0`: never"),
+    Var("HSDP_SHM_STREAM_SLOT_BELOW_BYTES", "engine", "stream_slot_below_bytes", parse_int, str,
+        "the bound of the window above: from this size, where a shared cache beats memory, "
+        "slots are written through the cache; `0`: no bound"),
     Var("HSDP_SHM_POOL_BYTES", "engine", "pool_bytes", parse_int, str,
         "bytes of communication buffers each rank of a shared-memory group may hand out through "
         "`allocate_tensor` (FSDP2's `set_allocate_memory_from_process_group_for_comm`): memory "

@@ -9,9 +9,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -307,6 +309,36 @@ TEST_P(EngineWorlds, ReductionsMatchTheScalarReferenceBitwise) {
 }
 
 // ------------------------------------------------------------ data movement
+
+// A slot's streaming fill: every length around the 64-byte lines and the
+// 128 bytes below which it copies through the cache, from and to every
+// alignment in a line, leaving the bytes around the destination alone.
+TEST(SlotCopy, StreamingCopiesEveryByteAndNoOther) {
+  std::vector<uint8_t> src(600), dst(800);
+  for (size_t i = 0; i < src.size(); ++i) {
+    src[i] = static_cast<uint8_t>(i * 7 + 3);
+  }
+  for (const Store store : {Store::Cached, Store::Streaming}) {
+    for (size_t from = 0; from < 64; from += 7) {
+      for (size_t to = 0; to < 64; to += 5) {
+        for (size_t n : {0, 1, 63, 64, 65, 127, 128, 129, 191, 255, 256, 300, 511}) {
+          std::fill(dst.begin(), dst.end(), 0xEE);
+          // Aligned to a line first, so `to` is the offset into one.
+          auto* base =
+              reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(dst.data()) + 63) / 64 * 64);
+          copy(base + to, src.data() + from, n, store);
+          for (size_t i = 0; i < dst.size(); ++i) {
+            const auto* at = dst.data() + i;
+            const bool inside = at >= base + to && at < base + to + n;
+            const uint8_t want = inside ? src[from + (at - base - to)] : 0xEE;
+            ASSERT_EQ(dst[i], want) << "n " << n << " from +" << from << " to +" << to
+                                    << (store == Store::Streaming ? " streaming" : " cached");
+          }
+        }
+      }
+    }
+  }
+}
 
 uint8_t byteOf(int rank, size_t i) {
   return static_cast<uint8_t>(rank * 37 + i * 11 + 1);

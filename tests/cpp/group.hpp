@@ -31,6 +31,10 @@ inline EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::
   // Reduce-scatters from 256 bytes a rank write around the cache: the bitwise
   // checks cover both stores (all-reduces always write through the cache).
   c.streamStoreBytes = 256;
+  // Slot steps of 256 bytes up to 2 KiB are written around the cache, larger
+  // ones (up to the 4 KiB slot) through it: both fills in every test.
+  c.streamSlotBytes = 256;
+  c.streamSlotBelowBytes = 2048;
   return c;
 }
 
