@@ -241,6 +241,11 @@ void bindGroups(py::module& m) {
     return py::make_tuple(hsdp.cpuRoute(), hsdp.shmUnavailableReason(), hsdp.shmDirectReadBytes());
   });
 
+  // Why the engine does not read peers' memory (empty: it does, or no engine).
+  m.def("why_no_direct_reads", [](c10d::Backend* backend) {
+    return asHSDP(backend).shmWhyNoDirectReads();
+  });
+
   m.def("is_hsdp", [](c10d::Backend* backend) {
     return dynamic_cast<hsdp::ProcessGroupHSDP*>(backend) != nullptr;
   });

@@ -342,6 +342,11 @@ class ProcessGroupHSDP final : public c10d::Backend {
   const std::string& shmUnavailableReason() const {
     return shmWhyNot_;
   }
+  // Why the engine does not read peers' memory where the settings want it
+  // (the rendezvous probe's answer); empty if it does, or without an engine.
+  std::string shmWhyNoDirectReads() const {
+    return shm_ ? shm_->whyNoDirectReads() : "";
+  }
 
  private:
   OpContext ctx(const char* op) const {

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <fstream>
 #include <thread>
 
 namespace hsdp::shm {
@@ -35,14 +36,48 @@ std::string describe(const Signature& s) {
 
 } // namespace
 
-bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
+namespace {
+
+// The first line of `path` that starts with `key`, without it; empty if none.
+std::string lineOf(const char* path, const std::string& key) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(key, 0) == 0) {
+      return line.substr(key.size());
+    }
+  }
+  return "";
+}
+
+} // namespace
+
+std::string whyCannotReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes) {
   struct iovec local {
     out, bytes
   };
   struct iovec remote {
     reinterpret_cast<void*>(address), bytes
   };
-  return process_vm_readv(pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(bytes);
+  const ssize_t got = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+  if (got == static_cast<ssize_t>(bytes)) {
+    return "";
+  }
+  std::string why = got < 0
+      ? std::string("process_vm_readv: ") + std::strerror(errno)
+      : "process_vm_readv read " + std::to_string(got) + " of " + std::to_string(bytes) + " bytes";
+  // What on this machine refuses it, as the kernel documents: Yama's
+  // ptrace_scope (1: only descendants; 2: only CAP_SYS_PTRACE; 3: nobody), a
+  // seccomp filter (mode 2), which containers install by default.
+  std::string scope = lineOf("/proc/sys/kernel/yama/ptrace_scope", "");
+  if (!scope.empty() && scope != "0") {
+    why += "; kernel.yama.ptrace_scope is " + scope;
+  }
+  std::string seccomp = lineOf("/proc/self/status", "Seccomp:");
+  seccomp.erase(0, seccomp.find_first_not_of(" \t"));
+  if (seccomp == "2") {
+    why += "; this process runs under a seccomp filter";
+  }
+  return why;
 }
 
 Engine::Engine(Segment segment, int rank, EngineConfig config)

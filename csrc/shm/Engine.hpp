@@ -148,7 +148,9 @@ EngineConfig
 engineConfigFor(const Config& config, int groupSize, std::chrono::milliseconds groupTimeout);
 
 // Whether this process may read `pid`'s memory: reads `bytes` at `address`.
-bool canReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes);
+// Empty if it may, else why not: the system call's error and what on this
+// machine may cause it (Yama's ptrace_scope, a seccomp filter).
+std::string whyCannotReadProcess(int32_t pid, uint64_t address, void* out, size_t bytes);
 
 class Engine final : public Collectives {
  public:
@@ -200,6 +202,15 @@ class Engine final : public Collectives {
   // the group must call it alike, after a successful rendezvous probe.
   void enableDirectReads() {
     directReads_ = config_.wantsDirectReads();
+  }
+  // Why direct reads are off where the settings want them: the group's
+  // probe's answer (whyCannotReadProcess on some rank). Set with the probe,
+  // before the engine serves other threads.
+  void refuseDirectReads(std::string why) {
+    whyNoDirectReads_ = std::move(why);
+  }
+  const std::string& whyNoDirectReads() const {
+    return whyNoDirectReads_;
   }
   bool directReads() const {
     return directReads_;
@@ -445,6 +456,7 @@ class Engine final : public Collectives {
   uint64_t opSeq_ = 0;
   uint64_t callerSeq_ = 0;
   bool directReads_ = false;
+  std::string whyNoDirectReads_;
   // config_.directReadBytes until the group agrees on its own (Crossover.hpp);
   // declared after config_, which it is initialised from.
   size_t directReadBytes_ = config_.directReadBytes;

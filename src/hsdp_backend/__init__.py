@@ -20,6 +20,7 @@ _API = (
     "comm_stats",
     "cpu_engine",
     "cpu_route",
+    "cpu_route_report",
     "dump_trace",
     "get_hsdp_backend",
     "reduce_scatter_tensor",

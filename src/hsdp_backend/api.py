@@ -39,6 +39,23 @@ def cpu_route(group: dist.ProcessGroup | None = None) -> str:
     return _C.cpu_route(get_hsdp_backend(group))[0]
 
 
+def cpu_route_report(group: dist.ProcessGroup | None = None) -> dict:
+    """How ``group``'s CPU collectives are served: ``route`` (as ``cpu_route``), ``why_not_shm``
+    (why not on shared memory; empty when they are), ``direct_read_bytes`` (from what size per
+    rank all-gathers and broadcasts of ordinary buffers read peers' memory in one copy; 0: never)
+    and ``why_no_direct_reads`` (why the engine reads no peer's memory where the settings want
+    it: the kernel's answer to the group's probe, e.g. a seccomp filter; then every collective
+    stages through shared memory and there is no pool for ``allocate_tensor``)."""
+    backend = get_hsdp_backend(group)
+    route, why_not, direct_from = _C.cpu_route(backend)
+    return {
+        "route": route,
+        "why_not_shm": why_not,
+        "direct_read_bytes": direct_from,
+        "why_no_direct_reads": _C.why_no_direct_reads(backend),
+    }
+
+
 def cpu_engine(group: dist.ProcessGroup | None = None) -> str:
     """``cpu_route``'s earlier name ("engine" now means the shared-memory
     engine only); kept for existing callers, with a DeprecationWarning."""

@@ -9,6 +9,9 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -309,6 +312,25 @@ TEST_P(EngineWorlds, ReductionsMatchTheScalarReferenceBitwise) {
 }
 
 // ------------------------------------------------------------ data movement
+
+// The rendezvous' probe: reading this process's own memory works and says
+// nothing; a pid that is gone says why, with the system call's error.
+TEST(DirectReadProbe, SaysWhyAReadFails) {
+  const uint64_t value = 0x1234;
+  uint64_t got = 0;
+  EXPECT_EQ(
+      whyCannotReadProcess(getpid(), reinterpret_cast<uint64_t>(&value), &got, sizeof got), "");
+  EXPECT_EQ(got, value);
+  const pid_t child = fork();
+  if (child == 0) {
+    _exit(0);
+  }
+  ASSERT_GT(child, 0);
+  ASSERT_EQ(waitpid(child, nullptr, 0), child);
+  const std::string why =
+      whyCannotReadProcess(child, reinterpret_cast<uint64_t>(&value), &got, sizeof got);
+  EXPECT_TRUE(contains(why, "process_vm_readv: No such process")) << why;
+}
 
 // A slot's streaming fill: every length around the 64-byte lines and the
 // 128 bytes below which it copies through the cache, from and to every

@@ -101,35 +101,53 @@ void adoptMeasuredCrossover(shm::Engine& engine) {
 
 // Whether every rank may read every other rank's memory with
 // process_vm_readv (ptrace rights: same user, no Yama restriction or
-// seccomp filter in the way). Every rank probes every peer; all ranks
+// seccomp filter in the way): empty if so, else why not, from the first rank
+// (in rank order) that could not, named as the group numbers it
+// (`groupRanks[q]`: local rank q's). Every rank probes every peer; all ranks
 // decide alike from the same keys.
-bool probeDirectReads(c10d::Store& store, const Keys& key, int rank, int size) {
+std::string probeDirectReads(
+    c10d::Store& store,
+    const Keys& key,
+    int rank,
+    const std::vector<int>& groupRanks) {
   static const uint64_t probe = 0x70726f6265ull; // read by peers, never written
+  const int size = static_cast<int>(groupRanks.size());
   store.set(
       key("probe", rank),
       std::to_string(getpid()) + ":" + std::to_string(reinterpret_cast<uint64_t>(&probe)));
-  bool ok = true;
-  for (int q = 0; q < size && ok; ++q) {
+  std::string why;
+  for (int q = 0; q < size && why.empty(); ++q) {
     if (q == rank) {
       continue;
     }
     const std::string where = store.get_to_str(key("probe", q));
     const auto colon = where.find(':');
     uint64_t got = 0;
-    ok = colon != std::string::npos &&
-        shm::canReadProcess(
-             std::stoi(where.substr(0, colon)),
-             std::stoull(where.substr(colon + 1)),
-             &got,
-             sizeof got) &&
-        got == probe;
+    why = colon == std::string::npos ? "a malformed probe key"
+                                     : shm::whyCannotReadProcess(
+                                           std::stoi(where.substr(0, colon)),
+                                           std::stoull(where.substr(colon + 1)),
+                                           &got,
+                                           sizeof got);
+    if (why.empty() && got != probe) {
+      why = "read a value the peer never wrote";
+    }
+    if (!why.empty()) {
+      why = "rank " + std::to_string(groupRanks[rank]) + " cannot read the memory of rank " +
+          std::to_string(groupRanks[q]) + " (" + why + ")";
+    }
   }
-  store.set(key("direct", rank), ok ? "1" : "0");
-  bool all = true;
+  store.set(key("direct", rank), why.empty() ? "1" : "0" + why);
+  std::string first;
   for (int q = 0; q < size; ++q) {
-    all = store.get_to_str(key("direct", q)) == "1" && all;
+    const std::string said = store.get_to_str(key("direct", q));
+    if (first.empty() && said != "1") {
+      first = said.size() > 1
+          ? said.substr(1)
+          : "rank " + std::to_string(groupRanks[q]) + " cannot read a peer's memory";
+    }
   }
-  return all;
+  return first;
 }
 
 // Hosts in the order their first rank appears, each host's ranks in rank
@@ -372,11 +390,16 @@ std::unique_ptr<ShmRoute> connectShm(
     column = columnOf(store, key, layout, cpuInner, timeout, OpContext{rank, size, "init"});
   }
   auto engine = std::make_unique<shm::Engine>(std::move(*segment), layout.local, config);
-  if (options.engine.wantsDirectReads() &&
-      probeDirectReads(store, hostKey, layout.local, layout.perHost)) {
-    engine->enableDirectReads();
-    if (config.measureDirectReadBytes && layout.perHost > 1) {
-      adoptMeasuredCrossover(*engine);
+  if (options.engine.wantsDirectReads()) {
+    if (std::string why =
+            probeDirectReads(store, hostKey, layout.local, layout.hostRanks(layout.host));
+        !why.empty()) {
+      engine->refuseDirectReads(std::move(why));
+    } else {
+      engine->enableDirectReads();
+      if (config.measureDirectReadBytes && layout.perHost > 1) {
+        adoptMeasuredCrossover(*engine);
+      }
     }
   }
   return std::make_unique<ShmRoute>(

@@ -106,6 +106,10 @@ class ShmRoute final : public Route {
   bool directReads() const {
     return local_->directReads();
   }
+  // Why not, where the settings wanted them (the probe's answer); else empty.
+  const std::string& whyNoDirectReads() const {
+    return local_->whyNoDirectReads();
+  }
   // From what size per rank all-gathers and broadcasts of ordinary buffers
   // read peers directly; 0: never.
   size_t directReadBytes() const {
