@@ -8,7 +8,7 @@
 // broadcast, barrier; BYTES per rank. Keys set EngineConfig fields:
 // spin_us, yield_us, one_shot_bytes, direct_read_bytes, pooled_read_bytes,
 // direct_all_reduce_bytes, stream_store_bytes, stream_slot_bytes,
-// stream_slot_below_bytes, slot_bytes (defaults: hsdp::Config's, the
+// stream_slot_timed_bytes, slot_bytes (defaults: hsdp::Config's, the
 // package's only copy of them, for a group of RANKS on this machine; without
 // direct_read_bytes the ranks measure it as a group does, and rank 0 prints
 // the timings and the threshold chosen); two
@@ -70,7 +70,7 @@ void runRank(const Args& a, const std::string& name, size_t slotBytes, int r) {
   c.directAllReduceBytes = key(a, "direct_all_reduce_bytes", c.directAllReduceBytes);
   c.streamStoreBytes = key(a, "stream_store_bytes", c.streamStoreBytes);
   c.streamSlotBytes = key(a, "stream_slot_bytes", c.streamSlotBytes);
-  c.streamSlotBelowBytes = key(a, "stream_slot_below_bytes", c.streamSlotBelowBytes);
+  c.streamSlotTimedBytes = key(a, "stream_slot_timed_bytes", c.streamSlotTimedBytes);
   Engine e(Segment::open(name, a.ranks, slotBytes), r, c);
   e.barrier("start");
   e.enableDirectReads(); // every rank of one machine may read every other (same user)

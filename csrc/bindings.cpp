@@ -97,7 +97,7 @@ void bindSettings(py::module& m) {
   checkedField(config, "direct_all_reduce_bytes", &hsdp::Config::directAllReduceBytes);
   checkedField(config, "stream_store_bytes", &hsdp::Config::streamStoreBytes);
   checkedField(config, "stream_slot_bytes", &hsdp::Config::streamSlotBytes);
-  checkedField(config, "stream_slot_below_bytes", &hsdp::Config::streamSlotBelowBytes);
+  checkedField(config, "stream_slot_timed_bytes", &hsdp::Config::streamSlotTimedBytes);
   checkedField(config, "pool_bytes", &hsdp::Config::poolBytes);
   checkedField(config, "pool_chunk_bytes", &hsdp::Config::poolChunkBytes);
   checkedField(config, "timeout_ms", &hsdp::Config::timeoutMs);

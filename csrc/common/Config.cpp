@@ -116,10 +116,10 @@ void Config::validate() const {
   }
   expect(streamSlotBytes >= 0, "stream_slot_bytes", "an integer >= 0", streamSlotBytes);
   expect(
-      streamSlotBelowBytes >= 0,
-      "stream_slot_below_bytes",
+      streamSlotTimedBytes >= 0,
+      "stream_slot_timed_bytes",
       "an integer >= 0",
-      streamSlotBelowBytes);
+      streamSlotTimedBytes);
   expect(poolBytes >= 0, "pool_bytes", "an integer >= 0", poolBytes);
   expect(
       poolChunkBytes >= (1 << 20),

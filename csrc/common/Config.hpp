@@ -47,12 +47,12 @@ struct Config {
   // it around the cache (shm::Store::Streaming); unset: auto (see
   // streamStoreBytesFor()); 0: never.
   std::optional<int64_t> streamStoreBytes;
-  // Slot fills of a step of at least streamSlotBytes and under
-  // streamSlotBelowBytes (0: no bound) write around the cache
-  // (shm::EngineConfig::streamSlotBytes says why; the window:
-  // docs/shm-engine.md, "Writing a slot"); streamSlotBytes 0: never.
+  // Slot fills of a step of at least streamSlotBytes write around the cache
+  // up to streamSlotTimedBytes, and from there as each rank's timings of
+  // its own fills say (shm::EngineConfig::streamSlotBytes, shm/FillChoice.hpp);
+  // streamSlotBytes 0: never; streamSlotTimedBytes 0: always.
   int64_t streamSlotBytes = 16 << 10;
-  int64_t streamSlotBelowBytes = 256 << 10;
+  int64_t streamSlotTimedBytes = 256 << 10;
   // Communication buffers handed out by allocateTensor (shm/Pool.hpp): at
   // most poolBytes per rank and group, in chunks of at least
   // poolChunkBytes; 0 turns the pool off.

@@ -599,10 +599,20 @@ bool Engine::pooledStep(
   return all;
 }
 
-void Engine::fillSlot(char* dst, const void* src, size_t bytes, size_t stepBytes) const {
-  const bool streaming = config_.streamSlotBytes > 0 && stepBytes >= config_.streamSlotBytes &&
-      (config_.streamSlotBelowBytes == 0 || stepBytes < config_.streamSlotBelowBytes);
+void Engine::fillSlot(char* dst, const void* src, size_t bytes, size_t stepBytes) {
+  if (config_.streamSlotBytes == 0 || stepBytes < config_.streamSlotBytes) {
+    return copy(dst, src, bytes, Store::Cached);
+  }
+  if (config_.streamSlotTimedBytes == 0 || stepBytes < config_.streamSlotTimedBytes) {
+    return copy(dst, src, bytes, Store::Streaming);
+  }
+  // The steady clock, not the engine's (a test's clock moves deadlines, not
+  // this): two reads against a fill of hundreds of KiB, tens of µs.
+  const bool streaming = largeFills_.streamNext();
+  const auto start = std::chrono::steady_clock::now();
   copy(dst, src, bytes, streaming ? Store::Streaming : Store::Cached);
+  const std::chrono::duration<double, std::nano> took = std::chrono::steady_clock::now() - start;
+  largeFills_.record(streaming, took.count(), static_cast<double>(bytes));
 }
 
 void Engine::pipelineBytes(

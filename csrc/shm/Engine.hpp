@@ -52,6 +52,7 @@
 
 #include "shm/Clock.hpp"
 #include "shm/Collectives.hpp"
+#include "shm/FillChoice.hpp"
 #include "shm/FunctionRef.hpp"
 #include "shm/Segment.hpp"
 #include "shm/Types.hpp"
@@ -118,16 +119,17 @@ struct EngineConfig {
   // choice: it changes how its output is written, not the protocol.
   size_t streamStoreBytes = 0;
   // Slot fills of at least streamSlotBytes (all a rank writes into its slot
-  // for one step) and under streamSlotBelowBytes (0: no bound) are written
-  // with non-temporal stores (shm::copy). A cached store first takes each
-  // line of the slot back from the peers that read it last step: cheap where
-  // their cores share a cache with this one, a round trip through the
-  // machine per line where they do not. Streaming needs no line back but
-  // sends the data through memory, which costs more than a shared cache
-  // past a few hundred KiB. 0 disables. A rank's own choice, as
-  // streamStoreBytes: the bytes written are the same.
+  // for one step) and under streamSlotTimedBytes are written with
+  // non-temporal stores (shm::copy); from streamSlotTimedBytes on (0: never)
+  // as FillChoice.hpp decides from this rank's timings. A cached store first
+  // takes each line of the slot back from the peers that read it last step:
+  // cheap where their cores share a cache with this one, a round trip
+  // through the machine per line where they do not. Streaming needs no line
+  // back but sends the data through memory, which past a few hundred KiB
+  // costs more than a shared cache. streamSlotBytes 0: never. A rank's own
+  // choice, as streamStoreBytes: the bytes written are the same.
   size_t streamSlotBytes = 0;
-  size_t streamSlotBelowBytes = 0;
+  size_t streamSlotTimedBytes = 0;
   // What the engine's waits read time from (Clock.hpp); none: the steady clock.
   std::shared_ptr<const Clock> clock;
   // Whether any op may read directly (then rendezvous probes for it).
@@ -421,7 +423,7 @@ class Engine final : public Collectives {
   void wake();
   // Copies a step's data into this rank's slot (streamSlotBytes says how);
   // `stepBytes`: all this rank writes into it for the step.
-  void fillSlot(char* dst, const void* src, size_t bytes, size_t stepBytes) const;
+  void fillSlot(char* dst, const void* src, size_t bytes, size_t stepBytes);
   // The all-reduce's algorithms (selectAllReduce picks one).
   void allReduceOneShot(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
   void allReduceSlots(OpState& op, char* buf, size_t n, DType dtype, RedOp redop, Scale scale);
@@ -472,6 +474,7 @@ class Engine final : public Collectives {
   static constexpr auto kForeignSlice = std::chrono::microseconds(500);
   static constexpr uint64_t kYieldPauseWaits = 1024;
   uint64_t yieldPause_ = 0;
+  FillChoice largeFills_; // fills of streamSlotTimedBytes and more
 };
 
 } // namespace hsdp::shm

@@ -24,7 +24,7 @@ engineConfigFor(const Config& config, int groupSize, std::chrono::milliseconds g
   e.directAllReduceBytes = static_cast<size_t>(config.directAllReduceBytes);
   e.streamStoreBytes = config.streamStoreBytesFor(groupSize);
   e.streamSlotBytes = static_cast<size_t>(config.streamSlotBytes);
-  e.streamSlotBelowBytes = static_cast<size_t>(config.streamSlotBelowBytes);
+  e.streamSlotTimedBytes = static_cast<size_t>(config.streamSlotTimedBytes);
   return e;
 }
 

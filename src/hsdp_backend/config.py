@@ -148,13 +148,12 @@ _TABLE = [
         "the call's data cannot stay in that cache (2 ranks, 32 MiB: 5.3 MiB), off when the "
         "cache is unknown; `0`: never"),
     Var("HSDP_SHM_STREAM_SLOT_BYTES", "engine", "stream_slot_bytes", parse_int, str,
-        "a rank writes a step of at least this many bytes (and under "
-        "`HSDP_SHM_STREAM_SLOT_BELOW_BYTES`) into its slot with non-temporal stores: a cached "
-        "store first takes each line back from the peers that read it, a round trip per line "
-        "where their cores share no cache with this one; `0`: never"),
-    Var("HSDP_SHM_STREAM_SLOT_BELOW_BYTES", "engine", "stream_slot_below_bytes", parse_int, str,
-        "the bound of the window above: from this size, where a shared cache beats memory, "
-        "slots are written through the cache; `0`: no bound"),
+        "a rank writes a step of at least this many bytes into its slot with non-temporal "
+        "stores (a cached store takes each line back from the peers that read it: slow where "
+        "their cores share no cache); `0`: never"),
+    Var("HSDP_SHM_STREAM_SLOT_TIMED_BYTES", "engine", "stream_slot_timed_bytes", parse_int, str,
+        "from this size, where a shared cache beats memory, each rank times its own fills and "
+        "streams only while its cached ones run over 3x slower per byte; `0`: always stream"),
     Var("HSDP_SHM_POOL_BYTES", "engine", "pool_bytes", parse_int, str,
         "bytes of communication buffers each rank of a shared-memory group may hand out through "
         "`allocate_tensor` (FSDP2's `set_allocate_memory_from_process_group_for_comm`): memory "

@@ -332,6 +332,47 @@ TEST(DirectReadProbe, SaysWhyAReadFails) {
   EXPECT_TRUE(contains(why, "process_vm_readv: No such process")) << why;
 }
 
+// How a rank picks the store for large fills (FillChoice.hpp), driven with
+// made-up timings: cached first, then streaming, then whichever is faster by
+// the margin, the other every kProbeEvery fills; a change of timings (the
+// peers now on cores that share a cache) turns the choice back.
+TEST(FillChoice, StreamsOnlyWhileCachedFillsAreSeveralTimesSlower) {
+  FillChoice choice;
+  EXPECT_FALSE(choice.streamNext());
+  choice.record(false, 10000, 1000); // cached: 10 ns a byte, lines from far away
+  EXPECT_TRUE(choice.streamNext());
+  choice.record(true, 1000, 1000); // streaming: 1 ns a byte
+  EXPECT_TRUE(choice.prefersStreaming());
+  int streamed = 0, probes = 0;
+  for (uint32_t i = 0; i < 4 * FillChoice::kProbeEvery; ++i) {
+    const bool streaming = choice.streamNext();
+    streamed += streaming;
+    probes += !streaming;
+    choice.record(streaming, streaming ? 1000 : 10000, 1000);
+  }
+  EXPECT_EQ(probes, 4) << "one cached fill every kProbeEvery";
+  EXPECT_EQ(streamed, static_cast<int>(4 * FillChoice::kProbeEvery) - 4);
+  // The peers moved: cached fills now cost 1.5 ns a byte. The next probe sees
+  // it, and from then on the fills are cached but for the probes.
+  int cachedAfter = 0;
+  for (uint32_t i = 0; i < 4 * FillChoice::kProbeEvery; ++i) {
+    const bool streaming = choice.streamNext();
+    if (!streaming) {
+      choice.record(false, 1500, 1000);
+      ++cachedAfter;
+    } else {
+      choice.record(true, 1000, 1000);
+    }
+  }
+  EXPECT_FALSE(choice.prefersStreaming());
+  EXPECT_GE(cachedAfter, static_cast<int>(3 * FillChoice::kProbeEvery) - 3);
+  // Exactly at the margin it stays cached: streaming must win by more.
+  FillChoice even;
+  even.record(false, FillChoice::kSlower * 1000, 1000);
+  even.record(true, 1000, 1000);
+  EXPECT_FALSE(even.prefersStreaming());
+}
+
 // A slot's streaming fill: every length around the 64-byte lines and the
 // 128 bytes below which it copies through the cache, from and to every
 // alignment in a line, leaving the bytes around the destination alone.

@@ -34,7 +34,7 @@ inline EngineConfig testConfig(std::chrono::milliseconds timeout = std::chrono::
   // Slot steps of 256 bytes up to 2 KiB are written around the cache, larger
   // ones (up to the 4 KiB slot) through it: both fills in every test.
   c.streamSlotBytes = 256;
-  c.streamSlotBelowBytes = 2048;
+  c.streamSlotTimedBytes = 2048;
   return c;
 }
 
