@@ -34,10 +34,6 @@ std::string describe(const Signature& s) {
   return out + ") as its engine op #" + std::to_string(s.opSeq);
 }
 
-} // namespace
-
-namespace {
-
 // The first line of `path` that starts with `key`, without it; empty if none.
 std::string lineOf(const char* path, const std::string& key) {
   std::ifstream in(path);

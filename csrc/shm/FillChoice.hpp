@@ -40,7 +40,7 @@ class FillChoice {
     if (streamNsPerByte_ == 0) {
       return true;
     }
-    const bool preferred = cachedNsPerByte_ > kSlower * streamNsPerByte_;
+    const bool preferred = prefersStreaming();
     return ++fills_ % kProbeEvery == 0 ? !preferred : preferred;
   }
 
